@@ -1,0 +1,9 @@
+"""jaxmtp: a JAX/XLA inference engine with MTP speculative decoding that stays exact
+under chunked prefill."""
+
+from jaxmtp.api import LLM
+from jaxmtp.engine import LLMEngine
+from jaxmtp.outputs import CompletionOutput, RequestOutput
+from jaxmtp.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -1,0 +1,79 @@
+"""The Python API in the vLLM style: LLM(...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from tqdm import tqdm
+
+from jaxmtp.engine import LLMEngine
+from jaxmtp.outputs import RequestOutput
+from jaxmtp.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+class LLM:
+    """LLM("checkpoints/stories260K", dtype="float32", page_size=16, ...)."""
+
+    def __init__(self, model: str | Path, **engine_kwargs):
+        self.engine = LLMEngine(model, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order.
+        Every request is validated before any runs, so bad input raises ValueError
+        and leaves the engine as it was."""
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for prompt, p in zip(prompts, params):
+            p.validate()
+            _, ids = self.engine.encode_prompt(prompt)
+            self.engine.validate(ids, p)
+        order = {}
+        for prompt, p in zip(prompts, params):
+            request_id = f"gen-{next(self._ids)}"
+            order[request_id] = len(order)
+            self.engine.add_request(request_id, prompt, p)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+            while len(results) < len(order):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in sorted(order, key=order.get)]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield cumulative outputs of one request as tokens arrive (the engine runs
+        here; the server runs its own engine loop instead)."""
+        request_id = f"stream-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt, sampling_params)
+        while True:
+            for out in self.engine.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return

@@ -1,0 +1,48 @@
+"""The one place the engine's attention goes through: the KV write for the step's new
+tokens and the ragged paged attention, Pallas kernel on GPU, jnp reference elsewhere."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+
+from kernels.reference import ragged_paged_attention_reference
+
+AttentionFn = Callable[..., jax.Array]
+BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+
+
+def resolve_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return name
+
+
+def attention_fn(backend: str) -> AttentionFn:
+    """(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window) -> out."""
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        impl = ragged_paged_attention_reference
+    else:
+        from kernels import ragged_paged_attention  # Pallas: imported only where used
+
+        impl = functools.partial(ragged_paged_attention, interpret=backend == "pallas_interpret")
+
+    def attend(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window=None):
+        return impl(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window=sliding_window)
+
+    return attend
+
+
+def write_kv(k_pages, v_pages, slot_mapping, k, v):
+    """Scatter this step's K/V rows into their page slots. Padding rows carry an
+    out-of-range slot and are dropped; with the cache donated XLA updates in place."""
+    shape = k_pages.shape
+    flat = (-1,) + shape[2:]
+    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype), mode="drop").reshape(shape)
+    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype), mode="drop").reshape(shape)
+    return k_pages, v_pages

@@ -1,0 +1,115 @@
+"""The batch pytree the jitted step reads, and the host-side builder that pads a
+schedule to a few fixed bucket shapes so nothing recompiles after warm-up."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxmtp.params import pytree_dataclass
+
+
+@pytree_dataclass
+class Batch:
+    # rows: T flattened ragged tokens (padded)
+    input_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32; padding rows point past the cache and are dropped
+    # requests: B (padded; padding requests own no rows and have kv_len 0)
+    query_start: jax.Array  # [B+1] int32
+    kv_len: jax.Array  # [B] int32, KV length once this step's rows are written
+    page_table: jax.Array  # [B, P] int32
+    sample_index: jax.Array  # [B, k+1] int32 rows whose logits are read (verify rows or the last prefill row)
+    num_drafts: jax.Array  # [B] int32 draft tokens among the request's rows
+    has_output: jax.Array  # [B] bool: the rows reach the end of the known tokens
+    next_chunk_token: jax.Array  # [B] int32 first token of the next prompt chunk
+    temperature: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32, <= 0 disables
+    top_p: jax.Array  # [B] float32
+    min_p: jax.Array  # [B] float32
+    seed: jax.Array  # [B] uint32
+    output_index: jax.Array  # [B] int32 tokens generated so far (keys the sampler)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchShape:
+    num_tokens: int  # T
+    num_seqs: int  # B
+
+
+def powers_of_two(lo: int, hi: int) -> list[int]:
+    sizes, n = [], lo
+    while n < hi:
+        sizes.append(n)
+        n *= 2
+    return sizes + [hi]
+
+
+class BucketPlan:
+    """The fixed shapes the step is compiled for: tokens and requests, powers of two."""
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8):
+        self.token_sizes = powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
+        self.seq_sizes = powers_of_two(1, max_num_seqs)
+
+    def shape_for(self, num_tokens: int, num_seqs: int) -> BatchShape:
+        t = next(s for s in self.token_sizes if s >= num_tokens)
+        b = next(s for s in self.seq_sizes if s >= num_seqs)
+        return BatchShape(t, b)
+
+    def all_shapes(self) -> list[BatchShape]:
+        # every request owns at least one row, so B never exceeds T
+        return [BatchShape(t, b) for t in self.token_sizes for b in self.seq_sizes if b <= t or b == self.seq_sizes[0]]
+
+
+def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, num_slots: int, k: int) -> Batch:
+    """Numpy arrays for one step; `scheduled` is a list of scheduler.ScheduledRows."""
+    t, b = shape.num_tokens, shape.num_seqs
+    input_ids = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slot_mapping = np.full(t, num_slots, np.int32)  # out of range: dropped
+    query_start = np.zeros(b + 1, np.int32)
+    kv_len = np.zeros(b, np.int32)
+    page_table = np.zeros((b, max_pages_per_seq), np.int32)
+    sample_index = np.zeros((b, k + 1), np.int32)
+    num_drafts = np.zeros(b, np.int32)
+    has_output = np.zeros(b, bool)
+    next_chunk_token = np.zeros(b, np.int32)
+    temperature = np.zeros(b, np.float32)
+    top_k = np.zeros(b, np.int32)
+    top_p = np.ones(b, np.float32)
+    min_p = np.zeros(b, np.float32)
+    seed = np.zeros(b, np.uint32)
+    output_index = np.zeros(b, np.int32)
+    row = 0
+    for i, item in enumerate(scheduled):
+        seq, n = item.seq, len(item.token_ids)
+        pos = np.arange(item.start, item.start + n)
+        pages = np.asarray(seq.pages, np.int32)
+        input_ids[row : row + n] = item.token_ids
+        positions[row : row + n] = pos
+        slot_mapping[row : row + n] = pages[pos // page_size] * page_size + pos % page_size
+        page_table[i, : len(pages)] = pages
+        kv_len[i] = item.start + n
+        # verify rows 0..num_drafts; for a prefill chunk only its last row
+        first_sampled = row + n - 1 - item.num_drafts
+        sample_index[i] = np.minimum(first_sampled + np.arange(k + 1), row + n - 1)
+        num_drafts[i] = item.num_drafts
+        has_output[i] = item.has_output
+        next_chunk_token[i] = item.next_chunk_token
+        params = seq.params
+        temperature[i] = params.temperature
+        top_k[i] = params.top_k
+        top_p[i] = params.top_p
+        min_p[i] = params.min_p
+        seed[i] = seq.seed
+        output_index[i] = len(seq.output_token_ids)
+        row += n
+        query_start[i + 1] = row
+    query_start[len(scheduled) + 1 :] = row
+    return Batch(
+        input_ids, positions, slot_mapping, query_start, kv_len, page_table, sample_index, num_drafts,
+        has_output, next_chunk_token, temperature, top_k, top_p, min_p, seed, output_index,
+    )

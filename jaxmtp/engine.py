@@ -1,0 +1,372 @@
+"""LLMEngine: owns the params, the donated KV cache and the scheduler, and turns one
+schedule into one jitted step. add_request/abort_request are safe to call from other
+threads (the server's event loop); step() runs on one engine thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from collections import deque
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxmtp.batch import BatchShape, BucketPlan, build_batch
+from jaxmtp.cache import PageAllocator, allocate_cache
+from jaxmtp.config import load_config
+from jaxmtp.loader import load_params
+from jaxmtp.mtp import BOUNDARY_MODES
+from jaxmtp.outputs import CompletionOutput, RequestOutput
+from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.scheduler import Scheduler, SchedulerConfig
+from jaxmtp.sequence import Sequence
+from jaxmtp.step import StepConfig, jitted_step
+from jaxmtp.tokenizer import Tokenizer
+
+_compile_events = {"count": 0}
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compile_events["count"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def num_compiles() -> int:
+    """XLA compilations in this process so far (all functions)."""
+    return _compile_events["count"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    dtype: str | None = None
+    page_size: int = 16
+    num_pages: int | None = None  # default: enough for max_num_seqs requests of max_model_len
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
+    num_speculative_tokens: int = 0
+    mtp_boundary: str = "next_chunk"
+    attention_backend: str = "auto"
+    load_format: str = "auto"
+    max_logprobs: int = 20
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    seqs: list[Sequence]
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    generation_tokens: int = 0
+    computed_tokens: int = 0  # rows run through the main model (prefill and verify)
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    requests_finished: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, **kwargs):
+        self.config = config = EngineConfig(**kwargs)
+        model_dir = Path(model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model folder {model_dir!s} does not exist")
+        self.model_dir = model_dir
+        self.model_config = cfg = load_config(model_dir, config.dtype)
+        if config.mtp_boundary not in BOUNDARY_MODES:
+            raise ValueError(f"mtp_boundary must be one of {BOUNDARY_MODES}, got {config.mtp_boundary!r}")
+        k = config.num_speculative_tokens
+        if not 0 <= k <= 4:
+            raise ValueError(f"num_speculative_tokens must be in 0..4, got {k}")
+        if k and not cfg.num_mtp_modules:
+            raise ValueError(
+                f"num_speculative_tokens={k} needs MTP weights, and {model_dir!s} has none "
+                "(no num_nextn_predict_layers in config.json)"
+            )
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+        self.params = load_params(model_dir, cfg, config.load_format, config.seed)
+        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.page_size = config.page_size
+        # room for k verify rows plus k-1 chained draft positions past the last token
+        self.max_pages_per_seq = math.ceil((self.max_model_len + 2 * k) / self.page_size)
+        num_pages = config.num_pages or config.max_num_seqs * self.max_pages_per_seq
+        num_mtp_layers = 1 if k else 0
+        self.cache = allocate_cache(cfg, num_pages, self.page_size, num_mtp_layers)
+        self.allocator = PageAllocator(num_pages)
+        chunk = config.prefill_chunk_size or config.max_num_batched_tokens
+        if chunk < 1:
+            raise ValueError(f"prefill_chunk_size must be >= 1, got {chunk}")
+        if config.max_num_batched_tokens < k + 1:
+            raise ValueError(f"max_num_batched_tokens must hold a verify step of {k + 1} rows")
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_chunk_size=chunk,
+                page_size=self.page_size,
+                max_pages_per_seq=self.max_pages_per_seq,
+                num_speculative_tokens=k,
+            ),
+            self.allocator,
+        )
+        self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs)
+        self.step_config = StepConfig(
+            model=cfg,
+            num_speculative_tokens=k,
+            attention_backend=config.attention_backend,
+            mtp_boundary=config.mtp_boundary,
+            num_top_logprobs=min(config.max_logprobs, cfg.vocab_size),
+        )
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+        self._incoming: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._rng = np.random.default_rng(config.seed)
+        self._arrivals = 0
+        self.last_step_output = None  # the last StepOutput read back (tests inspect it)
+
+    # ----- requests -------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir!s} has no tokenizer.json: pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        return None, ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+        if params.logprobs is not None and params.logprobs > self.step_config.num_top_logprobs:
+            raise ValueError(f"logprobs must be <= {self.step_config.num_top_logprobs}, got {params.logprobs}")
+        tokens = len(prompt_ids) + params.max_tokens + self.config.num_speculative_tokens
+        if math.ceil(tokens / self.page_size) > self.allocator.num_pages:
+            raise ValueError(f"request needs more KV pages than the pool holds ({self.allocator.num_pages})")
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        params.validate()
+        text, ids = self.encode_prompt(prompt)
+        self.validate(ids, params)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        with self._lock:
+            if request_id in self.requests or any(r.request_id == request_id for r in self._incoming):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            seqs = []
+            for i in range(params.n):
+                seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**32))
+                seqs.append(
+                    Sequence(
+                        request_id=request_id,
+                        prompt_token_ids=list(ids),
+                        params=params,
+                        seed=seed % 2**32,
+                        arrival=self._arrivals,
+                        stop_token_ids=frozenset(stop_ids),
+                    )
+                )
+                self._arrivals += 1
+            self._incoming.append(Request(request_id, text, seqs))
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._incoming)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._incoming)
+
+    # ----- the step -------------------------------------------------------------------
+
+    def _admit_and_abort(self) -> list[RequestOutput]:
+        outputs = []
+        with self._lock:
+            while self._incoming:
+                request = self._incoming.popleft()
+                self.requests[request.request_id] = request
+                for seq in request.seqs:
+                    self.stats.prompt_tokens += len(seq.prompt_token_ids)
+                    self.scheduler.add(seq)
+        while self._aborts:
+            request = self.requests.get(self._aborts.popleft())
+            if request is None:
+                continue
+            for seq in request.seqs:
+                if not seq.finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+            outputs.append(self._finish_request(request))
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that progressed."""
+        outputs = self._admit_and_abort()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        shape = self.buckets.shape_for(sum(len(s.token_ids) for s in scheduled), len(scheduled))
+        batch = build_batch(
+            scheduled, shape, self.max_pages_per_seq, self.page_size,
+            self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
+        )
+        self.cache, out = jitted_step(self.params, self.cache, jax.device_put(batch), self.step_config)
+        out = jax.device_get(out)
+        self.last_step_output = out
+        self.stats.steps += 1
+        touched = {}
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            self.stats.computed_tokens += len(item.token_ids)
+            if not item.has_output:
+                seq.num_computed += len(item.token_ids)
+                continue
+            accepted = int(out.num_accepted[i])
+            seq.num_computed = item.start + len(item.token_ids) - item.num_drafts + accepted
+            if item.num_drafts:
+                seq.spec_stats.record(item.num_drafts, accepted)
+                self._record_spec(item.num_drafts, accepted)
+            seq.drafts = [int(t) for t in out.drafts[i]]
+            self._append_tokens(seq, out, i, accepted + 1)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        for request in touched.values():
+            if all(s.finished for s in request.seqs):
+                outputs.append(self._finish_request(request))
+            else:
+                outputs.append(self._request_output(request))
+        return outputs
+
+    def _record_spec(self, num_drafts: int, accepted: int) -> None:
+        per_position = self.stats.spec_accepted_per_position
+        per_position += [0] * (num_drafts - len(per_position))
+        self.stats.spec_drafted += num_drafts
+        self.stats.spec_accepted += accepted
+        for j in range(accepted):
+            per_position[j] += 1
+
+    def _append_tokens(self, seq: Sequence, out, i: int, count: int) -> None:
+        params = seq.params
+        for j in range(count):
+            token = int(out.tokens[i, j])
+            seq.output_token_ids.append(token)
+            self.stats.generation_tokens += 1
+            if params.logprobs is not None:
+                entry = {token: float(out.logprobs[i, j])}
+                for t, lp in zip(out.top_token_ids[i, j, : params.logprobs], out.top_logprobs[i, j, : params.logprobs]):
+                    entry.setdefault(int(t), float(lp))
+                seq.output_logprobs.append(entry)
+            if token in seq.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif len(seq.output_token_ids) >= params.max_tokens:
+                seq.finish_reason = "length"
+            elif self._update_text(seq):
+                seq.finish_reason = "stop"
+            if seq.finish_reason:
+                self._update_text(seq)
+                self.scheduler.finish(seq)
+                return
+        self._update_text(seq)
+
+    def _update_text(self, seq: Sequence) -> bool:
+        """Detokenise the output and cut it at the first stop string; True if one matched."""
+        if self.tokenizer is None:
+            return False
+        ids = seq.output_token_ids
+        if seq.stop_reason in seq.stop_token_ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
+        for stop in seq.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                seq.text, seq.stop_reason = text[:at], stop
+                return True
+        seq.text = text
+        return False
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        completions = []
+        for index, seq in enumerate(request.seqs):
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=seq.text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                    cumulative_logprob=(
+                        sum(next(iter(e.values())) for e in seq.output_logprobs)
+                        if seq.params.logprobs is not None
+                        else None
+                    ),
+                )
+            )
+        first = request.seqs[0]
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=completions,
+            finished=all(s.finished for s in request.seqs),
+            spec_stats=first.spec_stats.as_dict() if self.config.num_speculative_tokens else None,
+        )
+
+    def _finish_request(self, request: Request) -> RequestOutput:
+        self.requests.pop(request.request_id, None)
+        self.stats.requests_finished += 1
+        return self._request_output(request)
+
+    # ----- warm-up --------------------------------------------------------------------
+
+    def warmup(self) -> int:
+        """Compile the step for every bucket shape; returns the number of shapes."""
+        shapes = self.buckets.all_shapes()
+        for shape in shapes:
+            self._run_empty(shape)
+        return len(shapes)
+
+    def _run_empty(self, shape: BatchShape) -> None:
+        batch = build_batch(
+            [], shape, self.max_pages_per_seq, self.page_size,
+            self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
+        )
+        self.cache, out = jitted_step(self.params, self.cache, jax.device_put(batch), self.step_config)
+        jax.block_until_ready(out)

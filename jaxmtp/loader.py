@@ -1,0 +1,171 @@
+"""Load parameters: Hugging Face safetensors folders, the engine's own orbax checkpoints,
+or random weights of the right shapes (load_format="dummy")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+from safetensors import safe_open
+
+from jaxmtp.config import ModelConfig
+from jaxmtp.params import LayerParams, MTPParams, Params, random_params
+
+ORBAX_DIR = "params"  # the engine's own checkpoints keep an orbax tree here
+
+
+class TensorSource:
+    """Every tensor of a safetensors folder (single file or sharded index), opened lazily."""
+
+    def __init__(self, model_dir: Path):
+        index = model_dir / "model.safetensors.index.json"
+        single = model_dir / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            files = [single.name]
+        else:
+            raise FileNotFoundError(
+                f"model folder {model_dir!s} has neither model.safetensors nor model.safetensors.index.json"
+            )
+        self.model_dir = model_dir
+        self.file_of = {}
+        self.handles = {}
+        for name in files:
+            if not (model_dir / name).is_file():
+                raise FileNotFoundError(f"shard {name} listed in the index is missing from {model_dir!s}")
+            handle = safe_open(str(model_dir / name), framework="flax")
+            self.handles[name] = handle
+            for key in handle.keys():
+                self.file_of[key] = name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str, dtype, transpose: bool = False) -> jax.Array:
+        if name not in self.file_of:
+            raise ValueError(f"checkpoint in {self.model_dir!s} is missing tensor {name!r}")
+        tensor = self.handles[self.file_of[name]].get_tensor(name).astype(dtype)
+        return tensor.T if transpose else tensor
+
+
+def _load_block(src: TensorSource, prefix: str, cfg: ModelConfig, norm_names=("input_layernorm", "post_attention_layernorm")) -> LayerParams:
+    dt = cfg.jnp_dtype
+    attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+
+    def optional(name, enabled):
+        return src.get(name, dt) if enabled else None
+
+    return LayerParams(
+        input_norm=src.get(f"{prefix}.{norm_names[0]}.weight", dt),
+        q_proj=src.get(f"{attn}.q_proj.weight", dt, transpose=True),
+        k_proj=src.get(f"{attn}.k_proj.weight", dt, transpose=True),
+        v_proj=src.get(f"{attn}.v_proj.weight", dt, transpose=True),
+        o_proj=src.get(f"{attn}.o_proj.weight", dt, transpose=True),
+        post_norm=src.get(f"{prefix}.{norm_names[1]}.weight", dt),
+        gate_proj=src.get(f"{mlp}.gate_proj.weight", dt, transpose=True),
+        up_proj=src.get(f"{mlp}.up_proj.weight", dt, transpose=True),
+        down_proj=src.get(f"{mlp}.down_proj.weight", dt, transpose=True),
+        q_bias=optional(f"{attn}.q_proj.bias", cfg.qkv_bias),
+        k_bias=optional(f"{attn}.k_proj.bias", cfg.qkv_bias),
+        v_bias=optional(f"{attn}.v_proj.bias", cfg.qkv_bias),
+        q_norm=optional(f"{attn}.q_norm.weight", cfg.qk_norm),
+        k_norm=optional(f"{attn}.k_norm.weight", cfg.qk_norm),
+    )
+
+
+def _load_mtp_module(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
+    """One MTP module in the layout the checkpoint ships (see jaxmtp/mtp.py for layouts)."""
+    dt, h = cfg.jnp_dtype, cfg.hidden_size
+    if cfg.mtp_layout == "mimo":
+        p = f"model.mtp_layers.{n}"
+        proj = src.get(f"{p}.input_proj.weight", dt, transpose=True)  # [2H, H] over concat(hidden, embedding)
+        return MTPParams(
+            token_norm=src.get(f"{p}.token_layernorm.weight", dt),
+            hidden_norm=src.get(f"{p}.hidden_layernorm.weight", dt),
+            proj_token=proj[h:],
+            proj_hidden=proj[:h],
+            block=_load_block(src, p, cfg),
+            final_norm=src.get(f"{p}.final_layernorm.weight", dt),
+        )
+    p = f"model.layers.{cfg.num_layers + n}"
+    proj = src.get(f"{p}.eh_proj.weight", dt, transpose=True)  # [2H, H] over concat(embedding, hidden)
+    head = f"{p}.shared_head.head.weight"
+    return MTPParams(
+        token_norm=src.get(f"{p}.enorm.weight", dt),
+        hidden_norm=src.get(f"{p}.hnorm.weight", dt),
+        proj_token=proj[:h],
+        proj_hidden=proj[h:],
+        block=_load_block(src, p, cfg),
+        final_norm=src.get(f"{p}.shared_head.norm.weight", dt),
+        lm_head=src.get(head, dt, transpose=True) if head in src else None,
+    )
+
+
+def load_hf_params(model_dir: Path, cfg: ModelConfig) -> Params:
+    src = TensorSource(model_dir)
+    dt = cfg.jnp_dtype
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        lm_head = src.get("lm_head.weight", dt, transpose=True)
+    return Params(
+        embed=src.get("model.embed_tokens.weight", dt),
+        layers=[_load_block(src, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)],
+        final_norm=src.get("model.norm.weight", dt),
+        lm_head=lm_head,
+        mtp=[_load_mtp_module(src, cfg, n) for n in range(cfg.num_mtp_modules)],
+    )
+
+
+def _orbax():
+    import orbax.checkpoint as ocp
+
+    return ocp
+
+
+def save_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, source_dir: str | Path | None = None) -> Path:
+    """Write the engine's own checkpoint: an orbax tree plus config.json (and the
+    tokenizer files copied from source_dir), loadable by LLM(out_dir)."""
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    if source_dir is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"):
+            if (Path(source_dir) / name).is_file() and Path(source_dir).absolute() != out:
+                shutil.copy(Path(source_dir) / name, out / name)
+    hf = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    hf.update(jaxmtp_checkpoint_fields(cfg, len(params.mtp)))
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    target = out / ORBAX_DIR
+    if target.exists():
+        shutil.rmtree(target)
+    checkpointer = _orbax().StandardCheckpointer()
+    checkpointer.save(target, params)
+    checkpointer.wait_until_finished()
+    return out
+
+
+def jaxmtp_checkpoint_fields(cfg: ModelConfig, num_mtp: int) -> dict:
+    """config.json fields that describe the MTP modules of an engine checkpoint."""
+    fields = {"num_nextn_predict_layers": num_mtp}
+    if num_mtp:
+        fields["jaxmtp_mtp_layout"] = cfg.mtp_layout or "deepseek"
+    return fields
+
+
+def restore_checkpoint(model_dir: Path, cfg: ModelConfig) -> Params:
+    abstract = jax.eval_shape(lambda: random_params(cfg, jax.random.key(0)))
+    return _orbax().StandardCheckpointer().restore(Path(model_dir).absolute() / ORBAX_DIR, abstract)
+
+
+def load_params(model_dir: str | Path, cfg: ModelConfig, load_format: str = "auto", seed: int = 0) -> Params:
+    model_dir = Path(model_dir)
+    if load_format == "dummy":
+        return jax.jit(lambda key: random_params(cfg, key))(jax.random.key(seed))
+    if load_format not in ("auto", "safetensors", "orbax"):
+        raise ValueError(f"unknown load_format {load_format!r}; use 'auto', 'safetensors', 'orbax' or 'dummy'")
+    if load_format == "orbax" or (load_format == "auto" and (model_dir / ORBAX_DIR).is_dir()):
+        return restore_checkpoint(model_dir, cfg)
+    return load_hf_params(model_dir, cfg)

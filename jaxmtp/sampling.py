@@ -1,0 +1,91 @@
+"""On-device sampling and speculative verification.
+
+Drafts are the MTP module's argmax, a point-mass proposal q, so lossless speculative
+sampling reduces to: accept draft d with probability p(d) (strict `<` against a uniform
+draw), otherwise sample from p with d removed, renormalised; after k accepted drafts
+sample a bonus token from p. Greedy rows accept while the draft equals the argmax.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -jnp.inf
+
+
+def filter_logits(logits, temperature, top_k, top_p, min_p):
+    """Temperature, top-k, top-p and min-p over logits [N, V] with per-row params [N].
+    Returns logits of the distribution to sample from (masked entries -inf)."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+
+    def restrict(x):
+        vocab = x.shape[-1]
+        desc = -jnp.sort(-x, axis=-1)
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, NEG_INF)
+        probs = jax.nn.softmax(desc, axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (at least one token)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = (mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
+        keep = keep.at[:, 0].set(True)
+        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where((x >= cutoff) & (x >= kth), x, NEG_INF)
+
+    needs_restriction = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
+    return jax.lax.cond(needs_restriction, restrict, lambda x: x, scaled)
+
+
+def row_keys(seed, output_index, num_rows: int):
+    """A key per (request, row): fixed by the request's seed and the index of the
+    output token the row produces, so batch composition never changes a sample."""
+    def keys_for(s, idx):
+        base = jax.random.key(s)
+        return jax.vmap(lambda j: jax.random.fold_in(base, idx + j))(jnp.arange(num_rows))
+
+    return jax.vmap(keys_for)(seed, output_index)  # [B, R]
+
+
+def verify_and_sample(logits, drafts, num_drafts, batch):
+    """logits [B, R, V] at the verify rows (R = k+1), drafts [B, k] proposed for rows
+    1..k, num_drafts [B]. Returns (tokens [B, R], num_accepted [B]); the request's
+    output is tokens[:num_accepted + 1]."""
+    b, r, v = logits.shape
+    greedy = batch.temperature == 0.0
+    flat = logits.reshape(b * r, v)
+    rep = lambda x: jnp.repeat(x, r)  # noqa: E731 per-request -> per-row
+    filtered = filter_logits(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p), rep(batch.min_p))
+    filtered = filtered.reshape(b, r, v)
+    keys = row_keys(batch.seed, batch.output_index, r)
+    split = jax.vmap(jax.vmap(lambda key: jax.random.split(key, 3)))(keys)  # [B, R, 3]
+    uniform = jax.vmap(jax.vmap(jax.random.uniform))(split[..., 0])
+    plain = jax.vmap(jax.vmap(jax.random.categorical))(split[..., 1], filtered)
+
+    # drafts padded to R: the draft checked at row j is drafts[j] (row j predicts it)
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
+    residual_logits = jnp.where(jax.nn.one_hot(padded, v, dtype=bool), NEG_INF, filtered)
+    residual = jax.vmap(jax.vmap(jax.random.categorical))(split[..., 2], residual_logits)
+
+    argmax = jnp.argmax(logits, axis=-1)
+    p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), padded[..., None], axis=-1)[..., 0]
+    accept = jnp.where(greedy[:, None], padded == argmax, uniform < p_draft)
+    accept &= jnp.arange(r)[None, :] < num_drafts[:, None]
+    num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)
+
+    rejected_here = jnp.arange(r)[None, :] == num_accepted[:, None]
+    rejected_here &= num_accepted[:, None] < num_drafts[:, None]
+    sampled = jnp.where(rejected_here, residual, plain)
+    tokens = jnp.where(greedy[:, None], argmax, jnp.where(accept, padded, sampled))
+    return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
+
+
+def chosen_logprobs(logits, tokens, num_top: int):
+    """Log-probabilities (of the raw model distribution) of tokens [B, R], and the
+    top num_top alternatives per row."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    if num_top == 0:
+        return chosen, None, None
+    top_values, top_ids = jax.lax.top_k(logp, num_top)
+    return chosen, top_values, top_ids

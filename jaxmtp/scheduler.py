@@ -1,0 +1,139 @@
+"""Continuous batching, host side only (no JAX): which requests run this step and with
+which rows. Decodes go first, then prefill chunks fill what is left of the token budget.
+When KV pages run out the newest running request is preempted and recomputed later."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxmtp.cache import PageAllocator
+from jaxmtp.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class ScheduledRows:
+    """One request's rows in this step."""
+
+    seq: Sequence
+    start: int  # position of the first row
+    token_ids: list[int]  # the rows' input ids: a prompt chunk, or [last token] + drafts
+    num_drafts: int
+    has_output: bool  # the rows reach the end of the known tokens, so this step samples
+    next_chunk_token: int  # first token of the next chunk when not has_output (else unused)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    prefill_chunk_size: int
+    page_size: int
+    max_pages_per_seq: int
+    num_speculative_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pages_needed(self, seq: Sequence, num_rows: int) -> int:
+        """Extra pages for seq to hold its KV after num_rows more rows, plus k lookahead
+        slots the MTP draft chain writes past the verified tokens."""
+        tokens = seq.num_computed + num_rows + self.config.num_speculative_tokens
+        return max(0, -(-tokens // self.config.page_size) - len(seq.pages))
+
+    def schedule(self) -> list[ScheduledRows]:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRows] = []
+        # Running requests in admission order: decodes first, then unfinished prefills.
+        for phase_decode in (True, False):
+            for seq in sorted(self.running, key=lambda s: s.arrival):
+                if seq.status is not Status.RUNNING or seq.in_prefill == phase_decode:
+                    continue
+                if any(item.seq is seq for item in scheduled):
+                    continue
+                rows = self._rows_for(seq, budget)
+                if rows is None:
+                    continue
+                if not self._reserve(seq, len(rows.token_ids), scheduled):
+                    continue
+                scheduled.append(rows)
+                budget -= len(rows.token_ids)
+        # Admit waiting requests while there is room.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            rows = self._rows_for(seq, budget)
+            if rows is None or self.pages_needed(seq, len(rows.token_ids)) > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self._reserve(seq, len(rows.token_ids), scheduled)
+            scheduled.append(rows)
+            budget -= len(rows.token_ids)
+        return scheduled
+
+    def _rows_for(self, seq: Sequence, budget: int) -> ScheduledRows | None:
+        tokens = seq.token_ids
+        remaining = len(tokens) - seq.num_computed
+        if not seq.in_prefill:  # decode: the last token plus the drafts to verify
+            rows = tokens[seq.num_computed :] + seq.drafts
+            if len(rows) > budget:
+                return None
+            return ScheduledRows(seq, seq.num_computed, rows, len(seq.drafts), True, 0)
+        size = min(remaining, self.config.prefill_chunk_size, budget)
+        if size <= 0:
+            return None
+        end = seq.num_computed + size
+        has_output = end == len(tokens)
+        return ScheduledRows(
+            seq, seq.num_computed, tokens[seq.num_computed : end], 0, has_output, 0 if has_output else tokens[end]
+        )
+
+    def _reserve(self, seq: Sequence, num_rows: int, scheduled: list[ScheduledRows]) -> bool:
+        """Give seq the pages its rows need, preempting the newest other running
+        requests if necessary. False when seq itself had to be preempted."""
+        need = self.pages_needed(seq, num_rows)
+        while need > self.allocator.num_free:
+            victims = [s for s in self.running if s is not seq and all(item.seq is not s for item in scheduled)]
+            if not victims:
+                self.preempt(seq)
+                return False
+            self.preempt(max(victims, key=lambda s: s.arrival))
+        seq.pages += self.allocator.allocate(need)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop seq's KV; it goes back to the front of the queue and recomputes its
+        prompt and output so far as one longer prompt."""
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.drafts = []
+        seq.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Release everything seq holds, whether it is running or still waiting."""
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.status = Status.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,64 @@
+"""The one jitted engine step: main forward over a mixed batch of prefill chunks and
+decode/verify rows, sampling or verification, and the MTP draft pass. The KV cache
+goes in and comes out donated; the host reads back only tokens and counts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxmtp import model, mtp
+from jaxmtp.attention import attention_fn
+from jaxmtp.batch import Batch
+from jaxmtp.cache import KVCache
+from jaxmtp.config import ModelConfig
+from jaxmtp.params import Params, pytree_dataclass
+from jaxmtp.sampling import chosen_logprobs, verify_and_sample
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static facts the step is compiled for."""
+
+    model: ModelConfig
+    num_speculative_tokens: int = 0
+    attention_backend: str = "auto"
+    mtp_boundary: str = "next_chunk"
+    num_top_logprobs: int = 0
+
+
+@pytree_dataclass
+class StepOutput:
+    tokens: jax.Array  # [B, k+1] emitted tokens; request b emits tokens[b, :num_accepted[b] + 1]
+    num_accepted: jax.Array  # [B]
+    logprobs: jax.Array  # [B, k+1] log-probability of each emitted token
+    top_logprobs: jax.Array | None  # [B, k+1, n]
+    top_token_ids: jax.Array | None  # [B, k+1, n]
+    drafts: jax.Array  # [B, k] next proposals (k = 0: empty)
+    boundary_token: jax.Array  # [B] token the draft pass used at each request's boundary row
+
+
+def step(params: Params, cache: KVCache, batch: Batch, config: StepConfig) -> tuple[KVCache, StepOutput]:
+    cfg = config.model
+    k = config.num_speculative_tokens
+    attention = attention_fn(config.attention_backend)
+    hidden, cache = model.forward(params, cfg, batch, cache, attention)
+    logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
+    # the draft checked at verify row j is the input id of row j+1
+    t = batch.input_ids.shape[0]
+    drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
+    tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
+    logprobs, top_values, top_ids = chosen_logprobs(logits, tokens, config.num_top_logprobs)
+    b = batch.kv_len.shape[0]
+    if k:
+        drafts, cache, boundary = mtp.propose(
+            params, cfg, hidden, batch, tokens, num_accepted, cache, attention, k, config.mtp_boundary
+        )
+    else:
+        drafts, boundary = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+    return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary)
+
+
+jitted_step = jax.jit(step, static_argnames=("config",), donate_argnames=("cache",))
