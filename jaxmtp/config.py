@@ -115,6 +115,9 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"unsupported dtype {dtype!r}; use 'float32' or 'bfloat16'")
     mtp_layout, num_mtp = _detect_mtp(hf, model_type)
+    # transformers 4 writes rope_theta and rope_scaling; 5 writes rope_parameters
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     return ModelConfig(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
@@ -125,19 +128,28 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=hf.get("rope_theta", 10000.0),
+        rope_theta=rope_theta,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         qkv_bias=hf.get("attention_bias", default_bias),
         qk_norm=qk_norm,
         dtype=dtype,
-        rope_scaling=tuple(sorted((hf.get("rope_scaling") or {}).items())),
+        rope_scaling=tuple(sorted(rope.items())),
         sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_as_tuple(hf.get("eos_token_id")),
+        eos_token_ids=_eos_token_ids(Path(model_dir), hf),
         num_mtp_modules=num_mtp,
         mtp_layout=mtp_layout,
     )
+
+
+def _eos_token_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
+    """config.json's eos ids plus generation_config.json's (which may list several)."""
+    ids = list(_as_tuple(hf.get("eos_token_id")))
+    generation = model_dir / "generation_config.json"
+    if generation.is_file():
+        ids += [i for i in _as_tuple(json.loads(generation.read_text()).get("eos_token_id")) if i not in ids]
+    return tuple(ids)
 
 
 def _dtype_from_hf(hf: dict) -> str:

@@ -57,15 +57,18 @@ def verify_and_sample(logits, drafts, num_drafts, batch):
     rep = lambda x: jnp.repeat(x, r)  # noqa: E731 per-request -> per-row
     filtered = filter_logits(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p), rep(batch.min_p))
     filtered = filtered.reshape(b, r, v)
+    # One uniform draw per row: the last entry decides acceptance, the rest become
+    # Gumbel noise for sampling. The plain and the residual sample share that noise;
+    # a row uses only one of them, and each is an exact sample of its distribution.
     keys = row_keys(batch.seed, batch.output_index, r)
-    split = jax.vmap(jax.vmap(lambda key: jax.random.split(key, 3)))(keys)  # [B, R, 3]
-    uniform = jax.vmap(jax.vmap(jax.random.uniform))(split[..., 0])
-    plain = jax.vmap(jax.vmap(jax.random.categorical))(split[..., 1], filtered)
+    noise = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key, (v + 1,), minval=1e-12)))(keys)
+    uniform, gumbel = noise[..., v], -jnp.log(-jnp.log(noise[..., :v]))
+    plain = jnp.argmax(filtered + gumbel, axis=-1)
 
     # drafts padded to R: the draft checked at row j is drafts[j] (row j predicts it)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
     residual_logits = jnp.where(jax.nn.one_hot(padded, v, dtype=bool), NEG_INF, filtered)
-    residual = jax.vmap(jax.vmap(jax.random.categorical))(split[..., 2], residual_logits)
+    residual = jnp.argmax(residual_logits + gumbel, axis=-1)
 
     argmax = jnp.argmax(logits, axis=-1)
     p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), padded[..., None], axis=-1)[..., 0]

@@ -1,0 +1,94 @@
+"""Shared test helpers: the shipped model, its golden output, tiny Hugging Face models."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STORIES = ROOT / "checkpoints" / "stories260K"
+
+
+def golden_ids() -> list[int]:
+    """The first 200 greedy ids from BOS, pinned by transformers and llama2.c (see the
+    model's README.md, copied from the project's shared models)."""
+    text = (STORIES / "README.md").read_text()
+    block = re.search(r"first 200 generated ids:\s*\n\s*\n(.*?)\n\s*\n", text, re.S).group(1)
+    return [int(t) for t in block.split()]
+
+
+def fresh_rng() -> np.random.Generator:
+    """Random inputs, fresh per test (the seed is printed on failure via the test id)."""
+    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def prompt_logits(engine, ids: list[int]) -> np.ndarray:
+    """Logits at every prompt position through the engine's real paged path."""
+    from jaxmtp import model
+    from jaxmtp.attention import attention_fn
+    from jaxmtp.batch import BatchShape, build_batch
+    from jaxmtp.sampling_params import SamplingParams
+    from jaxmtp.scheduler import ScheduledRows
+    from jaxmtp.sequence import Sequence
+
+    pages = engine.allocator.allocate(math.ceil(len(ids) / engine.page_size))
+    seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
+    batch = build_batch(
+        [ScheduledRows(seq, 0, list(ids), 0, True, 0)], BatchShape(len(ids), 1),
+        engine.max_pages_per_seq, engine.page_size, engine.cache.num_pages * engine.page_size, 0,
+    )
+    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, attention_fn("reference"))
+    out = model.logits(engine.params.head(), engine.params.final_norm, engine.model_config, hidden)
+    engine.allocator.free(pages)
+    return np.asarray(out)
+
+
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "llama3-rope-tied": dict(
+        model_type="llama",
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    ),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=24),
+    "mistral-sliding": dict(model_type="mistral", sliding_window=7),
+}
+
+
+def make_hf_model(path: Path, family: str, seed: int, dtype: str = "float32") -> Path:
+    """Save a tiny random model of one family with transformers; returns its folder."""
+    import torch
+    import transformers
+
+    spec = dict(FAMILIES[family])
+    model_type = spec.pop("model_type")
+    config_cls = transformers.AutoConfig.for_model(model_type).__class__
+    config = config_cls(
+        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, **spec,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms away from 1 so that a missed norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return fresh_rng()

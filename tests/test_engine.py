@@ -1,0 +1,144 @@
+"""The engine on the shipped stories260K: golden output, chunked prefill, batching,
+preemption, page accounting and recompilation."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import STORIES, golden_ids
+from jaxmtp import LLM, SamplingParams
+from jaxmtp.engine import num_compiles
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def make_llm(**kwargs) -> LLM:
+    defaults = dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=64)
+    return LLM(STORIES, **{**defaults, **kwargs})
+
+
+def random_prompts(rng, lengths):
+    return [[1] + rng.integers(3, 512, size=n - 1).tolist() for n in lengths]
+
+
+def texts(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_no_leaks(llm: LLM):
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.num_free == engine.allocator.num_pages
+
+
+def test_golden_greedy_output_from_bos():
+    llm = make_llm()
+    out = llm.generate([[1]], SamplingParams(max_tokens=200, temperature=0.0), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == golden_ids()
+    assert out[0].outputs[0].finish_reason == "length"
+    assert out[0].outputs[0].text.startswith("Once upon a time, there was a little girl named Lily.")
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 15, 16, 17, None])
+def test_chunked_prefill_matches_solo_runs(rng, chunk):
+    prompts = random_prompts(rng, [5, 23, 40, 16])
+    solo_llm = make_llm(max_num_seqs=1)
+    solo = [texts(solo_llm.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+    llm = make_llm(prefill_chunk_size=chunk)
+    assert texts(llm.generate(prompts, GREEDY, use_tqdm=False)) == solo
+    assert_no_leaks(llm)
+
+
+def test_token_budget_splits_prefill_across_steps(rng):
+    """A budget smaller than the prompt still yields the same output."""
+    prompts = random_prompts(rng, [45, 9])
+    expected = texts(make_llm().generate(prompts, GREEDY, use_tqdm=False))
+    llm = make_llm(max_num_batched_tokens=8, prefill_chunk_size=5)
+    assert texts(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+
+
+def test_preemption_recomputes_to_the_same_output(rng):
+    prompts = random_prompts(rng, [10, 14, 7, 12, 9, 11])
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = texts(make_llm().generate(prompts, params, use_tqdm=False))
+    llm = make_llm(page_size=4, num_pages=16)  # room for little more than one request
+    got = texts(llm.generate(prompts, params, use_tqdm=False))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected
+    assert_no_leaks(llm)
+
+
+def test_no_recompilation_after_warmup(rng):
+    llm = make_llm(max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=13)
+    llm.engine.warmup()
+    before = num_compiles()
+    prompts = random_prompts(rng, [3, 30, 17, 8, 25, 1 + 1, 12])
+    params = [
+        SamplingParams(max_tokens=int(n), temperature=t, top_p=p, top_k=k, seed=s, logprobs=lp)
+        for n, t, p, k, s, lp in [
+            (5, 0.0, 1.0, -1, None, None), (20, 0.8, 0.9, -1, 1, 2), (9, 1.0, 1.0, 5, None, 0),
+            (14, 0.0, 1.0, -1, None, None), (3, 1.2, 0.5, 40, 7, None), (30, 0.0, 1.0, -1, None, 5),
+            (11, 0.7, 1.0, -1, None, None),
+        ]
+    ]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert num_compiles() == before
+    assert_no_leaks(llm)
+
+
+def test_stop_token_ids_stop_strings_and_ignore_eos():
+    llm = make_llm()
+    full = llm.generate([[1]], SamplingParams(max_tokens=60, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    # stop on a token id in the middle of the golden text
+    stop_id = full.token_ids[10]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate([[1]], SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[stop_id]), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == full.token_ids[: first + 1]
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop_id
+    # stop strings cut the text before the match
+    out = llm.generate([[1]], SamplingParams(max_tokens=60, temperature=0.0, stop=["Lily"]), use_tqdm=False)
+    assert out[0].outputs[0].text == full.text[: full.text.index("Lily")]
+    assert out[0].outputs[0].stop_reason == "Lily"
+    # sampled stories end at an eos id (stories260K ends stories with BOS, id 1, as
+    # its generation_config.json says); ignore_eos runs through it
+    sampled = [SamplingParams(max_tokens=300, temperature=1.0, seed=s) for s in range(6)]
+    stories = [o.outputs[0] for o in llm.generate([[1]] * 6, sampled, use_tqdm=False)]
+    ended = [(s, story) for s, story in zip(sampled, stories) if story.finish_reason == "stop"]
+    assert ended, "no sampled story reached eos"
+    params, story = ended[0]
+    assert story.token_ids[-1] in (1, 2) and story.stop_reason == story.token_ids[-1]
+    params = SamplingParams(max_tokens=len(story.token_ids) + 5, temperature=1.0, seed=params.seed, ignore_eos=True)
+    longer = llm.generate([[1]], params, use_tqdm=False)[0].outputs[0]
+    assert longer.finish_reason == "length"
+    assert longer.token_ids[: len(story.token_ids)] == story.token_ids
+
+
+def test_streaming_yields_growing_outputs_ending_in_the_full_text():
+    llm = make_llm()
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    chunks = list(llm.stream("Once upon a time", params))
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    lengths = [len(c.outputs[0].token_ids) for c in chunks]
+    assert lengths == sorted(lengths) and lengths[-1] == 30
+    full = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert chunks[-1].outputs[0].text == full.outputs[0].text
+    assert full.prompt_token_ids[0] == 1
+
+
+def test_logprobs_are_log_softmax_of_the_chosen_token():
+    import numpy as np
+
+    from conftest import prompt_logits
+
+    llm = make_llm()
+    out = llm.generate([[1, 403, 407]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=3), use_tqdm=False)
+    completion = out[0].outputs[0]
+    logits = prompt_logits(llm.engine, [1, 403, 407])[-1].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max()).sum()) - logits.max()
+    entry = completion.logprobs[0]
+    token = completion.token_ids[0]
+    assert list(entry)[0] == token
+    np.testing.assert_allclose(entry[token], logp[token], atol=1e-4)
+    top3 = np.argsort(-logp)[:3]
+    assert set(top3) <= set(entry)
