@@ -28,7 +28,9 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
         probs = jax.nn.softmax(desc, axis=-1)
         # keep the smallest prefix whose mass reaches top_p (at least one token)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = (mass_before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])
+        # top_p = 1 keeps everything: a float32 cumsum can reach 1 before the tail
+        keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        keep &= probs >= min_p[:, None] * probs[:, :1]
         keep = keep.at[:, 0].set(True)
         cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
         return jnp.where((x >= cutoff) & (x >= kth), x, NEG_INF)

@@ -204,5 +204,8 @@ def test_default_config_shapes():
     assert decode.block_q * 4 == 16 and decode.num_splits == 1
     small_decode = default_config(num_rows=8, num_seqs=8, group=4, num_kv_heads=8, max_context=4096)
     assert small_decode.num_splits > 1
+    # Verify rows (k+1 = 2) share decode's tile and splits.
+    verify = default_config(num_rows=16, num_seqs=8, group=4, num_kv_heads=8, max_context=4096)
+    assert verify.block_q == small_decode.block_q and verify.num_splits == small_decode.num_splits
     prefill = default_config(num_rows=2048, num_seqs=1, group=4, num_kv_heads=8, max_context=4096)
-    assert prefill.block_q * 4 == 128 and prefill.num_warps == 8
+    assert prefill.block_q * 4 == 256 and prefill.num_warps == 8
