@@ -14,17 +14,26 @@ AttentionFn = Callable[..., jax.Array]
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
-def resolve_backend(name: str) -> str:
+def pallas_supports(head_dim: int) -> bool:
+    """The GPU kernel tiles head_dim as a power of two of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def resolve_backend(name: str, head_dim: int) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if jax.default_backend() == "gpu" and pallas_supports(head_dim) else "reference"
+    if name.startswith("pallas") and not pallas_supports(head_dim):
+        raise ValueError(f"the Pallas attention kernel needs head_dim a power of two >= 16, got {head_dim}")
     return name
 
 
-def attention_fn(backend: str) -> AttentionFn:
-    """(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window) -> out."""
-    backend = resolve_backend(backend)
+def attention_fn(backend: str, head_dim: int) -> AttentionFn:
+    """(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window) -> out.
+    "auto" is the Pallas kernel on GPU where it supports the head size, else the
+    jnp reference."""
+    backend = resolve_backend(backend, head_dim)
     if backend == "reference":
         impl = ragged_paged_attention_reference
     else:

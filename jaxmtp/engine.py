@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxmtp.attention import resolve_backend
 from jaxmtp.batch import BatchShape, BucketPlan, build_batch
 from jaxmtp.cache import PageAllocator, allocate_cache
 from jaxmtp.config import load_config
@@ -98,6 +99,7 @@ class LLMEngine:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+        resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
         self.params = load_params(model_dir, cfg, config.load_format, config.seed)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -140,7 +142,9 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = 0
-        self.last_step_output = None  # the last StepOutput read back (tests inspect it)
+        # the last step's schedule and read-back StepOutput, for tests and debugging
+        self.last_schedule = []
+        self.last_step_output = None
 
     # ----- requests -------------------------------------------------------------------
 
@@ -250,7 +254,7 @@ class LLMEngine:
         )
         self.cache, out = jitted_step(self.params, self.cache, jax.device_put(batch), self.step_config)
         out = jax.device_get(out)
-        self.last_step_output = out
+        self.last_schedule, self.last_step_output = scheduled, out
         self.stats.steps += 1
         touched = {}
         for i, item in enumerate(scheduled):

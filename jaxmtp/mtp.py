@@ -135,7 +135,9 @@ def propose(
             positions=position,
             slot_mapping=jnp.where(proposing, page * page_size + position % page_size, num_slots),
             query_start=jnp.arange(b + 1, dtype=jnp.int32),
-            kv_len=jnp.where(proposing, position + 1, 0),
+            # idle requests still own their one row; kv_len 1 keeps it a valid
+            # (ignored) attention row for the kernel, and its KV write is dropped
+            kv_len=jnp.where(proposing, position + 1, 1),
         )
         x, k_layers[layer], v_layers[layer] = module_forward(
             module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], attention

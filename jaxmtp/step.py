@@ -43,7 +43,7 @@ class StepOutput:
 def step(params: Params, cache: KVCache, batch: Batch, config: StepConfig) -> tuple[KVCache, StepOutput]:
     cfg = config.model
     k = config.num_speculative_tokens
-    attention = attention_fn(config.attention_backend)
+    attention = attention_fn(config.attention_backend, cfg.head_dim)
     hidden, cache = model.forward(params, cfg, batch, cache, attention)
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
     # the draft checked at verify row j is the input id of row j+1

@@ -42,7 +42,7 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
         [ScheduledRows(seq, 0, list(ids), 0, True, 0)], BatchShape(len(ids), 1),
         engine.max_pages_per_seq, engine.page_size, engine.cache.num_pages * engine.page_size, 0,
     )
-    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, attention_fn("reference"))
+    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, attention_fn("reference", engine.model_config.head_dim))
     out = model.logits(engine.params.head(), engine.params.final_norm, engine.model_config, hidden)
     engine.allocator.free(pages)
     return np.asarray(out)
@@ -64,20 +64,21 @@ FAMILIES = {
 }
 
 
-def make_hf_model(path: Path, family: str, seed: int, dtype: str = "float32") -> Path:
+def make_hf_model(path: Path, family: str, seed: int, dtype: str = "float32", **overrides) -> Path:
     """Save a tiny random model of one family with transformers; returns its folder."""
     import torch
     import transformers
 
-    spec = dict(FAMILIES[family])
+    spec = {**FAMILIES[family], **overrides}
     model_type = spec.pop("model_type")
     config_cls = transformers.AutoConfig.for_model(model_type).__class__
-    config = config_cls(
+    shape = dict(
         vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.3,
-        bos_token_id=1, eos_token_id=2, **spec,
+        bos_token_id=1, eos_token_id=2,
     )
+    config = config_cls(**{**shape, **spec})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms away from 1 so that a missed norm shows

@@ -142,3 +142,22 @@ def test_logprobs_are_log_softmax_of_the_chosen_token():
     np.testing.assert_allclose(entry[token], logp[token], atol=1e-4)
     top3 = np.argsort(-logp)[:3]
     assert set(top3) <= set(entry)
+
+
+def test_engine_on_the_pallas_kernel_matches_the_reference(tmp_path, rng):
+    """The GPU attention path, run in interpret mode inside the full engine step."""
+    from conftest import make_hf_model
+
+    folder = make_hf_model(tmp_path / "hd16", "llama", seed=int(rng.integers(1 << 30)),
+                           hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
+    prompts = [[1] + rng.integers(3, 97, size=n).tolist() for n in (6, 11)]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    kwargs = dict(page_size=4, max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=5)
+    expected = texts(LLM(folder, attention_backend="reference", **kwargs).generate(prompts, params, use_tqdm=False))
+    got = texts(LLM(folder, attention_backend="pallas_interpret", **kwargs).generate(prompts, params, use_tqdm=False))
+    assert got == expected
+
+
+def test_pallas_backend_refuses_head_sizes_it_cannot_tile():
+    with pytest.raises(ValueError, match="head_dim a power of two >= 16, got 8"):
+        LLM(STORIES, attention_backend="pallas")

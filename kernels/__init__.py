@@ -1,0 +1,11 @@
+"""Attention kernels: Pallas GPU kernels, each with a plain-jnp reference of the same signature."""
+
+from kernels.ragged_paged_attention import KernelConfig, default_config, ragged_paged_attention
+from kernels.reference import ragged_paged_attention_reference
+
+__all__ = [
+    "KernelConfig",
+    "default_config",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+]
