@@ -21,6 +21,22 @@ SUPPORTED_MODEL_TYPES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class MTPLayout:
+    """How a checkpoint's MTP modules were trained (the tensor names are the loader's)."""
+
+    name: str
+    # Which main-model hidden state feeds the module: DeepSeek-V3 (as vLLM and SGLang
+    # run it) takes the state after the final norm, MiMo the state before it.
+    hidden_after_final_norm: bool
+
+
+MTP_LAYOUTS = {
+    "deepseek": MTPLayout("deepseek", hidden_after_final_norm=True),
+    "mimo": MTPLayout("mimo", hidden_after_final_norm=False),
+}
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -162,4 +178,7 @@ def _detect_mtp(hf: dict, model_type: str) -> tuple[str | None, int]:
     if not n:
         return None, 0
     default = "mimo" if model_type == "mimo" else "deepseek"
-    return hf.get("jaxmtp_mtp_layout", default), n
+    layout = hf.get("jaxmtp_mtp_layout", default)
+    if layout not in MTP_LAYOUTS:
+        raise ValueError(f"unknown jaxmtp_mtp_layout {layout!r}; supported: {sorted(MTP_LAYOUTS)}")
+    return layout, n

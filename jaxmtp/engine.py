@@ -100,7 +100,7 @@ class LLMEngine:
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
         resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
-        self.params = load_params(model_dir, cfg, config.load_format, config.seed)
+        self.params = load_params(model_dir, cfg, config.load_format, config.seed, with_mtp=k > 0)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = config.page_size

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 from safetensors import safe_open
 
 from jaxmtp.config import ModelConfig
@@ -105,7 +106,7 @@ def _load_mtp_module(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
     )
 
 
-def load_hf_params(model_dir: Path, cfg: ModelConfig) -> Params:
+def load_hf_params(model_dir: Path, cfg: ModelConfig, with_mtp: bool = True) -> Params:
     src = TensorSource(model_dir)
     dt = cfg.jnp_dtype
     lm_head = None
@@ -116,7 +117,7 @@ def load_hf_params(model_dir: Path, cfg: ModelConfig) -> Params:
         layers=[_load_block(src, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)],
         final_norm=src.get("model.norm.weight", dt),
         lm_head=lm_head,
-        mtp=[_load_mtp_module(src, cfg, n) for n in range(cfg.num_mtp_modules)],
+        mtp=[_load_mtp_module(src, cfg, n) for n in range(cfg.num_mtp_modules if with_mtp else 0)],
     )
 
 
@@ -160,12 +161,75 @@ def restore_checkpoint(model_dir: Path, cfg: ModelConfig) -> Params:
     return _orbax().StandardCheckpointer().restore(Path(model_dir).absolute() / ORBAX_DIR, abstract)
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig, load_format: str = "auto", seed: int = 0) -> Params:
+def load_params(
+    model_dir: str | Path, cfg: ModelConfig, load_format: str = "auto", seed: int = 0, with_mtp: bool = True
+) -> Params:
+    """with_mtp=False leaves the MTP modules out (no speculation): checkpoints often
+    declare num_nextn_predict_layers but ship without the module's tensors."""
     model_dir = Path(model_dir)
+    num_mtp = cfg.num_mtp_modules if with_mtp else 0
     if load_format == "dummy":
-        return jax.jit(lambda key: random_params(cfg, key))(jax.random.key(seed))
+        return jax.jit(lambda key: random_params(cfg, key, num_mtp))(jax.random.key(seed))
     if load_format not in ("auto", "safetensors", "orbax"):
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto', 'safetensors', 'orbax' or 'dummy'")
     if load_format == "orbax" or (load_format == "auto" and (model_dir / ORBAX_DIR).is_dir()):
-        return restore_checkpoint(model_dir, cfg)
-    return load_hf_params(model_dir, cfg)
+        params = restore_checkpoint(model_dir, cfg)
+        return params if with_mtp else Params(params.embed, params.layers, params.final_norm, params.lm_head)
+    return load_hf_params(model_dir, cfg, with_mtp)
+
+def _block_tensors(prefix: str, p: LayerParams) -> dict:
+    names = {
+        "input_layernorm.weight": (p.input_norm, False),
+        "self_attn.q_proj.weight": (p.q_proj, True),
+        "self_attn.k_proj.weight": (p.k_proj, True),
+        "self_attn.v_proj.weight": (p.v_proj, True),
+        "self_attn.o_proj.weight": (p.o_proj, True),
+        "post_attention_layernorm.weight": (p.post_norm, False),
+        "mlp.gate_proj.weight": (p.gate_proj, True),
+        "mlp.up_proj.weight": (p.up_proj, True),
+        "mlp.down_proj.weight": (p.down_proj, True),
+        "self_attn.q_proj.bias": (p.q_bias, False),
+        "self_attn.k_proj.bias": (p.k_bias, False),
+        "self_attn.v_proj.bias": (p.v_bias, False),
+        "self_attn.q_norm.weight": (p.q_norm, False),
+        "self_attn.k_norm.weight": (p.k_norm, False),
+    }
+    return {f"{prefix}.{name}": (w.T if transpose else w) for name, (w, transpose) in names.items() if w is not None}
+
+
+def export_hf_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, source_dir: str | Path) -> Path:
+    """Write params as a Hugging Face folder, MTP modules in the DeepSeek-V3 layout
+    (model.layers.{num_hidden_layers + n}: enorm, hnorm, eh_proj over
+    concat(embedding, hidden), shared_head.norm), which vLLM and SGLang also read."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    if cfg.mtp_layout not in (None, "deepseek"):
+        raise ValueError(f"export writes the DeepSeek layout; these modules were trained as {cfg.mtp_layout!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {"model.embed_tokens.weight": params.embed, "model.norm.weight": params.final_norm}
+    if params.lm_head is not None:
+        tensors["lm_head.weight"] = params.lm_head.T
+    for i, layer in enumerate(params.layers):
+        tensors.update(_block_tensors(f"model.layers.{i}", layer))
+    for n, module in enumerate(params.mtp):
+        p = f"model.layers.{cfg.num_layers + n}"
+        tensors.update(_block_tensors(p, module.block))
+        tensors[f"{p}.enorm.weight"] = module.token_norm
+        tensors[f"{p}.hnorm.weight"] = module.hidden_norm
+        tensors[f"{p}.eh_proj.weight"] = jnp.concatenate([module.proj_token, module.proj_hidden]).T
+        tensors[f"{p}.shared_head.norm.weight"] = module.final_norm
+        if module.lm_head is not None:
+            tensors[f"{p}.shared_head.head.weight"] = module.lm_head.T
+    # float32 on disk: numpy has no bfloat16, and the config keeps the dtype to load in
+    save_file({name: np.asarray(w, np.float32) for name, w in tensors.items()}, str(out / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (Path(source_dir) / name).is_file():
+            shutil.copy(Path(source_dir) / name, out / name)
+    hf = json.loads((Path(source_dir) / "config.json").read_text())
+    hf.pop("jaxmtp_mtp_layout", None)
+    hf["num_nextn_predict_layers"] = len(params.mtp)
+    hf["torch_dtype"] = cfg.dtype
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out

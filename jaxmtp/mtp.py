@@ -26,25 +26,11 @@ import jax.numpy as jnp
 from jaxmtp.attention import AttentionFn
 from jaxmtp.batch import Batch
 from jaxmtp.cache import KVCache
-from jaxmtp.config import ModelConfig
+from jaxmtp.config import MTP_LAYOUTS, ModelConfig
 from jaxmtp.model import decoder_layer, logits, rms_norm
 from jaxmtp.params import MTPParams, Params
 
 BOUNDARY_MODES = ("next_chunk", "sampled")
-
-
-@dataclasses.dataclass(frozen=True)
-class MTPLayout:
-    name: str
-    # Which main-model hidden state feeds the module: DeepSeek-V3 (as vLLM and SGLang
-    # run it) takes the state after the final norm, MiMo the state before it.
-    hidden_after_final_norm: bool
-
-
-MTP_LAYOUTS = {
-    "deepseek": MTPLayout("deepseek", hidden_after_final_norm=True),
-    "mimo": MTPLayout("mimo", hidden_after_final_norm=False),
-}
 
 
 def module_forward(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import pytest
 import numpy as np
 
 from conftest import STORIES, make_hf_model, prompt_logits
@@ -48,3 +49,27 @@ def test_dummy_load_format_needs_only_config(tmp_path):
     assert (512, 64) in shapes and (64, 172) in shapes
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_trained_head_exports_to_the_deepseek_hf_layout(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from jaxmtp.loader import export_hf_checkpoint
+
+    mtp_model = STORIES.parent / "stories260K-mtp"
+    llm = LLM(mtp_model, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=64)
+    out = export_hf_checkpoint(tmp_path / "hf", llm.engine.params, llm.engine.model_config, mtp_model)
+    tensors = load_file(out / "model.safetensors")
+    assert {"model.layers.5.eh_proj.weight", "model.layers.5.enorm.weight", "model.layers.5.hnorm.weight",
+            "model.layers.5.shared_head.norm.weight"} <= set(tensors)
+    exported = LLM(out, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=64)
+    prompt = "Once upon a time, Zoe"
+    a = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    b = exported.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.spec_stats == b.spec_stats
+
+    # a config that declares MTP over files without the module still runs without speculation
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.5.")}, str(out / "model.safetensors"))
+    assert LLM(out, max_num_seqs=2).generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == a.outputs[0].token_ids
+    with pytest.raises(ValueError, match="missing tensor 'model.layers.5"):
+        LLM(out, num_speculative_tokens=1)

@@ -1,0 +1,302 @@
+"""Train DeepSeek-style MTP draft modules on a frozen base model with optax.
+
+The module at depth d reads the previous hidden state at position i (the main model's
+for d = 1, in the checkpoint layout's convention; its own output for d > 1, as the
+engine's chained draft steps do) and the embedding of token i+d, and predicts token
+i+d+1 (DeepSeek-V3 section 2.2). Training runs the module through the same paged code
+path as inference, on sequences packed one per page range, so what is trained is what
+the engine runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from jaxmtp import model, mtp
+from jaxmtp.attention import attention_fn
+from jaxmtp.batch import Batch
+from jaxmtp.cache import allocate_cache
+from jaxmtp.config import ModelConfig
+from jaxmtp.loader import save_checkpoint
+from jaxmtp.params import MTPParams, Params, pytree_dataclass
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1500
+    batch_size: int = 16
+    seq_len: int = 192  # tokens per training sequence (longer ones are cut)
+    depths: int = 2  # chained depths trained (the engine reuses the module for drafts 2..k)
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    eval_every: int = 250
+    checkpoint_every: int = 250
+    seed: int = 0
+
+
+@pytree_dataclass
+class TrainState:
+    step: jax.Array
+    module: MTPParams
+    opt_state: optax.OptState
+
+
+def init_module(params: Params, cfg: ModelConfig, key: jax.Array) -> MTPParams:
+    """Start from the base model's last block and final norm, the hidden path an identity
+    and the token path small, so training begins near 'one more layer of the base'."""
+    h = cfg.hidden_size
+    dtype = cfg.jnp_dtype
+    return MTPParams(
+        token_norm=jnp.ones((h,), dtype),
+        hidden_norm=jnp.ones((h,), dtype),
+        proj_token=(0.02 * jax.random.normal(key, (h, h))).astype(dtype),
+        proj_hidden=jnp.eye(h, dtype=dtype),
+        block=jax.tree.map(jnp.copy, params.layers[-1]),
+        final_norm=jnp.copy(params.final_norm),
+    )
+
+
+def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
+    """A batch of num_seqs full sequences, each in its own contiguous pages."""
+    pages_per_seq = -(-seq_len // page_size)
+    t = num_seqs * seq_len
+    positions = np.tile(np.arange(seq_len, dtype=np.int32), num_seqs)
+    seq = np.repeat(np.arange(num_seqs, dtype=np.int32), seq_len)
+    page_table = np.arange(num_seqs * pages_per_seq, dtype=np.int32).reshape(num_seqs, pages_per_seq)
+    zeros_b = np.zeros(num_seqs, np.int32)
+    return Batch(
+        input_ids=np.zeros(t, np.int32),
+        positions=positions,
+        slot_mapping=page_table[seq, positions // page_size] * page_size + positions % page_size,
+        query_start=np.arange(0, t + 1, seq_len, dtype=np.int32),
+        kv_len=np.full(num_seqs, seq_len, np.int32),
+        page_table=page_table,
+        sample_index=np.zeros((num_seqs, 1), np.int32),
+        num_drafts=zeros_b,
+        has_output=np.zeros(num_seqs, bool),
+        next_chunk_token=zeros_b,
+        temperature=np.zeros(num_seqs, np.float32),
+        top_k=zeros_b,
+        top_p=np.ones(num_seqs, np.float32),
+        min_p=np.zeros(num_seqs, np.float32),
+        seed=np.zeros(num_seqs, np.uint32),
+        output_index=zeros_b,
+    )
+
+
+def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: jax.Array, depths: int, page_size: int):
+    """tokens [S, L] -> draft logits [depths, S, L, V]; depth d at position i predicts
+    token i+d+1. The frozen main model runs under stop_gradient."""
+    s, length = tokens.shape
+    batch = jax.tree.map(jnp.asarray, packed_batch(s, length, page_size))
+    batch = dataclasses.replace(batch, input_ids=tokens.reshape(-1))
+    attention = attention_fn("reference", cfg.head_dim)
+    cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=1)
+    hidden, cache = model.forward(params, cfg, batch, cache, attention)
+    prev = jax.lax.stop_gradient(mtp.main_hidden_for_mtp(params, cfg, hidden))
+    flat = tokens.reshape(s, length)
+    outputs = []
+    k_pages, v_pages = cache.k[-1], cache.v[-1]
+    for d in range(1, depths + 1):
+        next_ids = jnp.concatenate([flat[:, d:], jnp.zeros((s, d), flat.dtype)], axis=1).reshape(-1)
+        prev, k_pages, v_pages = mtp.module_forward(
+            module, params.embed, cfg, prev, next_ids, batch, k_pages, v_pages, attention
+        )
+        outputs.append(mtp.module_logits(params, module, cfg, prev).reshape(s, length, -1))
+    return jnp.stack(outputs)
+
+
+def targets_and_mask(tokens: jax.Array, lengths: jax.Array, depths: int):
+    """Depth d at position i predicts token i+d+1, which must lie within the sequence."""
+    s, length = tokens.shape
+    targets, masks = [], []
+    pos = jnp.arange(length)[None, :]
+    for d in range(1, depths + 1):
+        targets.append(jnp.concatenate([tokens[:, d + 1 :], jnp.zeros((s, d + 1), tokens.dtype)], axis=1))
+        masks.append(pos + d + 1 < lengths[:, None])
+    return jnp.stack(targets), jnp.stack(masks)
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, config.learning_rate, config.warmup_steps, max(config.steps, config.warmup_steps + 1)
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(schedule, weight_decay=config.weight_decay),
+    )
+
+
+def loss_fn(module, params, cfg, tokens, lengths, depths, page_size):
+    logits = depth_logits(params, module, cfg, tokens, depths, page_size)
+    targets, mask = targets_and_mask(tokens, lengths, depths)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    per_depth = jnp.sum(losses * mask, axis=(1, 2)) / jnp.maximum(jnp.sum(mask, axis=(1, 2)), 1)
+    return jnp.mean(per_depth), per_depth
+
+
+def accuracy(params, module, cfg, tokens, lengths, depths, page_size):
+    """Top-1 accuracy of the draft per depth over the valid positions."""
+    logits = depth_logits(params, module, cfg, tokens, depths, page_size)
+    targets, mask = targets_and_mask(tokens, lengths, depths)
+    hits = (jnp.argmax(logits, -1) == targets) & mask
+    return jnp.sum(hits, axis=(1, 2)) / jnp.maximum(jnp.sum(mask, axis=(1, 2)), 1)
+
+
+def pad_sequences(sequences: list[list[int]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.zeros((len(sequences), seq_len), np.int32)
+    lengths = np.zeros(len(sequences), np.int32)
+    for i, seq in enumerate(sequences):
+        seq = seq[:seq_len]
+        tokens[i, : len(seq)] = seq
+        lengths[i] = len(seq)
+    return tokens, lengths
+
+
+# Story openings for self-distillation. Held-out prompts for evaluation and acceptance
+# measurements use other names and openings, so they never appear in training.
+TRAIN_NAMES = ["Lily", "Tom", "Ben", "Mia", "Sue", "Max", "Anna", "Tim", "Sara", "Jack", "Lucy", "Sam"]
+TRAIN_OPENINGS = [
+    "Once upon a time, {name}", "One day, {name} went to the", "{name} had a big", "{name} and her mom",
+    "{name} liked to play with", "There was a little", "{name} saw a", "In the park, {name}",
+    "{name} was sad because", "The sun was shining and {name}",
+]
+HELD_OUT_NAMES = ["Zoe", "Leo", "Emma", "Bob"]
+HELD_OUT_OPENINGS = [
+    "Long ago, {name} found a", "{name} wanted to build a", "At night, {name} looked at the",
+    "{name} and his friend went to the", "It was a rainy day and {name}",
+]
+
+
+def story_prompts(names: list[str], openings: list[str]) -> list[str]:
+    return [opening.format(name=name) for opening in openings for name in names]
+
+
+def self_distillation_corpus(llm, prompts: list[str], samples_per_prompt: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """Text the base model writes itself: sampled at several temperatures plus greedy."""
+    from jaxmtp.sampling_params import SamplingParams
+
+    requests, params = [], []
+    temperatures = (0.0, 0.5, 0.8, 1.0)
+    for p, prompt in enumerate(prompts):
+        for j in range(samples_per_prompt):
+            temperature = temperatures[j % len(temperatures)]
+            if temperature == 0.0 and j >= len(temperatures):
+                continue  # one greedy continuation per prompt is enough
+            requests.append(prompt)
+            params.append(SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + 7919 * p + j))
+    outputs = llm.generate(requests, params)
+    return [out.prompt_token_ids + out.outputs[0].token_ids for out in outputs]
+
+
+class Trainer:
+    def __init__(self, params: Params, cfg: ModelConfig, config: TrainConfig, page_size: int = 16):
+        if cfg.mtp_layout is None:
+            cfg = dataclasses.replace(cfg, mtp_layout="deepseek", num_mtp_modules=1)
+        self.params = dataclasses.replace(params, mtp=[])
+        self.cfg = cfg
+        self.config = config
+        self.page_size = page_size
+        self.optimizer = make_optimizer(config)
+        depths, page = config.depths, page_size
+
+        def train_step(state: TrainState, tokens, lengths):
+            grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+            (loss, per_depth), grads = grad_fn(state.module, self.params, cfg, tokens, lengths, depths, page)
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.module)
+            module = optax.apply_updates(state.module, updates)
+            return TrainState(state.step + 1, module, opt_state), loss, per_depth
+
+        self.train_step = jax.jit(train_step, donate_argnums=0)
+        self.eval_accuracy = jax.jit(lambda m, t, n: accuracy(self.params, m, cfg, t, n, depths, page))
+
+    def init_state(self) -> TrainState:
+        module = init_module(self.params, self.cfg, jax.random.key(self.config.seed))
+        return TrainState(jnp.zeros((), jnp.int32), module, self.optimizer.init(module))
+
+    def fit(self, train_tokens, train_lengths, eval_tokens, eval_lengths, checkpoint_dir: Path | None = None,
+            progress: bool = True) -> tuple[TrainState, dict]:
+        """Train, resuming from checkpoint_dir's latest orbax step if there is one."""
+        import orbax.checkpoint as ocp
+
+        config = self.config
+        state = self.init_state()
+        manager = None
+        history = {"step": [], "loss": [], "eval_step": [], "eval_accuracy": []}
+        if checkpoint_dir is not None:
+            manager = ocp.CheckpointManager(Path(checkpoint_dir).absolute() / "train_state",
+                                            options=ocp.CheckpointManagerOptions(max_to_keep=2))
+            if manager.latest_step() is not None:
+                step = manager.latest_step()
+                restored = manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(state), history=ocp.args.JsonRestore()))
+                state, history = restored.state, restored.history
+        rng = np.random.default_rng(config.seed + int(state.step))
+        start = int(state.step)
+        bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="train-mtp", disable=not progress)
+        for step in bar:
+            idx = rng.integers(0, len(train_tokens), size=config.batch_size)
+            state, loss, per_depth = self.train_step(state, jnp.asarray(train_tokens[idx]), jnp.asarray(train_lengths[idx]))
+            if step % 10 == 0 or step == config.steps - 1:
+                history["step"].append(step + 1)
+                history["loss"].append(float(loss))
+                bar.set_postfix(loss=f"{float(loss):.3f}")
+            done = step + 1 == config.steps
+            if (step + 1) % config.eval_every == 0 or done:
+                acc = self.evaluate(state.module, eval_tokens, eval_lengths)
+                history["eval_step"].append(step + 1)
+                history["eval_accuracy"].append(acc)
+                bar.write(f"step {step + 1}: held-out draft top-1 accuracy per depth {[round(a, 4) for a in acc]}")
+            if manager is not None and ((step + 1) % config.checkpoint_every == 0 or done):
+                manager.save(step + 1, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), history=ocp.args.JsonSave(history)))
+        if manager is not None:
+            manager.wait_until_finished()
+        return state, history
+
+    def evaluate(self, module: MTPParams, tokens, lengths, batch_size: int = 32) -> list[float]:
+        hits = np.zeros(self.config.depths)
+        weight = 0
+        for i in range(0, len(tokens), batch_size):
+            n = len(tokens[i : i + batch_size])
+            acc = np.asarray(self.eval_accuracy(module, jnp.asarray(tokens[i : i + batch_size]),
+                                                jnp.asarray(lengths[i : i + batch_size])))
+            hits += acc * n
+            weight += n
+        return (hits / weight).tolist()
+
+    def export(self, module: MTPParams, out_dir: Path, source_dir: Path) -> Path:
+        """The base model plus the trained module as an engine checkpoint."""
+        return save_checkpoint(out_dir, dataclasses.replace(self.params, mtp=[module]), self.cfg, source_dir)
+
+
+def plot_loss(history: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(history["step"], history["loss"], label="train loss (mean over depths)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title("MTP head training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_history(history: dict, path: Path) -> None:
+    path.write_text(json.dumps(history, indent=1) + "\n")
+

@@ -1,0 +1,286 @@
+"""MTP speculative decoding that stays exact under chunked prefill (DESIGN.md invariants
+1-7), on the shipped stories260K with its trained MTP head."""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ROOT, STORIES
+from jaxmtp import LLM, SamplingParams
+from jaxmtp.engine import num_compiles
+from jaxmtp.sampling import verify_and_sample
+
+MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"
+PAGE = 16
+CHUNKS = [1, 7, PAGE - 1, PAGE, PAGE + 1, None]  # None: the whole prompt in one chunk
+
+
+def make_llm(model=MTP_MODEL, **kwargs) -> LLM:
+    defaults = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=32)
+    return LLM(model, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return make_llm(STORIES)
+
+
+def sampled_prompts(llm: LLM, rng, lengths) -> list[list[int]]:
+    """Prompts the base model would not write greedily (sampled hot), so the main
+    model's sample at a chunk boundary often differs from the next prompt token."""
+    seeds = rng.integers(0, 2**31, size=len(lengths))
+    params = [SamplingParams(max_tokens=n, temperature=1.3, seed=int(s), ignore_eos=True) for n, s in zip(lengths, seeds)]
+    outs = llm.generate([[1]] * len(lengths), params, use_tqdm=False)
+    return [[1] + o.outputs[0].token_ids[: n - 1] for o, n in zip(outs, lengths)]
+
+
+def greedy(n, **kwargs):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_no_leaks(llm: LLM):
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
+
+# ----- invariant 1: greedy output with MTP == without ------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_with_mtp_equals_without(plain, rng, k):
+    prompts = sampled_prompts(plain, rng, [3, 40, 21])
+    expected = token_ids(plain.generate(prompts, greedy(24), use_tqdm=False))
+    for chunk in CHUNKS:
+        llm = make_llm(num_speculative_tokens=k, prefill_chunk_size=chunk)
+        outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+        assert token_ids(outs) == expected, f"k={k} chunk={chunk}"
+        assert all(o.spec_stats["drafted"] > 0 for o in outs)
+        assert_no_leaks(llm)
+
+
+def test_greedy_with_mtp_equals_without_under_preemption(plain, rng):
+    prompts = sampled_prompts(plain, rng, [12, 30, 9, 25, 17])
+    expected = token_ids(plain.generate(prompts, greedy(48), use_tqdm=False))
+    llm = make_llm(num_speculative_tokens=3, prefill_chunk_size=7, page_size=4, num_pages=24)
+    assert token_ids(llm.generate(prompts, greedy(48), use_tqdm=False)) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+# ----- invariants 2 and 3: chunk invariance, and the ablation loses it -------------------
+
+
+def prefill_state(llm: LLM, prompt: list[int], k: int):
+    """Run one request until its prefill emits; return the draft KV at every prompt
+    position, the first proposals and the request's sequence."""
+    engine = llm.engine
+    engine.add_request("probe", prompt, greedy(64))
+    seq = None
+    while seq is None or not seq.output_token_ids:
+        engine.step()
+        seq = engine.requests["probe"].seqs[0]
+    layer = engine.model_config.num_layers
+    slots = np.array([seq.pages[p // engine.page_size] * engine.page_size + p % engine.page_size for p in range(len(prompt))])
+    flat_k = np.asarray(engine.cache.k[layer]).reshape(-1, *engine.cache.k[layer].shape[2:])
+    flat_v = np.asarray(engine.cache.v[layer]).reshape(-1, *engine.cache.v[layer].shape[2:])
+    draft_kv = np.stack([flat_k[slots], flat_v[slots]])
+    first = list(seq.drafts)
+    engine.abort_request("probe")
+    engine.step()
+    return draft_kv, first
+
+
+def acceptance_per_position(llm: LLM, prompts) -> list[list[int]]:
+    return [o.spec_stats["accepted_per_position"] for o in llm.generate(prompts, greedy(48), use_tqdm=False)]
+
+
+def test_chunk_invariance_and_the_sampled_ablation_breaks_it(plain, rng):
+    k = 2
+    prompts = sampled_prompts(plain, rng, [50, 33, 47])
+    reference = make_llm(num_speculative_tokens=k)  # whole prompt in one chunk
+    ref_states = [prefill_state(reference, p, k) for p in prompts]
+    ref_accept = acceptance_per_position(reference, prompts)
+    for chunk in CHUNKS[:-1]:
+        llm = make_llm(num_speculative_tokens=k, prefill_chunk_size=chunk)
+        for (ref_kv, ref_first), prompt in zip(ref_states, prompts):
+            kv, first = prefill_state(llm, prompt, k)
+            # float32 sums over differently shaped batches: equal to rounding
+            np.testing.assert_allclose(kv, ref_kv, rtol=1e-5, atol=1e-5, err_msg=f"chunk={chunk}")
+            assert first == ref_first, f"chunk={chunk}"
+        assert acceptance_per_position(llm, prompts) == ref_accept, f"chunk={chunk}"
+
+    # The pre-fix behaviour writes the sampled token's draft KV at every non-final chunk
+    # boundary where the main model's sample is not the next prompt token.
+    ablation = make_llm(num_speculative_tokens=k, prefill_chunk_size=7, mtp_boundary="sampled")
+    differs = 0
+    for (ref_kv, _), prompt in zip(ref_states, prompts):
+        kv, _ = prefill_state(ablation, prompt, k)
+        row_differs = np.abs(kv - ref_kv).max(axis=(0, 2, 3)) > 1e-4
+        boundaries = set(range(6, len(prompt) - 1, 7))
+        assert set(np.flatnonzero(row_differs)) <= boundaries
+        differs += row_differs.sum()
+    assert differs > 0, "the ablation never differed: the test cannot tell the fix from the bug"
+
+
+# ----- invariant 4: mixed batch ----------------------------------------------------------
+
+
+def test_mixed_batch_step_gives_each_request_its_solo_result(plain, rng):
+    k = 2
+    decode_prompt, long_prompt, short_prompt = sampled_prompts(plain, rng, [10, 45, 12])
+    solo = {}
+    for name, prompt in [("decode", decode_prompt), ("long", long_prompt), ("short", short_prompt)]:
+        out = make_llm(num_speculative_tokens=k, prefill_chunk_size=16).generate([prompt], greedy(30), use_tqdm=False)[0]
+        solo[name] = (out.outputs[0].token_ids, out.spec_stats)
+    llm = make_llm(num_speculative_tokens=k, prefill_chunk_size=16)
+    engine = llm.engine
+    engine.add_request("decode", decode_prompt, greedy(30))
+    while not engine.requests or len(engine.requests["decode"].seqs[0].output_token_ids) < 3:
+        engine.step()
+    engine.add_request("long", long_prompt, greedy(30))
+    engine.add_request("short", short_prompt, greedy(30))
+    results = {}
+    mixed = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = (out.outputs[0].token_ids, out.spec_stats)
+        kinds = {(s.seq.request_id, s.num_drafts > 0, s.has_output) for s in engine.last_schedule}
+        mixed |= {("decode", True, True), ("long", False, False), ("short", False, True)} <= kinds
+    assert mixed, "no step held a decode, a mid-prefill chunk and a final chunk together"
+    assert results == solo
+
+
+# ----- invariant 5: edge cases -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_prompt_of_length_one_and_one_plus_k(plain, rng, k):
+    prompts = [[1]] + sampled_prompts(plain, rng, [1 + k, 2 + k])
+    expected = token_ids(plain.generate(prompts, greedy(30), use_tqdm=False))
+    llm = make_llm(num_speculative_tokens=k, prefill_chunk_size=k)
+    assert token_ids(llm.generate(prompts, greedy(30), use_tqdm=False)) == expected
+
+
+def test_preempted_request_recomputes_through_its_generated_tokens(plain, rng):
+    """After preemption the recompute's chunk boundaries fall inside generated text;
+    the boundary token there must be the real generated token."""
+    prompts = sampled_prompts(plain, rng, [6, 8, 7])
+    expected = token_ids(plain.generate(prompts, greedy(60), use_tqdm=False))
+    llm = make_llm(num_speculative_tokens=2, prefill_chunk_size=5, page_size=4, num_pages=22)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(60))
+    boundary_checks = 0
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        for i, rows in enumerate(engine.last_schedule):
+            seq = rows.seq
+            end = rows.start + len(rows.token_ids)
+            if seq.num_preemptions and not rows.has_output and end > len(seq.prompt_token_ids):
+                assert rows.next_chunk_token == seq.token_ids[end]
+                assert engine.last_step_output.boundary_token[i] == seq.token_ids[end]
+                boundary_checks += 1
+    assert boundary_checks > 0, "no recompute chunk ended inside generated text"
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    assert_no_leaks(llm)
+
+
+def test_max_tokens_and_stop_tokens_inside_an_accepted_run(plain, rng):
+    prompt = sampled_prompts(plain, rng, [20])[0]
+    full = plain.generate([prompt], greedy(60), use_tqdm=False)[0].outputs[0].token_ids
+    llm = make_llm(num_speculative_tokens=4)
+    for n in (1, 2, 5, 13, 31):
+        out = llm.generate([prompt], greedy(n), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == full[:n] and out.finish_reason == "length"
+    stop = full[17]
+    cut = full.index(stop) + 1
+    out = llm.generate([prompt], greedy(60, stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full[:cut] and out.finish_reason == "stop"
+    assert_no_leaks(llm)
+
+
+def test_head_accepts_often_on_held_out_text(plain, rng):
+    """The shipped head is good enough that a boundary error would show."""
+    prompts = sampled_prompts(plain, rng, [30, 40, 50, 60])
+    outs = make_llm(num_speculative_tokens=1).generate(prompts, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)
+    drafted = sum(o.spec_stats["drafted"] for o in outs)
+    accepted = sum(o.spec_stats["accepted"] for o in outs)
+    assert accepted / drafted > 0.5
+
+
+# ----- invariant 6: temperature > 0 ------------------------------------------------------
+
+
+def test_speculative_sampling_is_lossless_per_row(rng):
+    """Row 0 of a verify step emits p0 exactly; the token after an accepted draft
+    follows p1; both in total variation over many seeded draws."""
+    vocab, draws = 12, 20000
+    logits = rng.normal(0, 1.2, size=(2, vocab)).astype(np.float32)
+    draft = int(np.argmax(logits[0]))  # a likely draft, so both branches are exercised
+    batch = types.SimpleNamespace(
+        temperature=jnp.full(draws, 1.0), top_k=jnp.zeros(draws, jnp.int32), top_p=jnp.ones(draws),
+        min_p=jnp.zeros(draws), seed=jnp.asarray(rng.integers(0, 2**32, size=draws, dtype=np.uint32)),
+        output_index=jnp.zeros(draws, jnp.int32),
+    )
+    tokens, accepted = verify_and_sample(
+        jnp.tile(jnp.asarray(logits), (draws, 1, 1)), jnp.full((draws, 1), draft, jnp.int32),
+        jnp.ones(draws, jnp.int32), batch,
+    )
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    first = tokens[:, 0]
+    assert np.all((first == draft) == (accepted == 1))
+    tv0 = 0.5 * np.abs(np.bincount(first, minlength=vocab) / draws - p[0]).sum()
+    second = tokens[accepted == 1, 1]
+    tv1 = 0.5 * np.abs(np.bincount(second, minlength=vocab) / len(second) - p[1]).sum()
+    assert tv0 < 0.02 and tv1 < 0.03, (tv0, tv1)
+
+
+def test_spec_sampling_matches_plain_sampling_end_to_end(rng):
+    """The joint distribution of the first two sampled tokens after a prompt is the
+    same with and without speculation (total variation over 600 seeded samples)."""
+    prompt = [1, 403, 407, 261, 378, 432]  # "Once upon a time,"
+    n = 600
+    seeds = rng.integers(0, 2**31, size=n)
+    params = [SamplingParams(max_tokens=2, temperature=0.8, seed=int(s)) for s in seeds]
+
+    def joint(llm):
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        pairs = [tuple(o.outputs[0].token_ids) for o in outs]
+        return {pair: pairs.count(pair) / n for pair in set(pairs)}, outs
+
+    plain_dist, _ = joint(make_llm(STORIES, max_num_seqs=64, max_num_batched_tokens=256))
+    spec_dist, outs = joint(make_llm(num_speculative_tokens=2, max_num_seqs=64, max_num_batched_tokens=256))
+    assert sum(o.spec_stats["accepted"] for o in outs) > 0
+    support = set(plain_dist) | set(spec_dist)
+    tv = 0.5 * sum(abs(plain_dist.get(x, 0) - spec_dist.get(x, 0)) for x in support)
+    # two independent 600-sample estimates of a peaked distribution: ~0.06 apart typically
+    assert tv < 0.15, tv
+
+
+# ----- invariant 7: no recompilation -----------------------------------------------------
+
+
+def test_no_recompilation_after_warmup_with_mtp(plain, rng):
+    llm = make_llm(num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=32, prefill_chunk_size=11)
+    llm.engine.warmup()
+    before = num_compiles()
+    prompts = sampled_prompts(plain, rng, [2, 29, 13, 40, 5])
+    params = [greedy(20), SamplingParams(max_tokens=15, temperature=0.9, seed=3), greedy(7),
+              SamplingParams(max_tokens=25, temperature=0.6, top_p=0.9, logprobs=2), greedy(33)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert num_compiles() == before
+    assert_no_leaks(llm)
