@@ -225,8 +225,9 @@ class Trainer:
         return TrainState(jnp.zeros((), jnp.int32), module, self.optimizer.init(module))
 
     def fit(self, train_tokens, train_lengths, eval_tokens, eval_lengths, checkpoint_dir: Path | None = None,
-            progress: bool = True) -> tuple[TrainState, dict]:
-        """Train, resuming from checkpoint_dir's latest orbax step if there is one."""
+            progress: bool = True, stop_at: int | None = None) -> tuple[TrainState, dict]:
+        """Train, resuming from checkpoint_dir's latest orbax step if there is one;
+        stop_at ends this session early (a checkpoint is written there)."""
         import orbax.checkpoint as ocp
 
         config = self.config
@@ -241,11 +242,12 @@ class Trainer:
                 restored = manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(state), history=ocp.args.JsonRestore()))
                 state, history = restored.state, restored.history
-        rng = np.random.default_rng(config.seed + int(state.step))
         start = int(state.step)
-        bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc="train-mtp", disable=not progress)
+        end = config.steps if stop_at is None else min(stop_at, config.steps)
+        bar = tqdm(range(start, end), initial=start, total=config.steps, desc="train-mtp", disable=not progress)
         for step in bar:
-            idx = rng.integers(0, len(train_tokens), size=config.batch_size)
+            # batches depend only on (seed, step), so a resumed run continues exactly
+            idx = np.random.default_rng([config.seed, step]).integers(0, len(train_tokens), size=config.batch_size)
             state, loss, per_depth = self.train_step(state, jnp.asarray(train_tokens[idx]), jnp.asarray(train_lengths[idx]))
             if step % 10 == 0 or step == config.steps - 1:
                 history["step"].append(step + 1)
@@ -257,7 +259,7 @@ class Trainer:
                 history["eval_step"].append(step + 1)
                 history["eval_accuracy"].append(acc)
                 bar.write(f"step {step + 1}: held-out draft top-1 accuracy per depth {[round(a, 4) for a in acc]}")
-            if manager is not None and ((step + 1) % config.checkpoint_every == 0 or done):
+            if manager is not None and ((step + 1) % config.checkpoint_every == 0 or step + 1 == end):
                 manager.save(step + 1, args=ocp.args.Composite(
                     state=ocp.args.StandardSave(state), history=ocp.args.JsonSave(history)))
         if manager is not None:
