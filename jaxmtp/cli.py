@@ -91,7 +91,7 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     print(f"train-mtp: {len(corpus)} training sequences ({int(lengths.sum())} tokens), {len(corpus_eval)} held out")
     config = train.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, depths=args.depths,
-        learning_rate=args.learning_rate, seed=args.seed,
+        learning_rate=args.learning_rate, seed=args.seed, soft_targets=not args.hard_labels,
     )
     trainer = train.Trainer(llm.engine.params, llm.engine.model_config, config)
     state, history = trainer.fit(tokens, lengths, eval_tokens, eval_lengths, checkpoint_dir=out)
@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--seq-len", type=int, default=192)
     tr.add_argument("--depths", type=int, default=2)
     tr.add_argument("--learning-rate", type=float, default=3e-3)
+    tr.add_argument("--hard-labels", action="store_true", help="train on data tokens, not the base model's distribution")
     tr.add_argument("--seed", type=int, default=0)
     tr.set_defaults(func=cmd_train_mtp)
     args = parser.parse_args(argv)

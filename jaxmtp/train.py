@@ -35,6 +35,7 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 192  # tokens per training sequence (longer ones are cut)
     depths: int = 2  # chained depths trained (the engine reuses the module for drafts 2..k)
+    soft_targets: bool = True  # distil the main model's distribution instead of data tokens
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
@@ -95,25 +96,28 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
 
 
 def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: jax.Array, depths: int, page_size: int):
-    """tokens [S, L] -> draft logits [depths, S, L, V]; depth d at position i predicts
-    token i+d+1. The frozen main model runs under stop_gradient."""
+    """tokens [S, L] -> (draft logits, teacher logits), each [depths, S, L, V]: depth d at
+    position i predicts token i+d+1, and the teacher is the frozen main model's
+    prediction of that same token (its logits at position i+d)."""
     s, length = tokens.shape
     batch = jax.tree.map(jnp.asarray, packed_batch(s, length, page_size))
     batch = dataclasses.replace(batch, input_ids=tokens.reshape(-1))
     attention = attention_fn("reference", cfg.head_dim)
     cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=1)
     hidden, cache = model.forward(params, cfg, batch, cache, attention)
-    prev = jax.lax.stop_gradient(mtp.main_hidden_for_mtp(params, cfg, hidden))
-    flat = tokens.reshape(s, length)
-    outputs = []
+    hidden = jax.lax.stop_gradient(hidden)
+    main_logits = model.logits(params.head(), params.final_norm, cfg, hidden).reshape(s, length, -1)
+    prev = mtp.main_hidden_for_mtp(params, cfg, hidden)
+    drafts, teachers = [], []
     k_pages, v_pages = cache.k[-1], cache.v[-1]
     for d in range(1, depths + 1):
-        next_ids = jnp.concatenate([flat[:, d:], jnp.zeros((s, d), flat.dtype)], axis=1).reshape(-1)
+        next_ids = jnp.concatenate([tokens[:, d:], jnp.zeros((s, d), tokens.dtype)], axis=1).reshape(-1)
         prev, k_pages, v_pages = mtp.module_forward(
             module, params.embed, cfg, prev, next_ids, batch, k_pages, v_pages, attention
         )
-        outputs.append(mtp.module_logits(params, module, cfg, prev).reshape(s, length, -1))
-    return jnp.stack(outputs)
+        drafts.append(mtp.module_logits(params, module, cfg, prev).reshape(s, length, -1))
+        teachers.append(jnp.concatenate([main_logits[:, d:], jnp.zeros_like(main_logits[:, :d])], axis=1))
+    return jnp.stack(drafts), jnp.stack(teachers)
 
 
 def targets_and_mask(tokens: jax.Array, lengths: jax.Array, depths: int):
@@ -137,17 +141,23 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def loss_fn(module, params, cfg, tokens, lengths, depths, page_size):
-    logits = depth_logits(params, module, cfg, tokens, depths, page_size)
+def loss_fn(module, params, cfg, tokens, lengths, depths, page_size, soft_targets):
+    """Cross-entropy of each depth's draft against the data token, or (soft_targets)
+    against the frozen main model's own distribution for that token, which is what
+    greedy and lossless speculative acceptance reward."""
+    logits, teacher = depth_logits(params, module, cfg, tokens, depths, page_size)
     targets, mask = targets_and_mask(tokens, lengths, depths)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    if soft_targets:
+        losses = optax.softmax_cross_entropy(logits, jax.nn.softmax(teacher))
+    else:
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     per_depth = jnp.sum(losses * mask, axis=(1, 2)) / jnp.maximum(jnp.sum(mask, axis=(1, 2)), 1)
     return jnp.mean(per_depth), per_depth
 
 
 def accuracy(params, module, cfg, tokens, lengths, depths, page_size):
     """Top-1 accuracy of the draft per depth over the valid positions."""
-    logits = depth_logits(params, module, cfg, tokens, depths, page_size)
+    logits, _ = depth_logits(params, module, cfg, tokens, depths, page_size)
     targets, mask = targets_and_mask(tokens, lengths, depths)
     hits = (jnp.argmax(logits, -1) == targets) & mask
     return jnp.sum(hits, axis=(1, 2)) / jnp.maximum(jnp.sum(mask, axis=(1, 2)), 1)
@@ -212,7 +222,9 @@ class Trainer:
 
         def train_step(state: TrainState, tokens, lengths):
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-            (loss, per_depth), grads = grad_fn(state.module, self.params, cfg, tokens, lengths, depths, page)
+            (loss, per_depth), grads = grad_fn(
+                state.module, self.params, cfg, tokens, lengths, depths, page, config.soft_targets
+            )
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.module)
             module = optax.apply_updates(state.module, updates)
             return TrainState(state.step + 1, module, opt_state), loss, per_depth
