@@ -31,6 +31,7 @@ class Batch:
     min_p: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
     output_index: jax.Array  # [B] int32 tokens generated so far (keys the sampler)
+    num_logprobs: jax.Array  # [B] int32 top logprobs asked for (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,7 @@ def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size:
     min_p = np.zeros(b, np.float32)
     seed = np.zeros(b, np.uint32)
     output_index = np.zeros(b, np.int32)
+    num_logprobs = np.zeros(b, np.int32)
     row = 0
     for i, item in enumerate(scheduled):
         seq, n = item.seq, len(item.token_ids)
@@ -106,10 +108,11 @@ def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size:
         min_p[i] = params.min_p
         seed[i] = seq.seed
         output_index[i] = len(seq.output_token_ids)
+        num_logprobs[i] = params.logprobs or 0
         row += n
         query_start[i + 1] = row
     query_start[len(scheduled) + 1 :] = row
     return Batch(
         input_ids, positions, slot_mapping, query_start, kv_len, page_table, sample_index, num_drafts,
-        has_output, next_chunk_token, temperature, top_k, top_p, min_p, seed, output_index,
+        has_output, next_chunk_token, temperature, top_k, top_p, min_p, seed, output_index, num_logprobs,
     )

@@ -145,6 +145,9 @@ class LLMEngine:
         # the last step's schedule and read-back StepOutput, for tests and debugging
         self.last_schedule = []
         self.last_step_output = None
+        # Benchmarks replace the MTP proposals here (oracle drafts: seq -> k tokens) to
+        # measure the verify path at a chosen acceptance; None keeps the module's.
+        self.draft_override = None
 
     # ----- requests -------------------------------------------------------------------
 
@@ -268,8 +271,10 @@ class LLMEngine:
             if item.num_drafts:
                 seq.spec_stats.record(item.num_drafts, accepted)
                 self._record_spec(item.num_drafts, accepted)
-            seq.drafts = [int(t) for t in out.drafts[i]]
             self._append_tokens(seq, out, i, accepted + 1)
+            seq.drafts = [int(t) for t in out.drafts[i]]
+            if self.draft_override is not None:
+                seq.drafts = self.draft_override(seq)
             touched[seq.request_id] = self.requests[seq.request_id]
         for request in touched.values():
             if all(s.finished for s in request.seqs):

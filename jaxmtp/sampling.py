@@ -49,32 +49,45 @@ def row_keys(seed, output_index, num_rows: int):
     return jax.vmap(keys_for)(seed, output_index)  # [B, R]
 
 
+def _sample_rows(logits, padded, sampling):
+    """The stochastic half of verification: per row, whether the draft is accepted
+    (u < p(draft)) and the token to emit if the request stops at that row (a sample
+    from p with the draft removed where the draft was rejected, else from p)."""
+    b, r, v = logits.shape
+    temperature, top_k, top_p, min_p, seed, output_index = sampling
+    rep = lambda x: jnp.repeat(x, r)  # noqa: E731 per-request -> per-row
+    filtered = filter_logits(
+        logits.reshape(b * r, v), rep(temperature), rep(top_k), rep(top_p), rep(min_p)
+    ).reshape(b, r, v)
+    # One uniform draw per row: the last entry decides acceptance, the rest become
+    # Gumbel noise for sampling. The plain and the residual sample share that noise;
+    # a row uses only one of them, and each is an exact sample of its distribution.
+    keys = row_keys(seed, output_index, r)
+    noise = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key, (v + 1,), minval=1e-12)))(keys)
+    uniform, gumbel = noise[..., v], -jnp.log(-jnp.log(noise[..., :v]))
+    plain = jnp.argmax(filtered + gumbel, axis=-1)
+    residual_logits = jnp.where(jax.nn.one_hot(padded, v, dtype=bool), NEG_INF, filtered)
+    residual = jnp.argmax(residual_logits + gumbel, axis=-1)
+    p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), padded[..., None], axis=-1)[..., 0]
+    return uniform < p_draft, plain, residual
+
+
 def verify_and_sample(logits, drafts, num_drafts, batch):
     """logits [B, R, V] at the verify rows (R = k+1), drafts [B, k] proposed for rows
     1..k, num_drafts [B]. Returns (tokens [B, R], num_accepted [B]); the request's
     output is tokens[:num_accepted + 1]."""
     b, r, v = logits.shape
     greedy = batch.temperature == 0.0
-    flat = logits.reshape(b * r, v)
-    rep = lambda x: jnp.repeat(x, r)  # noqa: E731 per-request -> per-row
-    filtered = filter_logits(flat, rep(batch.temperature), rep(batch.top_k), rep(batch.top_p), rep(batch.min_p))
-    filtered = filtered.reshape(b, r, v)
-    # One uniform draw per row: the last entry decides acceptance, the rest become
-    # Gumbel noise for sampling. The plain and the residual sample share that noise;
-    # a row uses only one of them, and each is an exact sample of its distribution.
-    keys = row_keys(batch.seed, batch.output_index, r)
-    noise = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key, (v + 1,), minval=1e-12)))(keys)
-    uniform, gumbel = noise[..., v], -jnp.log(-jnp.log(noise[..., :v]))
-    plain = jnp.argmax(filtered + gumbel, axis=-1)
-
     # drafts padded to R: the draft checked at row j is drafts[j] (row j predicts it)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
-    residual_logits = jnp.where(jax.nn.one_hot(padded, v, dtype=bool), NEG_INF, filtered)
-    residual = jnp.argmax(residual_logits + gumbel, axis=-1)
-
-    argmax = jnp.argmax(logits, axis=-1)
-    p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), padded[..., None], axis=-1)[..., 0]
-    accept = jnp.where(greedy[:, None], padded == argmax, uniform < p_draft)
+    argmax = jnp.argmax(logits, axis=-1).astype(padded.dtype)
+    # an all-greedy batch (the common serving case) skips the random draws and sorts
+    all_greedy = lambda *_: (jnp.zeros((b, r), bool), argmax, argmax)  # noqa: E731
+    sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.output_index)
+    stochastic_accept, plain, residual = jax.lax.cond(
+        jnp.all(greedy), all_greedy, _sample_rows, logits, padded, sampling
+    )
+    accept = jnp.where(greedy[:, None], padded == argmax, stochastic_accept)
     accept &= jnp.arange(r)[None, :] < num_drafts[:, None]
     num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)
 
@@ -85,12 +98,14 @@ def verify_and_sample(logits, drafts, num_drafts, batch):
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
-def chosen_logprobs(logits, tokens, num_top: int):
-    """Log-probabilities (of the raw model distribution) of tokens [B, R], and the
-    top num_top alternatives per row."""
+def chosen_logprobs(logits, tokens, num_top: int, num_requested):
+    """Log-probabilities (of the raw model distribution) of tokens [B, R], and the top
+    num_top alternatives per row, computed only when some request asked for them."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     if num_top == 0:
         return chosen, None, None
-    top_values, top_ids = jax.lax.top_k(logp, num_top)
+    shape = logp.shape[:-1] + (num_top,)
+    none = lambda x: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int32))  # noqa: E731
+    top_values, top_ids = jax.lax.cond(jnp.any(num_requested > 0), lambda x: tuple(jax.lax.top_k(x, num_top)), none, logp)
     return chosen, top_values, top_ids

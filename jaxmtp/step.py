@@ -50,7 +50,7 @@ def step(params: Params, cache: KVCache, batch: Batch, config: StepConfig) -> tu
     t = batch.input_ids.shape[0]
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
     tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
-    logprobs, top_values, top_ids = chosen_logprobs(logits, tokens, config.num_top_logprobs)
+    logprobs, top_values, top_ids = chosen_logprobs(logits, tokens, config.num_top_logprobs, batch.num_logprobs)
     b = batch.kv_len.shape[0]
     if k:
         drafts, cache, boundary = mtp.propose(
