@@ -51,7 +51,8 @@ def run(batch, prompt_len, new, cache):
     model.generate(ids, **kw)
     torch.cuda.synchronize()
     return batch * new / (time.perf_counter() - t)
-for name, batch, cache in [("b1_dynamic", 1, None), ("b1_static", 1, "static"), ("b32_static", 32, "static")]:
+# batch 1 with a static cache ran at ~1 token/s uncompiled here (2026-11-29), so it is left out
+for name, batch, cache in [("b1_dynamic", 1, None), ("b32_static", 32, "static")]:
     try:
         results[name] = run(batch, 512, 64, cache)
     except Exception as e:
@@ -140,6 +141,23 @@ def run_decode(llm, prompts, new_tokens, oracle=None):
     return elapsed / max(steps, 1), produced / elapsed, [o.outputs[0].token_ids for o in ordered], ordered
 
 
+def device_step_time(engine, repeats: int = 50) -> float:
+    """The engine's last decode step replayed back to back: device time without the
+    host's scheduling, batch building and read-back."""
+    import jax
+    import numpy as np
+
+    from jaxmtp.step import jitted_step
+
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        engine.cache, out = jitted_step(engine.params, engine.cache, engine.last_batch, engine.step_config)
+        jax.block_until_ready(out.tokens)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times[5:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
@@ -197,14 +215,19 @@ def main() -> None:
         for backend in ("pallas", "reference"):
             llm = LLM(small, load_format="dummy", attention_backend=backend, max_num_seqs=4,
                       max_num_batched_tokens=256, prefill_chunk_size=100, num_speculative_tokens=2)
-            outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0),
-                                use_tqdm=False)
-            runs[backend] = outs
-        same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(runs["pallas"], runs["reference"])]
-        lp = [abs(np.array([next(iter(d.values())) for d in a.outputs[0].logprobs]) -
-                  np.array([next(iter(d.values())) for d in b.outputs[0].logprobs])).max()
-              for a, b in zip(runs["pallas"], runs["reference"])]
-        results["bf16_pallas_vs_reference"] = {"same_tokens": same, "max_logprob_diff": float(max(lp))}
+            runs[backend] = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
+                                                                 logprobs=0), use_tqdm=False)
+        # Greedy paths of a random bf16 model part at near-ties; compare the tokens up to
+        # the first difference and the logprob of every token both runs share.
+        agree, diffs = [], []
+        for a, b in zip(runs["pallas"], runs["reference"]):
+            ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+            n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+            agree.append(n)
+            diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())) - next(iter(b.outputs[0].logprobs[i].values())))
+                      for i in range(min(n + 1, len(ta)))]
+        results["bf16_pallas_vs_reference"] = {"tokens_equal_before_first_difference": agree, "of": 32,
+                                               "max_logprob_diff_on_shared_prefix": float(max(diffs))}
     print("correctness", results["stories_golden_on_gpu"], results["bf16_pallas_vs_reference"], flush=True)
     save()
 
@@ -235,8 +258,9 @@ def main() -> None:
         floor = (weights + kv_token_bytes * (512 + 128)) / bandwidth
         row("b1 decode (prompt 512, 256 tokens)", step_s * 1e3, "ms/token", floor_ratio(floor, step_s),
             peer=ratio(1 / step_s, results["peer"].get("b1_dynamic")), note="peer: transformers dynamic cache")
-        row("b1 decode vs transformers static cache", 1 / step_s, "tokens/s",
-            peer=ratio(1 / step_s, results["peer"].get("b1_static")))
+        device_s = device_step_time(plain.engine)
+        row("b1 decode, jitted step alone (replayed)", device_s * 1e3, "ms/token", floor_ratio(floor, device_s),
+            note=f"host overhead {100 * (1 - device_s / step_s):.0f}% of the engine step")
 
         # MTP at batch 1: random head (acceptance ~0) and oracle drafts (acceptance 1):
         # the same engine code path, only the draft tokens differ

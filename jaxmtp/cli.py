@@ -1,4 +1,4 @@
-"""The `jaxmtp` command: generate (and serve, bench, train-mtp as they land)."""
+"""The `jaxmtp` command: generate, serve (and bench, train-mtp as they land)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "checkpoints" / "st
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model folder (default: the shipped stories260K)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model folder (default: %(default)s)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "orbax", "dummy"])
     parser.add_argument("--page-size", type=int, default=16)
@@ -129,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--hard-labels", action="store_true", help="train on data tokens, not the base model's distribution")
     tr.add_argument("--seed", type=int, default=0)
     tr.set_defaults(func=cmd_train_mtp)
+    from jaxmtp import server
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see README.md)")
+    server.add_server_args(srv)
+    srv.set_defaults(func=server.serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -64,6 +64,7 @@ class Request:
     request_id: str
     prompt: str | None
     seqs: list[Sequence]
+    error: str | None = None  # why the engine failed it (finish_reason "error")
 
 
 @dataclasses.dataclass
@@ -142,8 +143,10 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._rng = np.random.default_rng(config.seed)
         self._arrivals = 0
-        # the last step's schedule and read-back StepOutput, for tests and debugging
+        # the last step's schedule, device batch and read-back StepOutput, for tests,
+        # benchmarks and debugging
         self.last_schedule = []
+        self.last_batch = None
         self.last_step_output = None
         # Benchmarks replace the MTP proposals here (oracle drafts: seq -> k tokens) to
         # measure the verify path at a chosen acceptance; None keeps the module's.
@@ -255,13 +258,16 @@ class LLMEngine:
             scheduled, shape, self.max_pages_per_seq, self.page_size,
             self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
         )
-        self.cache, out = jitted_step(self.params, self.cache, jax.device_put(batch), self.step_config)
+        self.last_batch = jax.device_put(batch)
+        self.cache, out = jitted_step(self.params, self.cache, self.last_batch, self.step_config)
         out = jax.device_get(out)
         self.last_schedule, self.last_step_output = scheduled, out
         self.stats.steps += 1
         touched = {}
         for i, item in enumerate(scheduled):
             seq = item.seq
+            if seq.finished:  # another sequence of its request failed earlier in this step
+                continue
             self.stats.computed_tokens += len(item.token_ids)
             if not item.has_output:
                 seq.num_computed += len(item.token_ids)
@@ -271,7 +277,10 @@ class LLMEngine:
             if item.num_drafts:
                 seq.spec_stats.record(item.num_drafts, accepted)
                 self._record_spec(item.num_drafts, accepted)
-            self._append_tokens(seq, out, i, accepted + 1)
+            try:
+                self._append_tokens(seq, out, i, accepted + 1)
+            except Exception as err:  # e.g. detokenising: fail this request, not the whole step
+                self._fail_request(self.requests[seq.request_id], err)
             seq.drafts = [int(t) for t in out.drafts[i]]
             if self.draft_override is not None:
                 seq.drafts = self.draft_override(seq)
@@ -356,7 +365,15 @@ class LLMEngine:
             outputs=completions,
             finished=all(s.finished for s in request.seqs),
             spec_stats=first.spec_stats.as_dict() if self.config.num_speculative_tokens else None,
+            error=request.error,
         )
+
+    def _fail_request(self, request: Request, err: Exception) -> None:
+        request.error = f"{type(err).__name__}: {err}"
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
 
     def _finish_request(self, request: Request) -> RequestOutput:
         self.requests.pop(request.request_id, None)

@@ -169,7 +169,7 @@ def load_params(
     model_dir = Path(model_dir)
     num_mtp = cfg.num_mtp_modules if with_mtp else 0
     if load_format == "dummy":
-        return jax.jit(lambda key: random_params(cfg, key, num_mtp))(jax.random.key(seed))
+        return random_params(cfg, jax.random.key(seed), num_mtp)
     if load_format not in ("auto", "safetensors", "orbax"):
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto', 'safetensors', 'orbax' or 'dummy'")
     if load_format == "orbax" or (load_format == "auto" and (model_dir / ORBAX_DIR).is_dir()):

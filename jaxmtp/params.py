@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,13 +62,20 @@ class Params:
         return self.embed.T if self.lm_head is None else self.lm_head
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _scaled_normal(key, shape, dtype):
+    # one small compiled generator per shape: a model has few distinct shapes, and
+    # one jit over the whole model takes minutes to compile at 8B
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
 def random_params(cfg: ModelConfig, key: jax.Array, num_mtp_modules: int | None = None) -> Params:
     """Random weights of the right shapes and a sensible scale (std 0.02, unit norms)."""
     dtype = cfg.jnp_dtype
     keys = iter(jax.random.split(key, 4096))
 
     def dense(n_in, n_out):
-        return (0.02 * jax.random.normal(next(keys), (n_in, n_out), jnp.float32)).astype(dtype)
+        return _scaled_normal(next(keys), (n_in, n_out), dtype)
 
     def ones(n):
         return jnp.ones((n,), dtype)
