@@ -105,9 +105,11 @@ def weight_bytes(params, embed_excluded=True):
 
 
 def run_decode(llm, prompts, new_tokens, oracle=None):
-    """Greedy decode; returns (seconds per decode step, output tokens per second over
-    the decode phase, tokens, stats). Timing starts once every request has its first
-    token, so it covers decode steps only."""
+    """Greedy decode; returns (seconds per decode step, output tokens per second,
+    tokens, outputs). The clock runs over pure decode steps of the full batch: from the
+    second step after every request has its first token (the first may compile its
+    shape) until the first request finishes (after that the batch shrinks and new
+    bucket shapes would compile inside the measurement)."""
     import jax
 
     from jaxmtp import SamplingParams
@@ -119,26 +121,43 @@ def run_decode(llm, prompts, new_tokens, oracle=None):
     if oracle is not None:
         k = engine.config.num_speculative_tokens
         engine.draft_override = lambda seq: (oracle[int(seq.request_id[1:])][len(seq.output_token_ids):] + [0] * k)[:k]
-    start = None
-    decode_steps_seen = tokens_at_start = steps = 0
+
     outputs = {}
+
+    def produced():  # output tokens so far, finished requests included
+        running = sum(len(s.output_token_ids) for r in engine.requests.values() for s in r.seqs)
+        return running + sum(len(o.outputs[0].token_ids) for o in outputs.values())
+
+    start = elapsed = None
+    decode_steps_seen = tokens_at_start = tokens_timed = steps = 0
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
-        if start is not None:
+        finished = [out for out in engine.step() if out.finished]
+        for out in finished:
+            outputs[out.request_id] = out
+        if start is not None and elapsed is None:
             steps += 1
-        elif len(engine.requests) == len(prompts) and all(s.output_token_ids for r in engine.requests.values() for s in r.seqs):
+            if finished:
+                elapsed = time.perf_counter() - start
+                tokens_timed = produced() - tokens_at_start
+        elif start is None and len(engine.requests) == len(prompts) and all(
+            s.output_token_ids for r in engine.requests.values() for s in r.seqs
+        ):
             decode_steps_seen += 1
-            if decode_steps_seen == 2:  # the first all-decode step may compile its shape
+            if decode_steps_seen == 2:
                 jax.block_until_ready(engine.cache.k[0])
                 start = time.perf_counter()
-                tokens_at_start = sum(len(s.output_token_ids) for r in engine.requests.values() for s in r.seqs)
-    elapsed = time.perf_counter() - start
+                tokens_at_start = produced()
     engine.draft_override = None
-    produced = sum(len(o.outputs[0].token_ids) for o in outputs.values()) - tokens_at_start
     ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
-    return elapsed / max(steps, 1), produced / elapsed, [o.outputs[0].token_ids for o in ordered], ordered
+    return elapsed / steps, tokens_timed / elapsed, [o.outputs[0].token_ids for o in ordered], ordered
+
+
+def report_b1(results, plain, step_s, floor, row) -> None:
+    row("b1 decode (prompt 512, 256 tokens)", step_s * 1e3, "ms/token", floor_ratio(floor, step_s),
+        peer=ratio(1 / step_s, results["peer"].get("b1_dynamic")), note="peer: transformers dynamic cache")
+    device_s = device_step_time(plain.engine)
+    row("b1 decode, jitted step alone (replayed)", device_s * 1e3, "ms/token", floor_ratio(floor, device_s),
+        note=f"host overhead {100 * (1 - device_s / step_s):.0f}% of the engine step")
 
 
 def device_step_time(engine, repeats: int = 50) -> float:
@@ -162,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--budget-s", type=float, default=480)
+    parser.add_argument("--skip", default="", help="comma list of: peer, checks, b1 (to fit a short call)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     out_dir = Path(os.environ.get("OUT", args.out))
@@ -180,18 +200,29 @@ def main() -> None:
     def budget_left():
         return args.budget_s - (time.perf_counter() - t0)
 
+    skip = set(args.skip.split(","))
+    results["skipped"] = sorted(skip - {""})
+    if "peer" in skip:
+        results["peer"] = {}
+    else:
+        results["peer"] = run_peer()
+    results["torch_copy_bytes_per_s"] = torch_copy_bandwidth()
+    print("peer", results["peer"], "torch copy", results["torch_copy_bytes_per_s"], flush=True)
+    run_scenarios(results, skip, row, save, budget_left)
+    (out_dir / "e2e.md").write_text(markdown(results))
+    print_table(results)
+
+
+def run_peer() -> dict:
     peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, json.dumps(LLAMA3_8B)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     peer_out, _ = peer.communicate(timeout=240)
     peer_json = [line for line in peer_out.splitlines() if line.startswith("PEER_JSON ")]
-    results["peer"] = json.loads(peer_json[-1][10:]) if peer_json else {"error": peer_out[-2000:]}
-    results["torch_copy_bytes_per_s"] = torch_copy_bandwidth()
-    print("peer", results["peer"], "torch copy", results["torch_copy_bytes_per_s"], flush=True)
+    return json.loads(peer_json[-1][10:]) if peer_json else {"error": peer_out[-2000:]}
 
+
+def run_scenarios(results, skip, row, save, budget_left) -> None:
     import jax
-    import numpy as np
-
-    from jaxmtp import LLM, SamplingParams
 
     results["device"] = jax.devices()[0].device_kind
     results["jax"] = jax.__version__
@@ -200,6 +231,17 @@ def main() -> None:
     save()
 
     # ---- correctness on the GPU: stories260K golden, kernel vs reference on bf16 ----
+    if "checks" not in skip:
+        gpu_checks(results)
+    save()
+    run_8b(results, skip, row, budget_left, bandwidth)
+
+
+def gpu_checks(results) -> None:
+    import numpy as np
+
+    from jaxmtp import LLM, SamplingParams
+
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import STORIES, golden_ids
 
@@ -229,7 +271,12 @@ def main() -> None:
         results["bf16_pallas_vs_reference"] = {"tokens_equal_before_first_difference": agree, "of": 32,
                                                "max_logprob_diff_on_shared_prefix": float(max(diffs))}
     print("correctness", results["stories_golden_on_gpu"], results["bf16_pallas_vs_reference"], flush=True)
-    save()
+
+
+def run_8b(results, skip, row, budget_left, bandwidth) -> None:
+    import numpy as np
+
+    from jaxmtp import LLM, SamplingParams
 
     # ---- the 8B-shaped model: one engine alive at a time ----
     with tempfile.TemporaryDirectory() as folder:
@@ -256,16 +303,13 @@ def main() -> None:
         results["first_run_compile_s"] = time.perf_counter() - t
         step_s, _, plain_tokens, _ = run_decode(plain, prompt, 256)
         floor = (weights + kv_token_bytes * (512 + 128)) / bandwidth
-        row("b1 decode (prompt 512, 256 tokens)", step_s * 1e3, "ms/token", floor_ratio(floor, step_s),
-            peer=ratio(1 / step_s, results["peer"].get("b1_dynamic")), note="peer: transformers dynamic cache")
-        device_s = device_step_time(plain.engine)
-        row("b1 decode, jitted step alone (replayed)", device_s * 1e3, "ms/token", floor_ratio(floor, device_s),
-            note=f"host overhead {100 * (1 - device_s / step_s):.0f}% of the engine step")
+        if "b1" not in skip:
+            report_b1(results, plain, step_s, floor, row)
 
         # MTP at batch 1: random head (acceptance ~0) and oracle drafts (acceptance 1):
         # the same engine code path, only the draft tokens differ
         for k in (1, 3):
-            if budget_left() < 150:
+            if budget_left() < 100:
                 break
             spec = engine(max_num_seqs=1, max_num_batched_tokens=512, num_speculative_tokens=k)
             run_decode(spec, prompt, 8)
@@ -277,7 +321,7 @@ def main() -> None:
                          f"output equal to plain: {toks == plain_tokens}")
 
         # batch 32 decode, context 1024
-        if budget_left() > 150:
+        if budget_left() > 100:
             batch = engine(max_num_seqs=32, max_num_batched_tokens=1024, prefill_chunk_size=1024)
             prompts = [rng.integers(3, 128000, size=1024).tolist() for _ in range(32)]
             step_s, tps, _, _ = run_decode(batch, prompts, 64)
@@ -296,8 +340,6 @@ def main() -> None:
             flops = 2 * weights / 2 * 8192 + 4 * 32 * 8192 * 8192 / 2 * 4096
             row("prefill 8k, chunk 2048: TTFT", ttft * 1e3, "ms", floor_ratio(flops / results["matmul_flops_per_s"], ttft))
 
-    print_table(results)
-    (out_dir / "e2e.md").write_text(markdown(results))
 
 
 def ratio(ours, peer):

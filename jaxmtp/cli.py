@@ -6,7 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "checkpoints" / "stories260K")
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+DEFAULT_MODEL = str(CHECKPOINTS / "stories260K-mtp")  # stories260K with its trained MTP head
+DEFAULT_BASE = str(CHECKPOINTS / "stories260K")
+DEFAULT_SPECULATIVE_TOKENS = 2  # for models that ship MTP weights
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -19,10 +22,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--prefill-chunk-size", type=int, default=None)
-    parser.add_argument("--num-speculative-tokens", type=int, default=0)
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help=f"MTP drafts per step (default {DEFAULT_SPECULATIVE_TOKENS} if the model has MTP weights, else 0)")
     parser.add_argument("--mtp-boundary", choices=["next_chunk", "sampled"], default="next_chunk")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
     parser.add_argument("--seed", type=int, default=0)
+
+
+def speculative_tokens(args: argparse.Namespace) -> int:
+    if args.num_speculative_tokens is not None:
+        return args.num_speculative_tokens
+    from jaxmtp.config import load_config
+
+    return DEFAULT_SPECULATIVE_TOKENS if load_config(args.model).num_mtp_modules else 0
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -35,7 +47,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=speculative_tokens(args),
         mtp_boundary=args.mtp_boundary,
         attention_backend=args.attention_backend,
         seed=args.seed,
@@ -91,7 +103,7 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
     print(f"train-mtp: {len(corpus)} training sequences ({int(lengths.sum())} tokens), {len(corpus_eval)} held out")
     config = train.TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, depths=args.depths,
-        learning_rate=args.learning_rate, seed=args.seed, soft_targets=not args.hard_labels,
+        learning_rate=args.learning_rate, seed=args.seed, soft_targets=args.distill,
     )
     trainer = train.Trainer(llm.engine.params, llm.engine.model_config, config)
     state, history = trainer.fit(tokens, lengths, eval_tokens, eval_lengths, checkpoint_dir=out)
@@ -116,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     tr = sub.add_parser("train-mtp", help="train an MTP draft module on a frozen base model")
-    tr.add_argument("--model", default=DEFAULT_MODEL)
+    tr.add_argument("--model", default=DEFAULT_BASE)
     tr.add_argument("--out", required=True, help="engine checkpoint to write (base + MTP module)")
     tr.add_argument("--text-file", default=None, help="train on this text (blank-line separated) instead of self-distillation")
     tr.add_argument("--samples-per-prompt", type=int, default=8)
@@ -126,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--seq-len", type=int, default=192)
     tr.add_argument("--depths", type=int, default=2)
     tr.add_argument("--learning-rate", type=float, default=3e-3)
-    tr.add_argument("--hard-labels", action="store_true", help="train on data tokens, not the base model's distribution")
+    tr.add_argument("--distill", action="store_true", help="train on the base model's distribution, not data tokens")
     tr.add_argument("--seed", type=int, default=0)
     tr.set_defaults(func=cmd_train_mtp)
     from jaxmtp import server

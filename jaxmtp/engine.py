@@ -109,7 +109,9 @@ class LLMEngine:
         self.max_pages_per_seq = math.ceil((self.max_model_len + 2 * k) / self.page_size)
         num_pages = config.num_pages or config.max_num_seqs * self.max_pages_per_seq
         num_mtp_layers = 1 if k else 0
-        self.cache = allocate_cache(cfg, num_pages, self.page_size, num_mtp_layers)
+        # committed to the device like every cache the step returns, so the first shape
+        # warmup() compiles is not compiled again for the first real request
+        self.cache = jax.device_put(allocate_cache(cfg, num_pages, self.page_size, num_mtp_layers), jax.devices()[0])
         self.allocator = PageAllocator(num_pages)
         chunk = config.prefill_chunk_size or config.max_num_batched_tokens
         if chunk < 1:

@@ -125,11 +125,13 @@ class APIError(Exception):
         return JSONResponse(self.body, status_code=self.status)
 
 
-def bad_request(err: ValueError, fields: type[BaseModel]) -> APIError:
-    """An engine ValueError as a 400; its message starts with the field it is about."""
+def bad_request(err: ValueError, body: type[BaseModel], prompt_field: str = "prompt") -> APIError:
+    """An engine ValueError as a 400; its message starts with the parameter it is about."""
     message = str(err)
-    first_word = message.split(" ", 1)[0]
-    return APIError(400, message, param=first_word if first_word in fields.model_fields else None)
+    param = message.split(" ", 1)[0]
+    if param == "prompt":
+        param = prompt_field
+    return APIError(400, message, param=param if param in body.model_fields else None)
 
 
 # ----- the engine thread ------------------------------------------------------------------
@@ -183,13 +185,11 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception:
-            # The loop must outlive a failed step: fail the requests the engine held
-            # (their aborts free the pages next step) and keep serving the others.
-            log.exception("engine step failed; failing the requests it held")
-            failed = list(self.engine.requests)
-            for request_id in failed:
-                self.engine.abort_request(request_id)
-            self._loop.call_soon_threadsafe(self._fail, failed)
+            # The loop must outlive a failed step: fail what is in flight, keep serving.
+            log.exception("engine step failed; failing the requests in flight")
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)  # before the next step can fail on them again
+            self._loop.call_soon_threadsafe(self._fail_all)
             return
         for out in outputs:
             if out.finished:
@@ -207,11 +207,13 @@ class EngineLoop:
                 del self._queues[out.request_id]
             queue.put_nowait(out)
 
-    def _fail(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            queue = self._queues.pop(request_id, None)
-            if queue is not None:
-                queue.put_nowait(APIError(500, "the engine step failed (see the server log)"))
+    def _fail_all(self) -> None:
+        # every request still listening, also one the failed step finished but never reported
+        for request_id, queue in self._queues.items():
+            self.engine.abort_request(request_id)
+            queue.put_nowait(APIError(500, "the engine step failed (see the server log)"))
+        self._queues.clear()
+        self._wake.set()
 
 
 # ----- metrics ------------------------------------------------------------------------------
@@ -511,7 +513,7 @@ class Server:
         )
         return SamplingParams(ignore_eos=body.ignore_eos, **{k: v for k, v in given.items() if v is not None})
 
-    def start(self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    def submit(self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams) -> Generation:
         for prompt in prompts:
             self.engine.validate(prompt, params)
         waiting, new = self.engine.num_waiting, len(prompts) * body.n
@@ -527,8 +529,7 @@ class Server:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self.stream(generation, fmt, header, include_usage), media_type="text/event-stream")
-        done = await until_disconnected(request, generation.run_to_end())
-        if not done:
+        if not await finished_before_disconnect(request, generation.run_to_end()):
             return Response(status_code=499)  # nobody is there to read it
         choices = [fmt.choice(c, c.text, 0, True, False) for c in generation.choices]
         return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": generation.usage()})
@@ -562,7 +563,7 @@ class Server:
         yield sse("[DONE]")
 
 
-async def until_disconnected(request: Request, work) -> bool:
+async def finished_before_disconnect(request: Request, work) -> bool:
     """Run `work`; if the client disconnects first, cancel it (which aborts its engine
     requests) and return False."""
     task = asyncio.ensure_future(work)
@@ -685,7 +686,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         try:
             prompts = [engine.encode_prompt(p)[1] for p in prompt_list(body.prompt)]
             params = server.sampling_params(body, body.max_tokens, body.logprobs)
-            generation = server.start(body, prompts, params)
+            generation = server.submit(body, prompts, params)
         except ValueError as err:
             raise bad_request(err, CompletionRequest) from None
         return await server.respond(request, generation, CompletionFormat(engine.tokenizer, body.logprobs), body)
@@ -703,9 +704,9 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             # by default a reply may fill the context; a prompt that already does gets the context error
             max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt))
             params = server.sampling_params(body, max_tokens, logprobs)
-            generation = server.start(body, [prompt], params)
+            generation = server.submit(body, [prompt], params)
         except ValueError as err:
-            raise bad_request(err, ChatCompletionRequest) from None
+            raise bad_request(err, ChatCompletionRequest, prompt_field="messages") from None
         return await server.respond(request, generation, ChatFormat(engine.tokenizer, logprobs), body)
 
     return app

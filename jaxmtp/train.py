@@ -35,7 +35,7 @@ class TrainConfig:
     batch_size: int = 16
     seq_len: int = 192  # tokens per training sequence (longer ones are cut)
     depths: int = 2  # chained depths trained (the engine reuses the module for drafts 2..k)
-    soft_targets: bool = True  # distil the main model's distribution instead of data tokens
+    soft_targets: bool = False  # distil the main model's distribution instead of data tokens
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     weight_decay: float = 0.01
