@@ -117,7 +117,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, k in zip(axes, sorted({r["k"] for r in rows})):
         for mode, style in zip(MODES, ("-o", "--s")):
             sel = [r for r in rows if r["k"] == k and r["mode"] == mode]
@@ -126,7 +126,8 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(f"k = {k}")
         ax.set_xlabel("prefill_chunk_size")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("mean acceptance length")
+    for ax in axes:
+        ax.set_ylabel("mean acceptance length")
     axes[0].legend(title="mtp_boundary")
     fig.suptitle("MTP under chunked prefill: the fix (next_chunk) vs the pre-fix behaviour (sampled)")
     fig.tight_layout()
