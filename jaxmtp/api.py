@@ -71,9 +71,14 @@ class LLM:
         here; the server runs its own engine loop instead)."""
         request_id = f"stream-{next(self._ids)}"
         self.engine.add_request(request_id, prompt, sampling_params)
-        while True:
-            for out in self.engine.step():
-                if out.request_id == request_id:
-                    yield out
-                    if out.finished:
-                        return
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:  # the caller stopped early: free the request's pages
+                self.engine.abort_request(request_id)
+                self.engine.step()

@@ -161,3 +161,12 @@ def test_engine_on_the_pallas_kernel_matches_the_reference(tmp_path, rng):
 def test_pallas_backend_refuses_head_sizes_it_cannot_tile():
     with pytest.raises(ValueError, match="head_dim a power of two >= 16, got 8"):
         LLM(STORIES, attention_backend="pallas")
+
+
+def test_stream_closed_early_frees_its_pages():
+    llm = make_llm()
+    stream = llm.stream("Once upon a time", SamplingParams(max_tokens=50, temperature=0.0))
+    next(stream)
+    next(stream)
+    stream.close()
+    assert_no_leaks(llm)
