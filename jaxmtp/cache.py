@@ -42,11 +42,6 @@ def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_lay
     )
 
 
-def cache_bytes_per_page(cfg: ModelConfig, page_size: int, num_mtp_layers: int) -> int:
-    per_layer = 2 * page_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    return per_layer * (cfg.num_layers + num_mtp_layers)
-
-
 class PageAllocator:
     """Free list of page ids. Pages are handed out in units and returned whole."""
 

@@ -332,7 +332,7 @@ class LLMEngine:
         ids = seq.output_token_ids
         if seq.stop_reason in seq.stop_token_ids:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
+        text = self.tokenizer.decode_continuation(seq.prompt_token_ids, ids)
         for stop in seq.params.stop:
             at = text.find(stop)
             if at >= 0:

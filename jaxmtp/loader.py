@@ -137,7 +137,9 @@ def save_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, sourc
             if (Path(source_dir) / name).is_file() and Path(source_dir).absolute() != out:
                 shutil.copy(Path(source_dir) / name, out / name)
     hf = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
-    hf.update(jaxmtp_checkpoint_fields(cfg, len(params.mtp)))
+    hf["num_nextn_predict_layers"] = len(params.mtp)
+    if params.mtp:
+        hf["jaxmtp_mtp_layout"] = cfg.mtp_layout or "deepseek"
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     target = out / ORBAX_DIR
     if target.exists():
@@ -146,14 +148,6 @@ def save_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, sourc
     checkpointer.save(target, params)
     checkpointer.wait_until_finished()
     return out
-
-
-def jaxmtp_checkpoint_fields(cfg: ModelConfig, num_mtp: int) -> dict:
-    """config.json fields that describe the MTP modules of an engine checkpoint."""
-    fields = {"num_nextn_predict_layers": num_mtp}
-    if num_mtp:
-        fields["jaxmtp_mtp_layout"] = cfg.mtp_layout or "deepseek"
-    return fields
 
 
 def restore_checkpoint(model_dir: Path, cfg: ModelConfig) -> Params:

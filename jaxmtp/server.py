@@ -35,13 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
-from jaxmtp.cli import DEFAULT_MODEL, add_engine_args, engine_kwargs
+from jaxmtp.cli import add_engine_args, engine_kwargs
 from jaxmtp.outputs import RequestOutput
 from jaxmtp.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxmtp.server")
 
-DEFAULT_SERVE_MODEL = str(Path(DEFAULT_MODEL).with_name("stories260K-mtp"))
 MAX_N = 128  # OpenAI's limit on n
 LOGPROB_CONTEXT = 4  # output tokens decoded before a token to render its text with its leading space
 
@@ -371,6 +370,7 @@ class Generation:
         if isinstance(item, APIError):
             raise item
         if item.error:
+            log.error("the engine failed request %s: %s", item.request_id, item.error)
             raise APIError(500, f"the engine failed this request: {item.error}")
         choice = self._by_request_id[item.request_id]
         choice.update(item, self.arrival, self.server.metrics)
@@ -455,7 +455,8 @@ class ChatFormat(CompletionFormat):
         return self.finish(body, choice, done)
 
     def opening(self, choice: Choice) -> dict:
-        return {"index": choice.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        delta = {"role": "assistant", "content": ""}
+        return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def logprobs(self, choice: Choice, first_token: int) -> dict | None:
         if self.num_logprobs is None or choice.logprobs is None:
@@ -468,7 +469,9 @@ class ChatFormat(CompletionFormat):
             for t, lp in top_entries(entry, self.num_logprobs):
                 text = token_text(self.tokenizer, previous, t)
                 top.append({"token": text, "logprob": lp, "bytes": list(text.encode())})
-            content.append({"token": token, "logprob": entry[ids[position]], "bytes": list(token.encode()), "top_logprobs": top})
+            content.append(
+                {"token": token, "logprob": entry[ids[position]], "bytes": list(token.encode()), "top_logprobs": top}
+            )
         return {"content": content}
 
 
@@ -524,7 +527,9 @@ class Server:
             )
         return Generation(self, prompts, params, body.n, body.timeout)
 
-    async def respond(self, request: Request, generation: Generation, fmt: CompletionFormat, body: GenerationFields) -> Response:
+    async def respond(
+        self, request: Request, generation: Generation, fmt: CompletionFormat, body: GenerationFields
+    ) -> Response:
         header = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": generation.created, "model": self.model_id}
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -555,8 +560,7 @@ class Server:
                     yield sse({**header, "choices": [fmt.choice(choice, text, first_token, done, True)]})
             if include_usage:
                 yield sse({**header, "choices": [], "usage": generation.usage()})
-        except APIError as err:
-            log.warning("streamed request failed: %s", err)
+        except APIError as err:  # the status line has gone out: the error goes in the stream
             yield sse(err.body)
         finally:
             generation.cancel()
@@ -602,7 +606,8 @@ class RequestGate:
         if self.expected_authorization and scope["path"].startswith("/v1"):
             given = headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, self.expected_authorization):
-                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                error = APIError(401, message, code="invalid_api_key")
                 return await error.response()(scope, receive, send)
         too_large = APIError(413, f"request body over {self.max_body_bytes} bytes", code="request_too_large")
         length = headers.get("content-length", "")
@@ -632,7 +637,6 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         server.engine_loop.stop()
 
     app = FastAPI(title="jaxmtp", summary="OpenAI-compatible completions on a jaxmtp engine", lifespan=lifespan)
-    app.state.server = server
     app.add_middleware(RequestGate, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -737,7 +741,6 @@ def chat_prompt_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
-    parser.set_defaults(model=DEFAULT_SERVE_MODEL, num_speculative_tokens=2)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument(
@@ -761,9 +764,9 @@ def serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(args.log_level.upper())
-    for name, value in (("max_waiting", args.max_waiting), ("request_timeout", args.request_timeout), ("max_body_bytes", args.max_body_bytes)):
-        if value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+    for name in ("max_waiting", "request_timeout", "max_body_bytes"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(args, name)}")
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
     engine = LLMEngine(args.model, **engine_kwargs(args))

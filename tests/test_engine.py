@@ -170,3 +170,10 @@ def test_stream_closed_early_frees_its_pages():
     next(stream)
     stream.close()
     assert_no_leaks(llm)
+
+
+def test_output_text_continues_the_prompt_with_its_leading_space():
+    llm = make_llm()
+    out = llm.generate("Once upon a", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
+    assert out.outputs[0].text.startswith(" time")
+    assert ("Once upon a" + out.outputs[0].text) == llm.tokenizer.decode(out.prompt_token_ids + out.outputs[0].token_ids)
