@@ -225,7 +225,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self._incoming)
+        """Sequences not yet running: queued in the scheduler or not yet admitted."""
+        return len(self.scheduler.waiting) + sum(len(r.seqs) for r in self._incoming)
 
     # ----- the step -------------------------------------------------------------------
 
