@@ -42,7 +42,6 @@ from jaxmtp.sampling_params import SamplingParams
 log = logging.getLogger("jaxmtp.server")
 
 MAX_N = 128  # OpenAI's limit on n
-LOGPROB_CONTEXT = 4  # output tokens decoded before a token to render its text with its leading space
 
 
 # ----- request bodies ---------------------------------------------------------------------
@@ -397,10 +396,8 @@ class Generation:
 
 
 def token_text(tokenizer, previous: list[int], token: int) -> str:
-    """The text `token` adds after `previous` (a few tokens of context keep its leading space)."""
-    context = previous[-LOGPROB_CONTEXT:]
-    head = tokenizer.decode(context, skip_special_tokens=False)
-    return tokenizer.decode(context + [token], skip_special_tokens=False)[len(head) :]
+    """The text `token` adds after `previous`, special tokens included."""
+    return tokenizer.decode_continuation(previous, [token], skip_special_tokens=False)
 
 
 def top_entries(entry: dict[int, float], n: int) -> list[tuple[int, float]]:

@@ -56,14 +56,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_continuation(self, prompt_ids: list[int], ids: list[int], context: int = 4) -> str:
-        """Text of ids as it continues the prompt. Decoding ids alone would drop the
+    def decode_continuation(
+        self, previous_ids: list[int], ids: list[int], context: int = 4, skip_special_tokens: bool = True
+    ) -> str:
+        """Text of ids as it continues previous_ids. Decoding ids alone would drop the
         space a SentencePiece-style decoder strips from the first token ("time" for
-        " time"), so decode with a few prompt tokens before them and cut those off."""
-        before = prompt_ids[-context:]
-        head = self.decode(before)
-        whole = self.decode(before + ids)
-        return whole[len(head) :] if whole.startswith(head) else self.decode(ids)
+        " time"), so decode with a few tokens before them and cut those off."""
+        before = previous_ids[-context:]
+        head = self.decode(before, skip_special_tokens)
+        whole = self.decode(before + ids, skip_special_tokens)
+        return whole[len(head) :] if whole.startswith(head) else self.decode(ids, skip_special_tokens)
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self.hf.token_to_id(token)
