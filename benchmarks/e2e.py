@@ -171,7 +171,7 @@ def device_step_time(engine, repeats: int = 50) -> float:
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        engine.cache, out = jitted_step(engine.params, engine.cache, engine.last_batch, engine.step_config)
+        engine.cache, out = jitted_step(engine.params, engine.cache, *engine.last_batch, engine.step_config)
         jax.block_until_ready(out.tokens)
         times.append(time.perf_counter() - t)
     return float(np.median(times[5:]))

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from jaxmtp.attention import resolve_backend
-from jaxmtp.batch import BatchShape, BucketPlan, build_batch
+from jaxmtp.batch import BatchShape, BucketPlan, build_batch, pack_batch
 from jaxmtp.cache import PageAllocator, allocate_cache
 from jaxmtp.config import load_config
 from jaxmtp.loader import load_params
@@ -261,8 +261,8 @@ class LLMEngine:
             scheduled, shape, self.max_pages_per_seq, self.page_size,
             self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
         )
-        self.last_batch = jax.device_put(batch)
-        self.cache, out = jitted_step(self.params, self.cache, self.last_batch, self.step_config)
+        self.last_batch = self._to_device(batch, shape)
+        self.cache, out = jitted_step(self.params, self.cache, *self.last_batch, self.step_config)
         out = jax.device_get(out)
         self.last_schedule, self.last_step_output = scheduled, out
         self.stats.steps += 1
@@ -294,6 +294,12 @@ class LLMEngine:
             else:
                 outputs.append(self._request_output(request))
         return outputs
+
+    def _to_device(self, batch, shape: BatchShape) -> tuple:
+        """(ints, floats, shapes): the packed batch on the device, in one transfer, and
+        the static shapes the step unpacks it with."""
+        ints, floats = jax.device_put(pack_batch(batch))
+        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
 
     def _record_spec(self, num_drafts: int, accepted: int) -> None:
         per_position = self.stats.spec_accepted_per_position
@@ -397,5 +403,5 @@ class LLMEngine:
             [], shape, self.max_pages_per_seq, self.page_size,
             self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
         )
-        self.cache, out = jitted_step(self.params, self.cache, jax.device_put(batch), self.step_config)
+        self.cache, out = jitted_step(self.params, self.cache, *self._to_device(batch, shape), self.step_config)
         jax.block_until_ready(out)

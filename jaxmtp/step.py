@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jaxmtp import model, mtp
 from jaxmtp.attention import attention_fn
-from jaxmtp.batch import Batch
+from jaxmtp.batch import unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
@@ -40,7 +40,12 @@ class StepOutput:
     boundary_token: jax.Array  # [B] token the draft pass used at each request's boundary row
 
 
-def step(params: Params, cache: KVCache, batch: Batch, config: StepConfig) -> tuple[KVCache, StepOutput]:
+def step(
+    params: Params, cache: KVCache, ints: jax.Array, floats: jax.Array, shapes: tuple, config: StepConfig
+) -> tuple[KVCache, StepOutput]:
+    """ints/floats: the batch packed by batch.pack_batch; shapes = (T, B, pages per
+    request, k) says how to unpack it."""
+    batch = unpack_batch(ints, floats, shapes)
     cfg = config.model
     k = config.num_speculative_tokens
     attention = attention_fn(config.attention_backend, cfg.head_dim)
@@ -61,4 +66,4 @@ def step(params: Params, cache: KVCache, batch: Batch, config: StepConfig) -> tu
     return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary)
 
 
-jitted_step = jax.jit(step, static_argnames=("config",), donate_argnames=("cache",))
+jitted_step = jax.jit(step, static_argnames=("config", "shapes"), donate_argnames=("cache",))
