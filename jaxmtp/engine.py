@@ -22,7 +22,7 @@ from jaxmtp.mtp import BOUNDARY_MODES
 from jaxmtp.outputs import CompletionOutput, RequestOutput
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import Scheduler, SchedulerConfig
-from jaxmtp.sequence import Sequence
+from jaxmtp.sequence import Sequence, SpecStats
 from jaxmtp.step import StepConfig, jitted_step
 from jaxmtp.tokenizer import Tokenizer
 
@@ -73,9 +73,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     generation_tokens: int = 0
     computed_tokens: int = 0  # rows run through the main model (prefill and verify)
-    spec_drafted: int = 0
-    spec_accepted: int = 0
-    spec_accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # all requests' drafts together
     requests_finished: int = 0
 
 
@@ -257,13 +255,7 @@ class LLMEngine:
         if not scheduled:
             return outputs
         shape = self.buckets.shape_for(sum(len(s.token_ids) for s in scheduled), len(scheduled))
-        batch = build_batch(
-            scheduled, shape, self.max_pages_per_seq, self.page_size,
-            self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
-        )
-        self.last_batch = self._to_device(batch, shape)
-        self.cache, out = jitted_step(self.params, self.cache, *self.last_batch, self.step_config)
-        out = jax.device_get(out)
+        out = jax.device_get(self._run(scheduled, shape))
         self.last_schedule, self.last_step_output = scheduled, out
         self.stats.steps += 1
         touched = {}
@@ -279,7 +271,7 @@ class LLMEngine:
             seq.num_computed = item.start + len(item.token_ids) - item.num_drafts + accepted
             if item.num_drafts:
                 seq.spec_stats.record(item.num_drafts, accepted)
-                self._record_spec(item.num_drafts, accepted)
+                self.stats.spec.record(item.num_drafts, accepted)
             try:
                 self._append_tokens(seq, out, i, accepted + 1)
             except Exception as err:  # e.g. detokenising: fail this request, not the whole step
@@ -295,19 +287,18 @@ class LLMEngine:
                 outputs.append(self._request_output(request))
         return outputs
 
-    def _to_device(self, batch, shape: BatchShape) -> tuple:
-        """(ints, floats, shapes): the packed batch on the device, in one transfer, and
-        the static shapes the step unpacks it with."""
+    def _run(self, scheduled, shape: BatchShape):
+        """The jitted step over a schedule padded to shape; the batch crosses to the
+        device packed in one transfer. Returns the StepOutput, still on the device."""
+        batch = build_batch(
+            scheduled, shape, self.max_pages_per_seq, self.page_size,
+            self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
+        )
         ints, floats = jax.device_put(pack_batch(batch))
-        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
-
-    def _record_spec(self, num_drafts: int, accepted: int) -> None:
-        per_position = self.stats.spec_accepted_per_position
-        per_position += [0] * (num_drafts - len(per_position))
-        self.stats.spec_drafted += num_drafts
-        self.stats.spec_accepted += accepted
-        for j in range(accepted):
-            per_position[j] += 1
+        static = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
+        self.last_batch = (ints, floats, static)
+        self.cache, out = jitted_step(self.params, self.cache, *self.last_batch, self.step_config)
+        return out
 
     def _append_tokens(self, seq: Sequence, out, i: int, count: int) -> None:
         params = seq.params
@@ -395,13 +386,5 @@ class LLMEngine:
         """Compile the step for every bucket shape; returns the number of shapes."""
         shapes = self.buckets.all_shapes()
         for shape in shapes:
-            self._run_empty(shape)
+            jax.block_until_ready(self._run([], shape))  # an empty batch: every write dropped
         return len(shapes)
-
-    def _run_empty(self, shape: BatchShape) -> None:
-        batch = build_batch(
-            [], shape, self.max_pages_per_seq, self.page_size,
-            self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
-        )
-        self.cache, out = jitted_step(self.params, self.cache, *self._to_device(batch, shape), self.step_config)
-        jax.block_until_ready(out)

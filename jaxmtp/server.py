@@ -232,14 +232,14 @@ class EngineCollector:
         yield GaugeMetricFamily("jaxmtp_kv_pages_free", "KV cache pages free.", value=free)
         yield CounterMetricFamily("jaxmtp_prompt_tokens", "Prompt tokens of admitted requests.", value=stats.prompt_tokens)
         yield CounterMetricFamily("jaxmtp_generation_tokens", "Generated tokens.", value=stats.generation_tokens)
-        yield CounterMetricFamily("jaxmtp_spec_decode_draft_tokens", "Draft tokens proposed.", value=stats.spec_drafted)
-        yield CounterMetricFamily("jaxmtp_spec_decode_accepted_tokens", "Draft tokens accepted.", value=stats.spec_accepted)
+        yield CounterMetricFamily("jaxmtp_spec_decode_draft_tokens", "Draft tokens proposed.", value=stats.spec.drafted)
+        yield CounterMetricFamily("jaxmtp_spec_decode_accepted_tokens", "Draft tokens accepted.", value=stats.spec.accepted)
         per_position = CounterMetricFamily(
             "jaxmtp_spec_decode_accepted_tokens_per_position",
             "Draft tokens accepted, by draft position (0 is the first draft).",
             labels=["position"],
         )
-        for position, count in enumerate(list(stats.spec_accepted_per_position)):
+        for position, count in enumerate(list(stats.spec.accepted_per_position)):
             per_position.add_metric([str(position)], count)
         yield per_position
 
