@@ -66,9 +66,6 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
-    def as_dict(self) -> dict:
-        return {"queries": self.queries, "hits": self.hits, "hit_rate": self.hit_rate, "evictions": self.evictions}
-
 
 class PrefixCache:
     """Cached full pages by hash and following token, and the least-recently-used order
@@ -114,8 +111,10 @@ class PrefixCache:
         """Cache seq's full pages whose KV is final: every row computed, the token after
         the page known (the draft KV at its last row was built from it)."""
         size = self.page_size
+        num_final = min(seq.num_computed, seq.num_tokens - 1) // size
+        if num_final <= len(seq.cached_prefix):
+            return
         token_ids = seq.token_ids
-        num_final = min(seq.num_computed, len(token_ids) - 1) // size
         parent = seq.cached_prefix[-1] if seq.cached_prefix else None
         for j in range(len(seq.cached_prefix), num_final):
             tokens = tuple(token_ids[j * size : (j + 1) * size])
