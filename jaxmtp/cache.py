@@ -13,11 +13,15 @@ from jaxmtp.params import pytree_dataclass
 
 @pytree_dataclass
 class KVCache:
-    """Per-layer K and V pages, each [num_pages, page_size, num_kv_heads, head_dim].
+    """Per-layer K and V pages, each [num_pages + 1, page_size, num_kv_heads, head_dim].
 
     The main model's layers come first, then one layer per MTP module: draft KV lives
     in the same page slots as the main model's, so one page table serves both and
     preemption or prefix caching carry draft KV with no extra bookkeeping.
+
+    The last page belongs to no request: rows with nothing to write (padding, idle
+    draft-chain rows) write there, so every scatter index is in bounds and no write
+    needs dropping.
     """
 
     k: list[jax.Array]
@@ -25,15 +29,26 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        """Pages requests can own (the scratch page not counted)."""
+        return self.k[0].shape[0] - 1
 
     @property
     def page_size(self) -> int:
         return self.k[0].shape[1]
 
+    @property
+    def scratch_slot(self) -> int:
+        return scratch_slot(self.k[0])
+
+
+def scratch_slot(pages: jax.Array) -> int:
+    """A slot in the scratch page of one layer's pages: where rows with nothing to
+    write write."""
+    return (pages.shape[0] - 1) * pages.shape[1]
+
 
 def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_layers: int) -> KVCache:
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
     n = cfg.num_layers + num_mtp_layers
     # zeros, not empty: a page read before it is written must hold finite values.
     return KVCache(
