@@ -1,18 +1,28 @@
-"""End-to-end GPU benchmark (one NVIDIA H200, one call of a few minutes).
+"""End-to-end GPU benchmark (one NVIDIA H200; each group of scenarios fits a call of a
+few minutes).
 
-    python benchmarks/e2e.py [--out docs/benchmarks] [--budget-s 500]
+    python benchmarks/e2e.py --scenarios peer,b1,mtp --tag a     # call a
+    python benchmarks/e2e.py --scenarios batch,mtp32,prefill,online --tag b
+    python benchmarks/e2e.py --tiny                             # CPU smoke test, tiny model
 
 A Llama-3-8B-shaped bfloat16 model with random weights and a random one-module MTP
 head (load_format="dummy": only a config.json, weights made on the device) against
 floors measured in the same run (device-to-device copy bandwidth, bf16 matmul rate)
-and against transformers on the same GPU. Scenarios run in order of importance and stop
-when the time budget is spent; each result is written as soon as it exists. Prints a
-table last; saves JSON and markdown with date, device and JAX version.
+and against transformers on the same GPU. Scenarios run in the order given and are
+skipped when the time budget is spent; each result is written as soon as it exists.
+Prints a table last; saves JSON and markdown with date, device and JAX version.
+
+Scenario groups: peer (transformers), checks (GPU correctness), b1 (batch-1 decode,
+async and sync scheduling, the jitted step alone, HLO cache copies), mtp (k = 1, 2, 3
+at batch 1), mtp32 (k = 1, 3 at batch 32), batch (batch 8/32/128 at context 1024 and
+4096), prefill (8k prompt, chunks 512 and 2048), online (Poisson arrivals), startup
+(cold and warm start with the persistent compilation cache).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -33,11 +43,40 @@ LLAMA3_8B = {
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 1, "eos_token_id": 2, "num_nextn_predict_layers": 1,
 }
+TINY = {**LLAMA3_8B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Workload sizes: the real ones, or a small copy for the CPU smoke test."""
+
+    prompt: int = 512
+    new_tokens: int = 256
+    batch_new_tokens: int = 32
+    batches: tuple = (8, 32, 128)
+    contexts: tuple = (1024, 4096)
+    prefill_prompt: int = 8192
+    prefill_chunks: tuple = (512, 2048)
+    max_batched: int = 2048
+    online_requests: int = 48
+    online_rate: float = 8.0  # requests per second
+    online_prompt: tuple = (128, 1024)
+    online_output: tuple = (32, 256)
+    online_seqs: int = 16
+    online_batched: int = 512
+
+
+TINY_SIZES = Sizes(prompt=40, new_tokens=24, batch_new_tokens=8, batches=(2, 4), contexts=(32, 64),
+                   prefill_prompt=256, prefill_chunks=(32, 128), max_batched=256, online_requests=8,
+                   online_rate=20.0, online_prompt=(8, 48), online_output=(4, 16), online_seqs=4, online_batched=64)
 
 PEER_SCRIPT = r"""
 import json, sys, time, torch, transformers
 cfg = transformers.LlamaConfig(**{k: v for k, v in json.loads(sys.argv[1]).items()
                                   if k not in ("architectures", "model_type", "torch_dtype", "num_nextn_predict_layers")})
+budget = float(sys.argv[2])
+start = time.perf_counter()
 torch.manual_seed(0)
 with torch.device("cuda"):
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -51,23 +90,34 @@ def run(batch, prompt_len, new, cache):
     model.generate(ids, **kw)
     torch.cuda.synchronize()
     return batch * new / (time.perf_counter() - t)
-# batch 1 with a static cache ran at ~1 token/s uncompiled here (2026-11-29), so it is left out
-for name, batch, cache in [("b1_dynamic", 1, None), ("b32_static", 32, "static")]:
+plan = [("b1_dynamic", 1, None), ("b32_static", 32, "static"), ("b32_dynamic", 32, None)]
+for name, batch, cache in plan:
     try:
-        results[name] = run(batch, 512, 64, cache)
+        results[name] = run(batch, 512, 64 if batch == 1 else 32, cache)
     except Exception as e:
         results[name] = repr(e)[:200]
     print(name, results[name], flush=True)
+if time.perf_counter() - start < budget / 2:
+    try:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        results["b32_static_compiled"] = run(32, 512, 32, "static")
+    except Exception as e:
+        results["b32_static_compiled"] = repr(e)[:200]
+    print("b32_static_compiled", results["b32_static_compiled"], flush=True)
+else:
+    results["b32_static_compiled"] = "not run: over budget"
 print("PEER_JSON " + json.dumps(results))
 """
 
 
-def measure_floors():
+def measure_floors(tiny: bool):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    x = jnp.asarray(np.random.default_rng().standard_normal((1 << 28,), np.float32)).astype(jnp.bfloat16)
+    n = 512 if tiny else 8192
+    x = jnp.asarray(np.random.default_rng().standard_normal((1 << (20 if tiny else 28),), np.float32))
+    x = x.astype(jnp.bfloat16)
     copy = jax.jit(lambda a: a * 1)  # elementwise read + write, what JAX can do
     copy(x).block_until_ready()
     times = []
@@ -76,7 +126,7 @@ def measure_floors():
         copy(x).block_until_ready()
         times.append(time.perf_counter() - t)
     jax_copy = 2 * x.nbytes / np.median(times)
-    a = jnp.asarray(np.random.default_rng().standard_normal((8192, 8192), np.float32)).astype(jnp.bfloat16)
+    a = jnp.asarray(np.random.default_rng().standard_normal((n, n), np.float32)).astype(jnp.bfloat16)
     mm = jax.jit(lambda p, q: p @ q)
     mm(a, a).block_until_ready()
     times = []
@@ -84,7 +134,7 @@ def measure_floors():
         t = time.perf_counter()
         mm(a, a).block_until_ready()
         times.append(time.perf_counter() - t)
-    return {"jax_copy_bytes_per_s": jax_copy, "matmul_flops_per_s": 2 * 8192**3 / np.median(times)}
+    return {"jax_copy_bytes_per_s": jax_copy, "matmul_flops_per_s": 2 * n**3 / np.median(times)}
 
 
 def torch_copy_bandwidth():
@@ -104,17 +154,25 @@ def weight_bytes(params, embed_excluded=True):
     return total - (params.embed.nbytes if embed_excluded else 0)
 
 
-def run_decode(llm, prompts, new_tokens, oracle=None):
+def set_async(llm, overlap: bool) -> None:
+    """Switch the engine between async and sync scheduling (same compiled step)."""
+    llm.engine.config = dataclasses.replace(llm.engine.config, async_scheduling=overlap)
+
+
+def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True):
     """Greedy decode; returns (seconds per decode step, output tokens per second,
     tokens, outputs). The clock runs over pure decode steps of the full batch: from the
     second step after every request has its first token (the first may compile its
     shape) until the first request finishes (after that the batch shrinks and new
-    bucket shapes would compile inside the measurement)."""
+    bucket shapes would compile inside the measurement). Oracle drafts (the tokens of
+    an earlier plain run) replace the MTP module's on the host, so they run with sync
+    scheduling."""
     import jax
 
     from jaxmtp import SamplingParams
 
     engine = llm.engine
+    set_async(llm, overlap and oracle is None)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -148,16 +206,9 @@ def run_decode(llm, prompts, new_tokens, oracle=None):
                 start = time.perf_counter()
                 tokens_at_start = produced()
     engine.draft_override = None
+    set_async(llm, True)
     ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
     return elapsed / steps, tokens_timed / elapsed, [o.outputs[0].token_ids for o in ordered], ordered
-
-
-def report_b1(results, plain, step_s, floor, row) -> None:
-    row("b1 decode (prompt 512, 256 tokens)", step_s * 1e3, "ms/token", floor_ratio(floor, step_s),
-        peer=ratio(1 / step_s, results["peer"].get("b1_dynamic")), note="peer: transformers dynamic cache")
-    device_s = device_step_time(plain.engine)
-    row("b1 decode, jitted step alone (replayed)", device_s * 1e3, "ms/token", floor_ratio(floor, device_s),
-        note=f"host overhead {100 * (1 - device_s / step_s):.0f}% of the engine step")
 
 
 def device_step_time(engine, repeats: int = 50) -> float:
@@ -177,64 +228,335 @@ def device_step_time(engine, repeats: int = 50) -> float:
     return float(np.median(times[5:]))
 
 
+class Bench:
+    """One run: the results, the budget, the model folder and one engine alive at a time."""
+
+    def __init__(self, args, results, t0):
+        import numpy as np
+
+        self.args, self.results, self.t0 = args, results, t0
+        self.sizes = TINY_SIZES if args.tiny else Sizes()
+        self.config = TINY if args.tiny else LLAMA3_8B
+        self.folder = tempfile.mkdtemp()
+        Path(self.folder, "config.json").write_text(json.dumps(self.config))
+        self.rng = np.random.default_rng(0)
+        self.out_dir = Path(os.environ.get("OUT", args.out))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.current = {}
+        self.memo = {}  # figures one scenario leaves for another (plain tokens/s, ...)
+
+    def save(self):
+        (self.out_dir / f"e2e{self.args.tag}.json").write_text(json.dumps(self.results, indent=1))
+
+    def row(self, name, value, unit, floor=None, peer=None, target="", note=""):
+        self.results["rows"].append({"scenario": name, "value": value, "unit": unit, "floor_ratio": floor,
+                                     "peer_ratio": peer, "target": target, "note": note})
+        print(f"[{time.perf_counter() - self.t0:6.0f}s] {name}: {value:.4g} {unit} floor={floor} peer={peer} "
+              f"{target} {note}", flush=True)
+        self.save()
+
+    def budget_left(self):
+        return self.args.budget_s - (time.perf_counter() - self.t0)
+
+    def engine(self, **kwargs):
+        from jaxmtp import LLM
+
+        self.current.clear()
+        gc.collect()
+        kwargs.setdefault("num_pages", 2400 if not self.args.tiny else 400)
+        llm = LLM(self.folder, load_format="dummy", max_model_len=self.config["max_position_embeddings"] - 200,
+                  **kwargs)
+        self.current["llm"] = llm
+        return llm
+
+    def prompts(self, n, length):
+        vocab = self.config["vocab_size"]
+        return [self.rng.integers(3, vocab - 1, size=length).tolist() for _ in range(n)]
+
+    def floor_s(self, batch, context):
+        """Memory floor of one decode step: weights plus the batch's KV, at the copy rate."""
+        cfg = self.config
+        kv_token_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+        return (self.results["weight_bytes"] + kv_token_bytes * batch * context) / self.results["bandwidth"]
+
+
+# ----- scenarios ------------------------------------------------------------------------
+
+
+def scenario_b1(bench: Bench) -> None:
+    s = bench.sizes
+    plain = bench.engine(max_num_seqs=1, max_num_batched_tokens=s.prompt)
+    prompt = bench.prompts(1, s.prompt)
+    t = time.perf_counter()
+    run_decode(plain, prompt, 8)
+    bench.results["b1_first_run_with_compiles_s"] = time.perf_counter() - t
+    step_s, _, tokens, _ = run_decode(plain, prompt, s.new_tokens)
+    floor = bench.floor_s(1, s.prompt + s.new_tokens // 2)
+    peer = bench.results["peer"].get("b1_dynamic")
+    bench.row(f"b1 decode (prompt {s.prompt}, {s.new_tokens} tokens), async scheduling", step_s * 1e3,
+              "ms/token", floor / step_s, peer=ratio(1 / step_s, peer),
+              target=">= 0.85 of floor; >= 10x transformers dynamic cache")
+    sync_s, _, sync_tokens, _ = run_decode(plain, prompt, s.new_tokens, overlap=False)
+    bench.row("b1 decode, sync scheduling (read each step before the next)", sync_s * 1e3, "ms/token",
+              floor / sync_s, note=f"same tokens as async: {sync_tokens == tokens}")
+    device_s = device_step_time(plain.engine)
+    bench.row("b1 decode, jitted step alone (replayed)", device_s * 1e3, "ms/token", floor / device_s,
+              note=f"host share of the async step {100 * (1 - device_s / step_s):.0f}%")
+    bench.memo["b1"] = {"step_s": step_s, "sync_step_s": sync_s, "tokens": tokens, "prompt": prompt}
+    bench.results["hlo_cache_copies_b1_plain"] = len(plain.engine.cache_copies(plain.engine.buckets.shape_for(1, 1)))
+
+
+def scenario_mtp(bench: Bench) -> None:
+    """MTP at batch 1: the random head (acceptance ~0: pure overhead, async scheduling)
+    and oracle drafts (acceptance 1: the ceiling; sync scheduling, so compared with
+    plain sync). The engine code path is the same; only the draft tokens differ."""
+    s = bench.sizes
+    if "b1" not in bench.memo:
+        scenario_b1(bench)
+    base = bench.memo["b1"]
+    for k in (1, 2, 3):
+        if bench.budget_left() < 60:
+            break
+        spec = bench.engine(max_num_seqs=1, max_num_batched_tokens=s.prompt, num_speculative_tokens=k)
+        run_decode(spec, base["prompt"], 8)
+        step_s, _, toks, outs = run_decode(spec, base["prompt"], s.new_tokens)
+        acc = outs[0].spec_stats["mean_acceptance_length"]
+        target = "<= 1.15x a plain step" if k == 1 else ""
+        bench.row(f"b1 MTP k={k} random head: step time / plain step", step_s / base["step_s"], "x",
+                  target=target, note=f"acceptance length {acc:.2f}; {step_s * 1e3:.2f} ms/step; tokens/s "
+                  f"{acc / step_s * base['step_s']:.2f}x plain; output equal to plain: {toks == base['tokens']}")
+        if k == 2 and bench.results.get("hlo_cache_copies_b1_k2") is None:
+            bench.results["hlo_cache_copies_b1_k2"] = len(spec.engine.cache_copies(spec.engine.buckets.shape_for(3, 1)))
+        step_s, tps, toks, outs = run_decode(spec, base["prompt"], s.new_tokens, oracle=base["tokens"])
+        acc = outs[0].spec_stats["mean_acceptance_length"]
+        target = {1: ">= 1.85x", 3: ">= 2.6x"}.get(k, "")
+        bench.row(f"b1 MTP k={k} oracle drafts: tokens/s / plain tokens/s (both sync)",
+                  acc / step_s * base["sync_step_s"], "x", target=target,
+                  note=f"acceptance length {acc:.2f}; {step_s * 1e3:.2f} ms/step; "
+                       f"output equal to plain: {toks == base['tokens']}")
+
+
+def scenario_mtp32(bench: Bench) -> None:
+    """Plain, MTP random head and MTP oracle drafts at batch 32 (prompt 512): also the
+    row compared with transformers' static cache at batch 32."""
+    s = bench.sizes
+    batch = s.batches[1]
+    prompts = bench.prompts(batch, s.prompt)
+    new = s.batch_new_tokens * 2
+    common = dict(max_num_seqs=batch, max_num_batched_tokens=s.max_batched)
+    plain = bench.engine(**common)
+    run_decode(plain, prompts, 8)
+    step_s, tps, tokens, _ = run_decode(plain, prompts, new)
+    sync_s, sync_tps, _, _ = run_decode(plain, prompts, new, overlap=False)
+    peer = bench.results["peer"]
+    bench.row(f"b{batch} decode (prompt {s.prompt}), async", tps, "tokens/s",
+              bench.floor_s(batch, s.prompt + new // 2) / step_s, peer=ratio(tps, peer.get("b32_static")),
+              target=">= 0.75 of floor; >= 2.5x transformers static cache",
+              note=f"{step_s * 1e3:.2f} ms/step; sync {sync_tps:.0f} tokens/s; vs transformers dynamic cache "
+                   f"{ratio(tps, peer.get('b32_dynamic'))}x, torch.compile {ratio(tps, peer.get('b32_static_compiled'))}x")
+    for k in (1, 3):
+        if bench.budget_left() < 90:
+            break
+        spec = bench.engine(num_speculative_tokens=k, **common)
+        run_decode(spec, prompts, 8)
+        r_step, r_tps, _, outs = run_decode(spec, prompts, new)
+        acc = sum(o.spec_stats["mean_acceptance_length"] for o in outs) / len(outs)
+        bench.row(f"b{batch} MTP k={k} random head: tokens/s / plain", r_tps / tps, "x",
+                  note=f"acceptance length {acc:.2f}; {r_step * 1e3:.2f} ms/step vs {step_s * 1e3:.2f}")
+        o_step, o_tps, o_tokens, outs = run_decode(spec, prompts, new, oracle=tokens)
+        acc = sum(o.spec_stats["mean_acceptance_length"] for o in outs) / len(outs)
+        bench.row(f"b{batch} MTP k={k} oracle drafts: tokens/s / plain (both sync)", o_tps / sync_tps, "x",
+                  note=f"acceptance length {acc:.2f}; {o_step * 1e3:.2f} ms/step; output equal: {o_tokens == tokens}")
+
+
+def scenario_batch(bench: Bench) -> None:
+    s = bench.sizes
+    most = max(s.batches)
+    pages = most * (max(s.contexts) + s.batch_new_tokens + 16) // 16 + 64
+    llm = bench.engine(max_num_seqs=most, max_num_batched_tokens=s.max_batched, num_pages=pages)
+    for context in s.contexts:
+        for batch in s.batches:
+            if bench.budget_left() < 40:
+                return
+            prompts = bench.prompts(batch, context)
+            step_s, tps, _, _ = run_decode(llm, prompts, s.batch_new_tokens)
+            floor = bench.floor_s(batch, context + s.batch_new_tokens // 2)
+            target = ">= 0.75 of floor" if batch == 32 else ""
+            bench.row(f"b{batch} decode, context {context}", tps, "tokens/s", floor / step_s, target=target,
+                      note=f"{step_s * 1e3:.2f} ms/step")
+
+
+def scenario_prefill(bench: Bench) -> None:
+    from jaxmtp import SamplingParams
+
+    s = bench.sizes
+    cfg = bench.config
+    prompt = bench.prompts(1, s.prefill_prompt)
+    n, layers, hidden = s.prefill_prompt, cfg["num_hidden_layers"], cfg["hidden_size"]
+    # matmul FLOPs of every non-embedding weight per token, plus causal attention
+    flops = 2 * bench.results["weight_bytes"] / 2 * n + 4 * layers * n * n / 2 * hidden
+    for chunk in s.prefill_chunks:
+        if bench.budget_left() < 40:
+            return
+        llm = bench.engine(max_num_seqs=1, max_num_batched_tokens=chunk, prefill_chunk_size=chunk,
+                           num_pages=n // 16 + 64)
+        greedy = SamplingParams(max_tokens=1, temperature=0.0)
+        llm.generate(prompt, greedy, use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate(prompt, greedy, use_tqdm=False)
+        ttft = time.perf_counter() - t
+        bench.row(f"prefill {n} tokens, chunk {chunk}: TTFT", ttft * 1e3, "ms",
+                  flops / bench.results["matmul_flops_per_s"] / ttft, note="share of the FLOP floor")
+
+
+def scenario_online(bench: Bench) -> None:
+    """Poisson arrivals of requests with fixed-seed prompt and output lengths; the
+    engine's shapes are compiled first (in parallel, into the compilation cache)."""
+    import numpy as np
+
+    from jaxmtp import SamplingParams
+
+    s = bench.sizes
+    llm = bench.engine(max_num_seqs=s.online_seqs, max_num_batched_tokens=s.online_batched,
+                       num_pages=s.online_seqs * (s.online_prompt[1] + s.online_output[1]) // 16 + 64)
+    engine = llm.engine
+    t = time.perf_counter()
+    shapes = engine.warmup(num_threads=8)
+    bench.results["online_warmup"] = {"shapes": shapes, "seconds": time.perf_counter() - t}
+    rng = np.random.default_rng(1)
+    n = s.online_requests
+    arrivals = np.cumsum(rng.exponential(1 / s.online_rate, size=n))
+    prompt_lens = rng.integers(*s.online_prompt, size=n)
+    output_lens = rng.integers(*s.online_output, size=n)
+    prompts = [bench.prompts(1, int(length))[0] for length in prompt_lens]
+    token_times = {i: [] for i in range(n)}
+    seen = {i: 0 for i in range(n)}
+    start = time.perf_counter()
+    added = 0
+    while added < n or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while added < n and arrivals[added] <= now:
+            engine.add_request(str(added), prompts[added], SamplingParams(
+                max_tokens=int(output_lens[added]), temperature=0.0, ignore_eos=True))
+            added += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, arrivals[added] - now))
+            continue
+        outs = engine.step()
+        now = time.perf_counter() - start
+        for out in outs:
+            i = int(out.request_id)
+            count = len(out.outputs[0].token_ids)
+            token_times[i] += [now] * (count - seen[i])
+            seen[i] = count
+    total = time.perf_counter() - start
+    ttft = np.array([token_times[i][0] - arrivals[i] for i in range(n)])
+    tpot = np.array([(token_times[i][-1] - token_times[i][0]) / (len(token_times[i]) - 1) for i in range(n)])
+    itl = np.concatenate([np.diff(token_times[i]) for i in range(n)])
+    pct = lambda x: {f"p{p}": float(np.percentile(x, p)) * 1e3 for p in (50, 90, 99)}  # noqa: E731
+    bench.results["online"] = {
+        "requests": n, "rate_per_s": s.online_rate, "duration_s": total,
+        "output_tokens_per_s": float(sum(output_lens) / total), "requests_per_s": n / total,
+        "ttft_ms": pct(ttft), "tpot_ms": pct(tpot), "itl_ms": pct(itl),
+        "prompt_lengths": list(s.online_prompt), "output_lengths": list(s.online_output),
+        "max_num_seqs": s.online_seqs,
+    }
+    o = bench.results["online"]
+    bench.row(f"online: Poisson {s.online_rate}/s, {n} requests: output tokens/s", o["output_tokens_per_s"],
+              "tokens/s", note=f"TTFT ms {fmt(o['ttft_ms'])}; TPOT ms {fmt(o['tpot_ms'])}; ITL ms {fmt(o['itl_ms'])}")
+
+
+def scenario_startup(bench: Bench) -> None:
+    """Engine start (load + warm-up of its shapes) in a fresh process: cold with an
+    empty persistent compilation cache, then warm from it."""
+    script = (
+        "import sys, time, jax\n"
+        "jax.config.update('jax_compilation_cache_dir', sys.argv[2])\n"
+        "t = time.perf_counter()\n"
+        "from jaxmtp import LLM\n"
+        "llm = LLM(sys.argv[1], load_format='dummy', max_num_seqs=1, max_num_batched_tokens=32, num_pages=256,"
+        " max_model_len=2048)\n"
+        "shapes = llm.engine.warmup()\n"
+        "print('STARTUP', time.perf_counter() - t, shapes)\n"
+    )
+    cache = tempfile.mkdtemp()
+    for kind in ("cold", "warm"):
+        if bench.budget_left() < 60:
+            return
+        out = subprocess.run([sys.executable, "-c", script, bench.folder, cache], capture_output=True, text=True,
+                             cwd=ROOT, env={**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"})
+        line = [x for x in out.stdout.splitlines() if x.startswith("STARTUP")]
+        if not line:
+            bench.results[f"startup_{kind}_error"] = out.stderr[-1500:]
+            return
+        seconds, shapes = float(line[0].split()[1]), int(line[0].split()[2])
+        bench.row(f"start-up, {kind} compilation cache ({shapes} shapes)", seconds, "s")
+
+
+SCENARIOS = {"b1": scenario_b1, "mtp": scenario_mtp, "mtp32": scenario_mtp32, "batch": scenario_batch,
+             "prefill": scenario_prefill, "online": scenario_online, "startup": scenario_startup}
+
+
+def fmt(p: dict) -> str:
+    return "/".join(f"{v:.1f}" for v in p.values()) + " (p50/p90/p99)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
-    parser.add_argument("--budget-s", type=float, default=480)
-    parser.add_argument("--skip", default="", help="comma list of: peer, checks, b1 (to fit a short call)")
+    parser.add_argument("--budget-s", type=float, default=540)
+    parser.add_argument("--scenarios", default="peer,b1,mtp",
+                        help="comma list of: peer, checks, " + ", ".join(SCENARIOS))
+    parser.add_argument("--tag", default="", help="suffix of the output files (e2e<tag>.json/.md)")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny model and workload")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    out_dir = Path(os.environ.get("OUT", args.out))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"), "rows": []}
-
-    def save():
-        (out_dir / "e2e.json").write_text(json.dumps(results, indent=1))
-
-    def row(name, value, unit, floor=None, peer=None, note=""):
-        results["rows"].append({"scenario": name, "value": value, "unit": unit, "floor_ratio": floor,
-                                "peer_ratio": peer, "note": note})
-        print(f"[{time.perf_counter() - t0:6.0f}s] {name}: {value:.4g} {unit} floor={floor} peer={peer} {note}", flush=True)
-        save()
-
-    def budget_left():
-        return args.budget_s - (time.perf_counter() - t0)
-
-    skip = set(args.skip.split(","))
-    results["skipped"] = sorted(skip - {""})
-    if "peer" in skip:
-        results["peer"] = {}
-    else:
-        results["peer"] = run_peer()
-    results["torch_copy_bytes_per_s"] = torch_copy_bandwidth()
+    chosen = [x for x in args.scenarios.split(",") if x]
+    results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+               "command": "python benchmarks/e2e.py " + " ".join(sys.argv[1:]), "rows": []}
+    results["peer"] = run_peer(args.budget_s / 3) if "peer" in chosen and not args.tiny else {}
+    results["torch_copy_bytes_per_s"] = None if args.tiny else torch_copy_bandwidth()
     print("peer", results["peer"], "torch copy", results["torch_copy_bytes_per_s"], flush=True)
-    run_scenarios(results, skip, row, save, budget_left)
-    (out_dir / "e2e.md").write_text(markdown(results))
+
+    import jax
+
+    # shapes compiled by one scenario are loaded, not compiled, by the next
+    jax.config.update("jax_compilation_cache_dir", str(ROOT / ".xla_cache"))
+    results["device"] = jax.devices()[0].device_kind
+    results["jax"] = jax.__version__
+    results.update(measure_floors(args.tiny))
+    results["bandwidth"] = results["torch_copy_bytes_per_s"] or results["jax_copy_bytes_per_s"]
+    bench = Bench(args, results, t0)
+    if "checks" in chosen:
+        gpu_checks(results)
+    from jaxmtp.loader import load_params  # noqa: F401  (import before timing)
+
+    probe = bench.engine(max_num_seqs=1, max_num_batched_tokens=8)
+    results["weight_bytes"] = weight_bytes(probe.engine.params)
+    for name in chosen:
+        if name in SCENARIOS and bench.budget_left() > 30:
+            SCENARIOS[name](bench)
+        elif name in SCENARIOS:
+            results.setdefault("skipped_over_budget", []).append(name)
+    bench.save()
+    (bench.out_dir / f"e2e{args.tag}.md").write_text(markdown(results))
     print_table(results)
 
 
-def run_peer() -> dict:
-    peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, json.dumps(LLAMA3_8B)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    peer_out, _ = peer.communicate(timeout=240)
+def run_peer(budget_s: float) -> dict:
+    peer = subprocess.Popen([sys.executable, "-c", PEER_SCRIPT, json.dumps(LLAMA3_8B), str(budget_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        peer_out, _ = peer.communicate(timeout=budget_s)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        peer_out, _ = peer.communicate()
     peer_json = [line for line in peer_out.splitlines() if line.startswith("PEER_JSON ")]
-    return json.loads(peer_json[-1][10:]) if peer_json else {"error": peer_out[-2000:]}
-
-
-def run_scenarios(results, skip, row, save, budget_left) -> None:
-    import jax
-
-    results["device"] = jax.devices()[0].device_kind
-    results["jax"] = jax.__version__
-    results.update(measure_floors())
-    bandwidth = results["torch_copy_bytes_per_s"]
-    save()
-
-    # ---- correctness on the GPU: stories260K golden, kernel vs reference on bf16 ----
-    if "checks" not in skip:
-        gpu_checks(results)
-    save()
-    run_8b(results, skip, row, budget_left, bandwidth)
+    if peer_json:
+        return json.loads(peer_json[-1][10:])
+    partial = dict(line.split(" ", 1) for line in peer_out.splitlines() if line.startswith("b"))
+    return {k: float(v) if v.replace(".", "", 1).isdigit() else v for k, v in partial.items()} | {
+        "error": peer_out[-1500:]}
 
 
 def gpu_checks(results) -> None:
@@ -273,95 +595,27 @@ def gpu_checks(results) -> None:
     print("correctness", results["stories_golden_on_gpu"], results["bf16_pallas_vs_reference"], flush=True)
 
 
-def run_8b(results, skip, row, budget_left, bandwidth) -> None:
-    import numpy as np
-
-    from jaxmtp import LLM, SamplingParams
-
-    # ---- the 8B-shaped model: one engine alive at a time ----
-    with tempfile.TemporaryDirectory() as folder:
-        Path(folder, "config.json").write_text(json.dumps(LLAMA3_8B))
-        rng = np.random.default_rng(0)
-        current = {}
-
-        def engine(**kwargs) -> LLM:
-            current.clear()
-            gc.collect()
-            llm = LLM(folder, load_format="dummy", max_model_len=9000, num_pages=2400, **kwargs)
-            current["llm"] = llm
-            return llm
-
-        t = time.perf_counter()
-        plain = engine(max_num_seqs=1, max_num_batched_tokens=512)
-        results["load_dummy_s"] = time.perf_counter() - t
-        weights = weight_bytes(plain.engine.params)
-        results["weight_bytes"] = weights
-        kv_token_bytes = 2 * 32 * 8 * 128 * 2
-        prompt = [rng.integers(3, 128000, size=512).tolist()]
-        t = time.perf_counter()
-        run_decode(plain, prompt, 8)
-        results["first_run_compile_s"] = time.perf_counter() - t
-        step_s, _, plain_tokens, _ = run_decode(plain, prompt, 256)
-        floor = (weights + kv_token_bytes * (512 + 128)) / bandwidth
-        if "b1" not in skip:
-            report_b1(results, plain, step_s, floor, row)
-
-        # MTP at batch 1: random head (acceptance ~0) and oracle drafts (acceptance 1):
-        # the same engine code path, only the draft tokens differ
-        for k in (1, 3):
-            if budget_left() < 100:
-                break
-            spec = engine(max_num_seqs=1, max_num_batched_tokens=512, num_speculative_tokens=k)
-            run_decode(spec, prompt, 8)
-            for kind, oracle in (("random head", None), ("oracle drafts", plain_tokens)):
-                s, tps, toks, outs = run_decode(spec, prompt, 256, oracle=oracle)
-                acc = outs[0].spec_stats["mean_acceptance_length"]
-                row(f"b1 MTP k={k} {kind}", tps * step_s, "x plain tokens/s",
-                    note=f"mean acceptance length {acc:.2f}; {s * 1e3:.2f} ms/step; "
-                         f"output equal to plain: {toks == plain_tokens}")
-
-        # batch 32 decode, context 1024
-        if budget_left() > 100:
-            batch = engine(max_num_seqs=32, max_num_batched_tokens=1024, prefill_chunk_size=1024)
-            prompts = [rng.integers(3, 128000, size=1024).tolist() for _ in range(32)]
-            step_s, tps, _, _ = run_decode(batch, prompts, 64)
-            floor = (weights + kv_token_bytes * 32 * (1024 + 32)) / bandwidth
-            row("b32 decode (ctx 1024)", tps, "tokens/s", floor_ratio(floor, step_s),
-                peer=ratio(tps, results["peer"].get("b32_static")), note="peer: transformers static cache")
-
-        # prefill 8k
-        if budget_left() > 90:
-            prefill = engine(max_num_seqs=1, max_num_batched_tokens=2048, prefill_chunk_size=2048)
-            long_prompt = [rng.integers(3, 128000, size=8192).tolist()]
-            prefill.generate(long_prompt, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-            t = time.perf_counter()
-            prefill.generate(long_prompt, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-            ttft = time.perf_counter() - t
-            flops = 2 * weights / 2 * 8192 + 4 * 32 * 8192 * 8192 / 2 * 4096
-            row("prefill 8k, chunk 2048: TTFT", ttft * 1e3, "ms", floor_ratio(flops / results["matmul_flops_per_s"], ttft))
-
-
-
 def ratio(ours, peer):
     return round(ours / peer, 3) if isinstance(peer, (int, float)) and peer else None
 
 
-def floor_ratio(floor_s, measured_s):
-    """Share of the floor reached: 1.0 is at the floor."""
-    return round(floor_s / measured_s, 3)
-
-
 def markdown(results) -> str:
+    bw = results.get("bandwidth") or 0
     head = (f"# End-to-end benchmark\n\n{results['date']}, {results.get('device')}, jax {results.get('jax')}; "
-            f"copy bandwidth {results['torch_copy_bytes_per_s'] / 1e12:.2f} TB/s (torch d2d, same run), "
+            f"copy bandwidth {bw / 1e12:.2f} TB/s (torch d2d, same run), "
             f"bf16 matmul {results.get('matmul_flops_per_s', 0) / 1e12:.0f} TFLOP/s (JAX, same run); "
-            f"command: `python benchmarks/e2e.py`\n\n")
-    lines = ["| scenario | value | unit | share of floor | ratio to peer | note |", "|---|---|---|---|---|---|"]
+            f"command: `{results['command']}`\n\n")
+    lines = ["| scenario | value | unit | share of floor | ratio to peer | target | note |",
+             "|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
-        lines.append(f"| {r['scenario']} | {r['value']:.4g} | {r['unit']} | {r['floor_ratio']} | {r['peer_ratio']} | {r['note']} |")
-    extra = (f"\n\nPeer (transformers, same GPU, random weights, greedy, tokens/s): {results.get('peer')}\n\n"
-             f"Correctness on the GPU: stories260K golden ids {results.get('stories_golden_on_gpu')}; "
-             f"bf16 Pallas vs reference attention: {results.get('bf16_pallas_vs_reference')}\n")
+        share = f"{r['floor_ratio']:.3f}" if r["floor_ratio"] is not None else ""
+        lines.append(f"| {r['scenario']} | {r['value']:.4g} | {r['unit']} | {share} | {r['peer_ratio'] or ''} | "
+                     f"{r['target']} | {r['note']} |")
+    keys = [k for k in results if k.startswith(("hlo_", "online", "b1_first", "startup", "skipped", "stories",
+                                                "bf16"))]
+    extra = (f"\n\nPeer (transformers, same GPU, random weights, greedy, prompt 512, 64 new tokens at batch 1 "
+             f"and 32 at batch 32, tokens/s): "
+             f"{results.get('peer')}\n\n" + "\n".join(f"- {k}: {results[k]}" for k in keys) + "\n")
     return head + "\n".join(lines) + extra
 
 

@@ -7,7 +7,9 @@ import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
+from jaxmtp.cache import scratch_slot
 from kernels.reference import ragged_paged_attention_reference
 
 AttentionFn = Callable[..., jax.Array]
@@ -48,10 +50,16 @@ def attention_fn(backend: str, head_dim: int) -> AttentionFn:
 
 
 def write_kv(k_pages, v_pages, slot_mapping, k, v):
-    """Scatter this step's K/V rows into their page slots. Padding rows carry an
-    out-of-range slot and are dropped; with the cache donated XLA updates in place."""
+    """Scatter this step's K/V rows into their page slots; padding rows write to the
+    cache's scratch page. With the cache donated XLA updates in place."""
+    if slot_mapping.shape[0] == 1:
+        # XLA rewrites a one-row scatter as a bounds-checked dynamic-update-slice, and
+        # the check's select copies the whole layer; a second row to the scratch slot
+        # keeps it a scatter, updated in place.
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), scratch_slot(k_pages), slot_mapping.dtype)])
+        k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
     shape = k_pages.shape
     flat = (-1,) + shape[2:]
-    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype), mode="drop").reshape(shape)
-    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype), mode="drop").reshape(shape)
+    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype), mode="promise_in_bounds").reshape(shape)
+    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype), mode="promise_in_bounds").reshape(shape)
     return k_pages, v_pages

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.params import pytree_dataclass
@@ -16,7 +17,7 @@ class Batch:
     # rows: T flattened ragged tokens (padded)
     input_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
-    slot_mapping: jax.Array  # [T] int32; padding rows point past the cache and are dropped
+    slot_mapping: jax.Array  # [T] int32; padding rows point at the cache's scratch page
     # requests: B (padded; padding requests own no rows and have kv_len 0)
     query_start: jax.Array  # [B+1] int32
     kv_len: jax.Array  # [B] int32, KV length once this step's rows are written
@@ -32,6 +33,11 @@ class Batch:
     seed: jax.Array  # [B] uint32
     output_index: jax.Array  # [B] int32 tokens generated so far (keys the sampler)
     num_logprobs: jax.Array  # [B] int32 top logprobs asked for (0: none)
+    # [B] int32: the request's row in the previous step's carry, or -1. A carried
+    # request was still in flight on the device when this batch was built: its input
+    # ids are placeholders and its positions assume no draft was accepted; the step
+    # fills both in from the carry (apply_carry).
+    carry_index: jax.Array
 
 
 # The batch crosses to the device as two flat buffers, ints and floats: one transfer
@@ -39,6 +45,7 @@ class Batch:
 INT_FIELDS = (
     "input_ids", "positions", "slot_mapping", "query_start", "kv_len", "page_table", "sample_index",
     "num_drafts", "has_output", "next_chunk_token", "top_k", "seed", "output_index", "num_logprobs",
+    "carry_index",
 )
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
@@ -47,6 +54,30 @@ def field_shapes(t: int, b: int, pages_per_seq: int, k: int) -> dict[str, tuple[
     per_request = {"query_start": (b + 1,), "page_table": (b, pages_per_seq), "sample_index": (b, k + 1)}
     per_row = ("input_ids", "positions", "slot_mapping")
     return {f: per_request.get(f, (t,) if f in per_row else (b,)) for f in INT_FIELDS + FLOAT_FIELDS}
+
+
+def apply_carry(batch: Batch, carry: jax.Array, page_size: int) -> Batch:
+    """Device side: finish the rows of carried requests from the previous step's carry
+    [S, 2 + k] = (drafts accepted, last emitted token, next drafts) per request.
+    A carried request's rows are [last token] + drafts, shifted by the accepted count."""
+    t, b = batch.input_ids.shape[0], batch.kv_len.shape[0]
+    rows = jnp.arange(t, dtype=jnp.int32)
+    row_seq = jnp.minimum(jnp.searchsorted(batch.query_start[1:], rows, side="right"), b - 1)
+    carried = batch.carry_index >= 0  # [B]
+    entry = carry[jnp.maximum(batch.carry_index, 0)]  # [B, 2 + k]
+    accepted = jnp.where(carried, entry[:, 0], 0)
+    row_carried = carried[row_seq] & (rows < batch.query_start[b])
+    offset = jnp.clip(rows - batch.query_start[row_seq], 0, carry.shape[1] - 2)
+    positions = batch.positions + jnp.where(row_carried, accepted[row_seq], 0)
+    slots = batch.page_table[row_seq, positions // page_size] * page_size + positions % page_size
+    return dataclasses.replace(
+        batch,
+        input_ids=jnp.where(row_carried, entry[row_seq, 1 + offset], batch.input_ids),
+        positions=positions,
+        slot_mapping=jnp.where(row_carried, slots, batch.slot_mapping),
+        kv_len=batch.kv_len + accepted,
+        output_index=batch.output_index + jnp.where(carried, accepted + 1, 0),
+    )
 
 
 def pack_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +99,7 @@ def unpack_batch(ints: jax.Array, floats: jax.Array, shapes: tuple[int, int, int
         fields[name] = buffer[offsets[kind] : offsets[kind] + n].reshape(shape)
         offsets[kind] += n
     fields["has_output"] = fields["has_output"] != 0
-    fields["seed"] = jax.lax.bitcast_convert_type(fields["seed"], jax.numpy.uint32)
+    fields["seed"] = jax.lax.bitcast_convert_type(fields["seed"], jnp.uint32)
     return Batch(**fields)
 
 
@@ -103,12 +134,12 @@ class BucketPlan:
         return [BatchShape(t, b) for t in self.token_sizes for b in self.seq_sizes if b <= t or b == self.seq_sizes[0]]
 
 
-def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, num_slots: int, k: int) -> Batch:
+def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, scratch_slot: int, k: int) -> Batch:
     """Numpy arrays for one step; `scheduled` is a list of scheduler.ScheduledRows."""
     t, b = shape.num_tokens, shape.num_seqs
     input_ids = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
-    slot_mapping = np.full(t, num_slots, np.int32)  # out of range: dropped
+    slot_mapping = np.full(t, scratch_slot, np.int32)  # padding rows write to the scratch page
     query_start = np.zeros(b + 1, np.int32)
     kv_len = np.zeros(b, np.int32)
     page_table = np.zeros((b, max_pages_per_seq), np.int32)
@@ -123,6 +154,7 @@ def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size:
     seed = np.zeros(b, np.uint32)
     output_index = np.zeros(b, np.int32)
     num_logprobs = np.zeros(b, np.int32)
+    carry_index = np.full(b, -1, np.int32)
     row = 0
     for i, item in enumerate(scheduled):
         seq, n = item.seq, len(item.token_ids)
@@ -147,10 +179,12 @@ def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size:
         seed[i] = seq.seed
         output_index[i] = len(seq.output_token_ids)
         num_logprobs[i] = params.logprobs or 0
+        carry_index[i] = item.carry_index
         row += n
         query_start[i + 1] = row
     query_start[len(scheduled) + 1 :] = row
     return Batch(
         input_ids, positions, slot_mapping, query_start, kv_len, page_table, sample_index, num_drafts,
         has_output, next_chunk_token, temperature, top_k, top_p, min_p, seed, output_index, num_logprobs,
+        carry_index,
     )

@@ -19,11 +19,15 @@ if TYPE_CHECKING:
 
 @pytree_dataclass
 class KVCache:
-    """Per-layer K and V pages, each [num_pages, page_size, num_kv_heads, head_dim].
+    """Per-layer K and V pages, each [num_pages + 1, page_size, num_kv_heads, head_dim].
 
     The main model's layers come first, then one layer per MTP module: draft KV lives
     in the same page slots as the main model's, so one page table serves both and
     preemption or prefix caching carry draft KV with no extra bookkeeping.
+
+    The last page belongs to no request: rows with nothing to write (padding, idle
+    draft-chain rows) write there, so every scatter index is in bounds and no write
+    needs dropping.
     """
 
     k: list[jax.Array]
@@ -31,15 +35,26 @@ class KVCache:
 
     @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        """Pages requests can own (the scratch page not counted)."""
+        return self.k[0].shape[0] - 1
 
     @property
     def page_size(self) -> int:
         return self.k[0].shape[1]
 
+    @property
+    def scratch_slot(self) -> int:
+        return scratch_slot(self.k[0])
+
+
+def scratch_slot(pages: jax.Array) -> int:
+    """A slot in the scratch page of one layer's pages: where rows with nothing to
+    write write."""
+    return (pages.shape[0] - 1) * pages.shape[1]
+
 
 def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_layers: int) -> KVCache:
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
     n = cfg.num_layers + num_mtp_layers
     # zeros, not empty: a page read before it is written must hold finite values.
     return KVCache(
@@ -56,10 +71,10 @@ PAGE_COPY_BATCH = 8
 @functools.partial(jax.jit, donate_argnums=0)
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy page src[i] to page dst[i] in every layer (main and MTP). Every source is read
-    before any destination is written; a destination out of range is dropped (padding)."""
+    before any destination is written; padding copies write the scratch page."""
     return KVCache(
-        k=[x.at[dst].set(x[src], mode="drop") for x in cache.k],
-        v=[x.at[dst].set(x[src], mode="drop") for x in cache.v],
+        k=[x.at[dst].set(x[src], mode="promise_in_bounds") for x in cache.k],
+        v=[x.at[dst].set(x[src], mode="promise_in_bounds") for x in cache.v],
     )
 
 

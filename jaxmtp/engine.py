@@ -4,6 +4,7 @@ threads (the server's event loop); step() runs on one engine thread."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import threading
@@ -22,9 +23,9 @@ from jaxmtp.mtp import BOUNDARY_MODES
 from jaxmtp.outputs import CompletionOutput, RequestOutput
 from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES, PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.sampling_params import SamplingParams
-from jaxmtp.scheduler import Scheduler, SchedulerConfig
+from jaxmtp.scheduler import ScheduledRows, Scheduler, SchedulerConfig
 from jaxmtp.sequence import Sequence, SpecStats
-from jaxmtp.step import StepConfig, jitted_step
+from jaxmtp.step import StepConfig, StepOutput, jitted_step
 from jaxmtp.tokenizer import Tokenizer
 
 _compile_events = {"count": 0}
@@ -60,6 +61,8 @@ class EngineConfig:
     load_format: str = "auto"
     max_logprobs: int = 20
     seed: int = 0
+    # dispatch step N+1 before reading step N (host work overlaps the device's)
+    async_scheduling: bool = True
 
 
 @dataclasses.dataclass
@@ -68,6 +71,17 @@ class Request:
     prompt: str | None
     seqs: list[Sequence]
     error: str | None = None  # why the engine failed it (finish_reason "error")
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose output has not been read yet."""
+
+    step_id: int
+    scheduled: list[ScheduledRows]
+    preemptions: list[int]  # each sequence's num_preemptions at dispatch
+    output: StepOutput  # on the device
+    batch: tuple  # the step's arguments after params and cache, for replays
 
 
 @dataclasses.dataclass
@@ -167,6 +181,10 @@ class LLMEngine:
         # Benchmarks replace the MTP proposals here (oracle drafts: seq -> k tokens) to
         # measure the verify path at a chosen acceptance; None keeps the module's.
         self.draft_override = None
+        self._in_flight: deque[InFlightStep] = deque()
+        self._step_ids = 0
+        # per request of the last dispatched step: accepted count, last token, drafts
+        self._carry = jax.device_put(np.zeros((self.buckets.seq_sizes[-1], k + 2), np.int32), jax.devices()[0])
 
     # ----- requests -------------------------------------------------------------------
 
@@ -234,6 +252,11 @@ class LLMEngine:
         return bool(self.requests or self._incoming)
 
     @property
+    def num_steps_in_flight(self) -> int:
+        """Dispatched steps not read yet (at most one, with async_scheduling)."""
+        return len(self._in_flight)
+
+    @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
 
@@ -265,28 +288,63 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns an output for every request that progressed."""
+        """Run one engine step; returns an output for every request that progressed.
+
+        With async_scheduling the step dispatched here is read on the next call: step
+        N+1 is scheduled, built and queued on the device before step N's tokens are
+        read, so the host's work overlaps the device's."""
         outputs = self._admit_and_abort()
         scheduled = self.scheduler.schedule()
-        self._copy_pages(self.scheduler.page_copies)
+        self._copy_pages(self.scheduler.page_copies)  # queued before the step that reads them
         self.scheduler.page_copies = []
-        if not scheduled:
-            return outputs
+        if scheduled:
+            self._in_flight.append(self._dispatch(scheduled))
+        keep = 1 if scheduled and self.config.async_scheduling else 0
+        while len(self._in_flight) > keep:
+            outputs += self._collect(self._in_flight.popleft())
+        return outputs
+
+    def _dispatch(self, scheduled: list[ScheduledRows]) -> InFlightStep:
+        if self.draft_override is not None and self.config.async_scheduling:
+            raise RuntimeError("draft_override replaces drafts on the host: it needs async_scheduling=False")
         shape = self.buckets.shape_for(sum(len(s.token_ids) for s in scheduled), len(scheduled))
-        out = jax.device_get(self._run(scheduled, shape))
-        self.last_schedule, self.last_step_output = scheduled, out
-        self.stats.steps += 1
-        touched = {}
+        self._step_ids += 1
+        output = self._run(scheduled, shape)
+        preemptions = [item.seq.num_preemptions for item in scheduled]
+        record = InFlightStep(self._step_ids, scheduled, preemptions, output, self.last_batch)
         for i, item in enumerate(scheduled):
             seq = item.seq
-            if seq.finished:  # another sequence of its request failed earlier in this step
+            # exact for a prefill chunk; for rows that emit, assumes no draft is accepted
+            # until the step is read (_collect adds the accepted count)
+            seq.num_computed = item.start + len(item.token_ids) - item.num_drafts
+            seq.in_flight = (record.step_id, i, item.num_drafts + 1) if item.has_output else None
+        return record
+
+    def _collect(self, record: InFlightStep) -> list[RequestOutput]:
+        """Read a dispatched step back and apply it to its sequences."""
+        out = record.output
+        wants_logprobs = any(item.seq.params.logprobs is not None for item in record.scheduled)
+        if not wants_logprobs:  # read back only what the host uses
+            out = dataclasses.replace(out, logprobs=None, top_logprobs=None, top_token_ids=None)
+        out = jax.device_get(dataclasses.replace(out, carry=None))
+        self.last_schedule, self.last_step_output, self.last_batch = record.scheduled, out, record.batch
+        self.stats.steps += 1
+        # rows of the next step, already dispatched, that continue this step's output
+        continued = {id(item.seq): item for item in self._in_flight[0].scheduled} if self._in_flight else {}
+        touched = {}
+        for i, item in enumerate(record.scheduled):
+            seq = item.seq
+            # finished (aborted, or another sequence of its request failed) or preempted
+            # since dispatch: its recompute will produce these tokens again
+            if seq.finished or seq.num_preemptions != record.preemptions[i]:
                 continue
             self.stats.computed_tokens += len(item.token_ids)
             if not item.has_output:
-                seq.num_computed += len(item.token_ids)
                 continue
+            if seq.in_flight and seq.in_flight[0] == record.step_id:
+                seq.in_flight = None
             accepted = int(out.num_accepted[i])
-            seq.num_computed = item.start + len(item.token_ids) - item.num_drafts + accepted
+            seq.num_computed += accepted
             if item.num_drafts:
                 seq.spec_stats.record(item.num_drafts, accepted)
                 self.stats.spec.record(item.num_drafts, accepted)
@@ -297,11 +355,17 @@ class LLMEngine:
             seq.drafts = [int(t) for t in out.drafts[i]]
             if self.draft_override is not None:
                 seq.drafts = self.draft_override(seq)
+            following = continued.get(id(seq))
+            if following is not None:  # what the device filled in from the carry
+                following.start += accepted
+                following.token_ids = [int(out.tokens[i, accepted])] + seq.drafts
             touched[seq.request_id] = self.requests[seq.request_id]
         if self.prefix_cache:
-            for item in scheduled:
+            # KV dispatched to the device is final for every later step, which runs after it
+            for item in record.scheduled:
                 if not item.seq.finished:  # (a finished one registered its pages on release)
                     self.prefix_cache.register(item.seq)
+        outputs = []
         for request in touched.values():
             if all(s.finished for s in request.seqs):
                 outputs.append(self._finish_request(request))
@@ -314,12 +378,13 @@ class LLMEngine:
         device packed in one transfer. Returns the StepOutput, still on the device."""
         batch = build_batch(
             scheduled, shape, self.max_pages_per_seq, self.page_size,
-            self.cache.num_pages * self.page_size, self.config.num_speculative_tokens,
+            self.cache.scratch_slot, self.config.num_speculative_tokens,
         )
         ints, floats = jax.device_put(pack_batch(batch))
         static = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
-        self.last_batch = (ints, floats, static)
+        self.last_batch = (self._carry, ints, floats, static)
         self.cache, out = jitted_step(self.params, self.cache, *self.last_batch, self.step_config)
+        self._carry = out.carry
         return out
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
@@ -327,7 +392,7 @@ class LLMEngine:
         for i in range(0, len(copies), PAGE_COPY_BATCH):
             group = copies[i : i + PAGE_COPY_BATCH]
             src = np.zeros(PAGE_COPY_BATCH, np.int32)
-            dst = np.full(PAGE_COPY_BATCH, self.cache.num_pages, np.int32)  # padding: out of range, dropped
+            dst = np.full(PAGE_COPY_BATCH, self.cache.num_pages, np.int32)  # padding: the scratch page
             src[: len(group)], dst[: len(group)] = zip(*group)
             self.cache = copy_pages(self.cache, src, dst)
 
@@ -413,11 +478,37 @@ class LLMEngine:
 
     # ----- warm-up --------------------------------------------------------------------
 
-    def warmup(self) -> int:
-        """Compile the step for every bucket shape; returns the number of shapes."""
+    def warmup(self, num_threads: int = 1) -> int:
+        """Compile the step for every bucket shape; returns the number of shapes.
+
+        num_threads > 1 first compiles the shapes side by side into JAX's persistent
+        compilation cache (it must be configured: jax_compilation_cache_dir), from
+        which the pass that follows loads them."""
         shapes = self.buckets.all_shapes()
+        if num_threads > 1:
+            if not jax.config.jax_compilation_cache_dir:
+                raise ValueError("warmup(num_threads > 1) needs jax_compilation_cache_dir set")
+            with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+                list(pool.map(lambda shape: self.lower_step(shape).compile(), shapes))
         for shape in shapes:
-            jax.block_until_ready(self._run([], shape))  # an empty batch: every write dropped
+            jax.block_until_ready(self._run([], shape))  # an empty batch: every write to the scratch page
         if self.prefix_cache:
-            self._copy_pages([(0, self.cache.num_pages)])  # a copy to no page: compiles, changes nothing
+            self._copy_pages([(0, self.cache.num_pages)])  # a copy to the scratch page: compiles, changes nothing
         return len(shapes)
+
+    def lower_step(self, shape: BatchShape):
+        """The step lowered for one bucket shape (compile it to warm up or inspect)."""
+        ints, floats = pack_batch(build_batch(
+            [], shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot,
+            self.config.num_speculative_tokens,
+        ))
+        static = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
+        return jitted_step.lower(self.params, self.cache, self._carry, ints, floats, static, self.step_config)
+
+    def cache_copies(self, shape: BatchShape) -> list[str]:
+        """Lines of the compiled step's optimised HLO that copy a KV page array, for
+        tests and benchmarks: with the cache donated there should be none."""
+        pages = self.cache.k[0].shape
+        names = [",".join(map(str, pages)), ",".join(map(str, (pages[0] * pages[1],) + pages[2:]))]
+        text = self.lower_step(shape).compile().as_text()
+        return [line.strip() for line in text.splitlines() if " copy(" in line and any(f"[{n}]" in line for n in names)]

@@ -110,7 +110,6 @@ def propose(
     # feeding its own output hidden state and its own argmax token.
     proposing = active & batch.has_output
     page_size = cache.page_size
-    num_slots = cache.num_pages * page_size
     position = batch.positions[boundary_row]
     for _ in range(1, num_drafts):
         position = position + 1
@@ -119,10 +118,10 @@ def propose(
             batch,
             input_ids=draft,
             positions=position,
-            slot_mapping=jnp.where(proposing, page * page_size + position % page_size, num_slots),
+            slot_mapping=jnp.where(proposing, page * page_size + position % page_size, cache.scratch_slot),
             query_start=jnp.arange(b + 1, dtype=jnp.int32),
             # idle requests still own their one row; kv_len 1 keeps it a valid
-            # (ignored) attention row for the kernel, and its KV write is dropped
+            # (ignored) attention row for the kernel, and its KV goes to the scratch page
             kv_len=jnp.where(proposing, position + 1, 1),
         )
         x, k_layers[layer], v_layers[layer] = module_forward(

@@ -23,6 +23,9 @@ class ScheduledRows:
     num_drafts: int
     has_output: bool  # the rows reach the end of the known tokens, so this step samples
     next_chunk_token: int  # first token of the next chunk when not has_output (else unused)
+    # the request's index in the in-flight step whose output its rows continue, or -1;
+    # such rows are placeholders until the device fills them (batch.apply_carry)
+    carry_index: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +58,10 @@ class Scheduler:
 
     def pages_needed(self, seq: Sequence, num_rows: int) -> int:
         """Extra pages for seq to hold its KV after num_rows more rows, plus k lookahead
-        slots the MTP draft chain writes past the verified tokens."""
-        tokens = seq.num_computed + num_rows + self.config.num_speculative_tokens
+        slots the MTP draft chain writes past the verified tokens, plus the drafts an
+        in-flight step may still accept."""
+        unread = seq.in_flight[2] - 1 if seq.in_flight else 0
+        tokens = seq.num_computed + unread + num_rows + self.config.num_speculative_tokens
         return max(0, -(-tokens // self.config.page_size) - len(seq.pages))
 
     def schedule(self) -> list[ScheduledRows]:
@@ -133,6 +138,13 @@ class Scheduler:
     def _rows_for(self, seq: Sequence, budget: int) -> ScheduledRows | None:
         tokens = seq.token_ids
         remaining = len(tokens) - seq.num_computed
+        if seq.in_flight is not None:  # continue a step not yet read: rows come from its carry
+            _, index, most = seq.in_flight
+            num_rows = self.config.num_speculative_tokens + 1
+            # a request that may reach max_tokens in flight waits for its result instead
+            if len(seq.output_token_ids) + most >= seq.params.max_tokens or num_rows > budget:
+                return None
+            return ScheduledRows(seq, seq.num_computed, [0] * num_rows, num_rows - 1, True, 0, index)
         if not seq.in_prefill:  # decode: the last token plus the drafts to verify
             rows = tokens[seq.num_computed :] + seq.drafts
             if len(rows) > budget:
@@ -166,6 +178,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed = 0
         seq.drafts = []
+        seq.in_flight = None
         seq.num_preemptions += 1
         seq.status = Status.WAITING
         self.running.remove(seq)

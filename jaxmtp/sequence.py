@@ -65,6 +65,10 @@ class Sequence:
     cached_prefix: list[CachedPage] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is written (and valid)
     drafts: list[int] = dataclasses.field(default_factory=list)  # proposals to verify next step
+    # While a dispatched step that emits tokens for this sequence has not been read:
+    # (that step's id, the sequence's index in it, the most tokens it can emit).
+    # num_computed then assumes none of its drafts is accepted.
+    in_flight: tuple[int, int, int] | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None

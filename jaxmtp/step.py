@@ -1,6 +1,10 @@
 """The one jitted engine step: main forward over a mixed batch of prefill chunks and
 decode/verify rows, sampling or verification, and the MTP draft pass. The KV cache
-goes in and comes out donated; the host reads back only tokens and counts."""
+goes in and comes out donated; the host reads back only tokens and counts.
+
+The carry lets the host dispatch step N+1 before it has read step N: requests whose
+step N emits tokens are scheduled with placeholder rows, which this step fills from
+step N's carry on the device (batch.apply_carry)."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxmtp import model, mtp
 from jaxmtp.attention import attention_fn
-from jaxmtp.batch import unpack_batch
+from jaxmtp.batch import apply_carry, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
@@ -38,14 +42,21 @@ class StepOutput:
     top_token_ids: jax.Array | None  # [B, k+1, n]
     drafts: jax.Array  # [B, k] next proposals (k = 0: empty)
     boundary_token: jax.Array  # [B] token the draft pass used at each request's boundary row
+    carry: jax.Array  # [S, 2 + k] per request: accepted count, last emitted token, next drafts (S: max B)
 
 
 def step(
-    params: Params, cache: KVCache, ints: jax.Array, floats: jax.Array, shapes: tuple, config: StepConfig
+    params: Params,
+    cache: KVCache,
+    carry: jax.Array,
+    ints: jax.Array,
+    floats: jax.Array,
+    shapes: tuple,
+    config: StepConfig,
 ) -> tuple[KVCache, StepOutput]:
-    """ints/floats: the batch packed by batch.pack_batch; shapes = (T, B, pages per
-    request, k) says how to unpack it."""
-    batch = unpack_batch(ints, floats, shapes)
+    """carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
+    batch.pack_batch; shapes = (T, B, pages per request, k) says how to unpack it."""
+    batch = apply_carry(unpack_batch(ints, floats, shapes), carry, cache.page_size)
     cfg = config.model
     k = config.num_speculative_tokens
     attention = attention_fn(config.attention_backend, cfg.head_dim)
@@ -63,7 +74,10 @@ def step(
         )
     else:
         drafts, boundary = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
-    return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary)
+    last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)
+    new_carry = jnp.concatenate([num_accepted[:, None], last, drafts], axis=1).astype(jnp.int32)
+    new_carry = jnp.zeros_like(carry).at[:b].set(new_carry)
+    return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry)
 
 
 jitted_step = jax.jit(step, static_argnames=("config", "shapes"), donate_argnames=("cache",))

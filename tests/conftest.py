@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "checkpoints" / "stories260K"
+MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"  # stories260K with its trained MTP head
 
 
 def golden_ids() -> list[int]:

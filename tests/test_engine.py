@@ -3,10 +3,15 @@ preemption, page accounting and recompilation."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 
-from conftest import STORIES, golden_ids
+from conftest import MTP_MODEL, ROOT, STORIES, golden_ids
 from jaxmtp import LLM, SamplingParams
+from jaxmtp.batch import BatchShape, BucketPlan
 from jaxmtp.engine import num_compiles
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -177,3 +182,81 @@ def test_output_text_continues_the_prompt_with_its_leading_space():
     out = llm.generate("Once upon a", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
     assert out.outputs[0].text.startswith(" time")
     assert ("Once upon a" + out.outputs[0].text) == llm.tokenizer.decode(out.prompt_token_ids + out.outputs[0].token_ids)
+
+
+def test_async_scheduling_gives_the_outputs_of_sync_scheduling(rng):
+    """Dispatching step N+1 before reading step N (rows continued from the device's
+    carry, positions shifted by the accepted drafts) changes no output: MTP drafts,
+    chunked prefill, seeded sampling, and spec stats step for step; logprobs to float32
+    rounding (a step's batch can differ by a request near max_tokens, which waits for
+    its result before it is scheduled again). Under a tiny page pool (preemption at
+    different moments) greedy tokens still agree; sampled ones need not, as the verify
+    windows after a recompute differ."""
+    prompts = random_prompts(rng, [6, 30, 13, 21])
+    params = [
+        SamplingParams(max_tokens=40, temperature=0.0),
+        SamplingParams(max_tokens=33, temperature=0.8, seed=int(rng.integers(1 << 30))),
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=21, temperature=1.0, top_p=0.9, seed=int(rng.integers(1 << 30))),
+    ]
+    for num_pages in (None, 40):
+        runs = {}
+        for overlap in (False, True):
+            llm = LLM(MTP_MODEL, num_speculative_tokens=2, page_size=4, num_pages=num_pages, max_num_seqs=4,
+                      max_num_batched_tokens=32, prefill_chunk_size=7, async_scheduling=overlap)
+            runs[overlap] = llm.generate(prompts, params, use_tqdm=False)
+            assert (llm.engine.scheduler.num_preemptions > 0) == (num_pages is not None)
+            assert_no_leaks(llm)
+        compared = [0, 1, 2, 3] if num_pages is None else [0, 2]
+        assert [texts(runs[True])[i] for i in compared] == [texts(runs[False])[i] for i in compared]
+        if num_pages is None:
+            assert [o.spec_stats for o in runs[True]] == [o.spec_stats for o in runs[False]]
+            for a, b in zip(runs[True][2].outputs[0].logprobs, runs[False][2].outputs[0].logprobs):
+                assert a.keys() == b.keys()
+                np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-5)
+
+
+def test_async_step_returns_a_step_late_while_the_next_runs():
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request("a", [1], SamplingParams(max_tokens=3, temperature=0.0))
+    assert engine.step() == [] and engine.num_steps_in_flight == 1  # prefill dispatched, not read
+    first = engine.step()  # decode dispatched, then the prefill's token read
+    assert engine.num_steps_in_flight == 1 and len(first[0].outputs[0].token_ids) == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_no_leaks(llm)
+
+
+def test_compiled_step_updates_the_donated_cache_in_place():
+    """No copy of a KV page array in the optimised HLO: the donated cache is aliased
+    to the output and written by in-place scatters, the draft chain's one-row
+    scatters included (batch shapes with one request)."""
+    llm = LLM(MTP_MODEL, num_speculative_tokens=2, page_size=16, max_num_seqs=4, max_num_batched_tokens=32)
+    engine = llm.engine
+    for shape in (BatchShape(8, 1), BatchShape(32, 4)):
+        assert engine.cache_copies(shape) == []
+    text = engine.lower_step(BatchShape(8, 1)).compile().as_text()
+    aliased = text.splitlines()[0].count("-alias)")  # the HloModule line lists input/output aliases
+    assert aliased == 2 * len(engine.cache.k)
+
+
+def test_parallel_warmup_fills_the_compilation_cache_so_serving_compiles_nothing(tmp_path):
+    script = f"""
+import jax
+jax.config.update("jax_compilation_cache_dir", {str(tmp_path)!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+from jaxmtp import LLM, SamplingParams
+from jaxmtp.engine import num_compiles
+llm = LLM({str(MTP_MODEL)!r}, num_speculative_tokens=1, max_num_seqs=2, max_num_batched_tokens=16)
+shapes = llm.engine.warmup(num_threads=2)
+before = num_compiles()
+llm.generate([[1, 5, 9], [1, 7]], SamplingParams(max_tokens=6), use_tqdm=False)
+print("RESULT", shapes, num_compiles() - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shapes, compiled_while_serving = map(int, out.stdout.split("RESULT")[1].split())
+    assert shapes == len(BucketPlan(16, 2).all_shapes())
+    assert compiled_while_serving == 0
+    assert len(list(tmp_path.iterdir())) >= shapes

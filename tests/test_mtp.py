@@ -9,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, STORIES
+from conftest import MTP_MODEL, STORIES
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.engine import num_compiles
 from jaxmtp.sampling import verify_and_sample
 
-MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"
 PAGE = 16
 CHUNKS = [1, 7, PAGE - 1, PAGE, PAGE + 1, None]  # None: the whole prompt in one chunk
 

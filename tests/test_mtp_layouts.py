@@ -252,7 +252,7 @@ def engine_draft_logits(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]
         seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
         batch = build_batch(
             [ScheduledRows(seq, 0, list(ids), 0, True, 0)], BatchShape(len(ids), 1),
-            engine.max_pages_per_seq, engine.page_size, cache.num_pages * engine.page_size, 0,
+            engine.max_pages_per_seq, engine.page_size, cache.scratch_slot, 0,
         )
         hidden, cache = model.forward(params, cfg, batch, cache, attention)
         main = model.logits(params.head(), params.final_norm, cfg, hidden)
@@ -327,7 +327,7 @@ def test_speculative_greedy_equals_plain_greedy(tmp_path, rng, layout, agree):
 
     def step():  # keep the first step's read-back output
         outputs = engine_step()
-        if not first_step:
+        if not first_step and engine.last_step_output is not None:
             first_step.append(engine.last_step_output)
         return outputs
 

@@ -1,0 +1,98 @@
+"""Where a decode step's device time goes: a JAX profiler trace of the jitted step,
+replayed back to back, summarised per GPU kernel (one H200, about two minutes).
+
+    python benchmarks/profile_step.py [--k 0,1] [--batch 1] [--context 512] [--out DIR]
+
+Uses the Llama-3-8B-shaped dummy model of benchmarks/e2e.py. Writes profile.json
+(top kernels per configuration: total microseconds per step and calls per step) and
+prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def kernel_table(trace_dir: Path, steps: int, top: int = 30) -> list[dict]:
+    """Sum the device events of a perfetto trace by (timeline, name): kernels on the
+    stream timelines, and XLA ops / modules on theirs."""
+    path = next(trace_dir.rglob("perfetto_trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    total, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            key = (threads.get((e["pid"], e.get("tid")), "?")[:24], e["name"][:100])
+            total[key] += e.get("dur", 0)
+            calls[key] += 1
+    return [{"timeline": line, "name": name, "us_per_step": us / steps, "calls_per_step": calls[(line, name)] / steps}
+            for (line, name), us in total.most_common(top)]
+
+
+def main() -> None:
+    import jax
+
+    from e2e import LLAMA3_8B, run_decode
+    from jaxmtp import LLM
+    from jaxmtp.step import jitted_step
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--k", default="0,1")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    folder = tempfile.mkdtemp()
+    Path(folder, "config.json").write_text(json.dumps(LLAMA3_8B))
+    rng = __import__("numpy").random.default_rng(0)
+    prompts = [rng.integers(3, 128000, size=args.context).tolist() for _ in range(args.batch)]
+    report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "batch": args.batch,
+              "context": args.context, "configs": {}}
+    for k in map(int, args.k.split(",")):
+        llm = LLM(folder, load_format="dummy", max_model_len=4096, num_pages=args.batch * (args.context + 64) // 16 + 64,
+                  max_num_seqs=args.batch, max_num_batched_tokens=max(512, args.batch * (k + 1)),
+                  num_speculative_tokens=k)
+        engine = llm.engine
+        run_decode(llm, prompts, 24)
+        replay = lambda: jitted_step(engine.params, engine.cache, *engine.last_batch, engine.step_config)  # noqa: E731
+        for _ in range(3):
+            engine.cache, out = replay()
+        jax.block_until_ready(out.tokens)
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            engine.cache, out = replay()
+        jax.block_until_ready(out.tokens)
+        step_ms = (time.perf_counter() - t) / args.steps * 1e3
+        trace = Path(tempfile.mkdtemp())
+        jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
+        for _ in range(args.steps):
+            engine.cache, out = replay()
+        jax.block_until_ready(out.tokens)
+        jax.profiler.stop_trace()
+        table = kernel_table(trace, args.steps)
+        report["configs"][f"k={k}"] = {"replayed_step_ms": step_ms, "kernels": table}
+        print(f"\nk={k}: replayed step {step_ms:.3f} ms; device time per step by kernel:")
+        for row in table:
+            print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  [{row['timeline']}] {row['name']}")
+        del llm, engine
+    Path(args.out, "profile.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
