@@ -208,7 +208,10 @@ def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True):
     engine.draft_override = None
     set_async(llm, True)
     ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
-    return elapsed / steps, tokens_timed / elapsed, [o.outputs[0].token_ids for o in ordered], ordered
+    tokens = [o.outputs[0].token_ids for o in ordered]
+    if elapsed is None:  # a warm-up run too short to reach full-batch decode steps
+        return None, None, tokens, ordered
+    return elapsed / steps, tokens_timed / elapsed, tokens, ordered
 
 
 def device_step_time(engine, repeats: int = 50) -> float:
