@@ -62,7 +62,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "down_proj": ("ffn", "embed"),
     # MTP module: its block is a LayerParams and shards like a decoder layer. The two
     # [H, H] input projections stay whole: split, they would add an all-reduce of the
-    # rows for a matrix a fraction of the block's size.
+    # rows for about 15% of the block's weights.
     "token_norm": ("embed",),
     "hidden_norm": ("embed",),
     "proj_token": ("embed", "embed"),
