@@ -1,6 +1,6 @@
-"""Tensor parallelism on two GPUs (nvidia-h200-x2; one call of about 6 minutes).
+"""Tensor parallelism on two GPUs (nvidia-h200-x2; one call of at most about 6 minutes).
 
-    python benchmarks/tp.py [--out DIR] [--budget-s 330]
+    python benchmarks/tp.py [--out DIR] [--budget-s 320]
     python benchmarks/tp.py --tiny     # CPU, 2 forced devices, a tiny model: checks that it runs
 
 The Llama-3-8B-shaped bfloat16 model of benchmarks/e2e.py (random weights made on the
@@ -9,7 +9,8 @@ starts with clean GPU memory:
 
 - batch-1 decode (prompt 512, 128 new tokens): ms/token over steady decode steps (the
   engine step, and the jitted step alone, replayed, without host work);
-- batch-32 decode (32 prompts of 512, 64 new tokens): tokens/s over full-batch steps;
+- batch-32 decode (32 prompts of 512, prefilled in one step, 64 new tokens): tokens/s
+  over full-batch decode steps;
 - the collectives' share of a decode step. Method: the collectives of the compiled step
   are read from its HLO (op, shape, count), each distinct one is timed alone on the same
   mesh as a chain of 64 dependent copies inside one jitted call (less the same chain
@@ -19,7 +20,10 @@ starts with clean GPU memory:
 - correctness: stories260K (float32) greedy equals its 200 golden ids at each size; a small
   float32 model through the Pallas kernel with MTP (k=2) and chunked prefill gives the same
   tokens at TP=2 as at TP=1; for the bf16 8B model, the number of greedy tokens TP=2 shares
-  with TP=1 before a near-tie parts them (all-reduce order changes bf16 rounding).
+  with TP=1 before a near-tie parts them (all-reduce order changes bf16 rounding);
+- if the budget still holds it, batch-1 decode at TP=2 with the embedding and LM head
+  replicated instead of split over the vocabulary (a third process, as the sharding
+  rules are read when the step is traced): what splitting the vocabulary is worth.
 
 Scenarios skip when the --budget-s left cannot hold them. Writes <date>_<gpu>_tp.json and
 .md under --out (default: $OUT if set, else docs/benchmarks/) and prints the table last.
@@ -52,6 +56,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import e2e  # noqa: E402  (its 8B config and decode timing helpers; it puts ROOT on sys.path)
 
 TP_SIZES = (1, 2)
+VOCAB_REPLICATED = "2-vocab-replicated"  # the runs' key of TP=2 with embedding and LM head whole
 TINY_8B = {**e2e.LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
 # What each size runs; --tiny shrinks the models and the lengths, not the code path.
@@ -69,18 +74,24 @@ ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 # ----- one tensor-parallel size, in its own process ---------------------------------------
 
 
-def worker(tp: int, budget_s: float, tiny: bool) -> None:
+def worker(tp: int, budget_s: float, tiny: bool, vocab_replicated: bool) -> None:
+    """One size's scenarios. vocab_replicated: batch-1 decode only, with the embedding and
+    LM head whole on every device (the rules' other choice for the vocabulary), set
+    before anything is traced: jit reuses a step's trace, and the rules are read then."""
     import jax
 
-    from jaxmtp import LLM
+    from jaxmtp import LLM, sharding
 
     t0 = time.perf_counter()
     scale = TINY if tiny else FULL
     result = {"tp": tp, "device": jax.devices()[0].device_kind, "devices_present": len(jax.devices()),
-              "jax": jax.__version__, "skipped": []}
+              "jax": jax.__version__, "vocab_replicated": vocab_replicated, "skipped": []}
+    if vocab_replicated:
+        sharding.LOGICAL_RULES["vocab"] = None
 
     def emit(note):  # every result so far, as soon as it exists: a later crash keeps them
-        print(f"[tp={tp} {time.perf_counter() - t0:5.0f}s] {note}", file=sys.stderr, flush=True)
+        name = f"tp={tp}" + (" vocab replicated" if vocab_replicated else "")
+        print(f"[{name} {time.perf_counter() - t0:5.0f}s] {note}", file=sys.stderr, flush=True)
         print("TP_JSON " + json.dumps(result), flush=True)
 
     def left():
@@ -92,15 +103,16 @@ def worker(tp: int, budget_s: float, tiny: bool) -> None:
                                    num_pages=scale["num_pages"])
         batch_1(result, engine, scale, emit)
         gc.collect()  # one engine's weights and cache on the devices at a time
-        if left() > 30:
-            correctness(result, tp, scale["small_f32"])
-            emit("correctness")
-        else:
-            result["skipped"].append("correctness")
-        if left() > (40 if tiny else 75):
-            batch_32(result, engine, scale, emit)
-        else:
-            result["skipped"].append("b32")
+        if not vocab_replicated:
+            if left() > 30:
+                correctness(result, tp, scale["small_f32"])
+                emit("correctness")
+            else:
+                result["skipped"].append("correctness")
+            if left() > 45:
+                batch_32(result, engine, scale, emit)
+            else:
+                result["skipped"].append("b32")
     emit("done")
 
 
@@ -110,22 +122,22 @@ def batch_1(result, engine, scale, emit) -> None:
 
     t = time.perf_counter()
     llm = engine(max_num_seqs=1, max_num_batched_tokens=scale["prompt_len"])
-    result["load_dummy_s"] = time.perf_counter() - t
+    result["b1_load_dummy_s"] = time.perf_counter() - t
     params = llm.engine.params
     result["weight_bytes"] = e2e.weight_bytes(params)
     # what one device reads per decode step (the embedding table is only gathered from)
-    result["weight_bytes_per_device"] = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params)) - \
+    result["b1_weight_bytes_per_device"] = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(params)) - \
         params.embed.addressable_shards[0].data.nbytes
     vocab = scale["config"]["vocab_size"]
     prompt = [np.random.default_rng(0).integers(3, vocab - 1, size=scale["prompt_len"]).tolist()]
     t = time.perf_counter()
     e2e.run_decode(llm, prompt, 8)
-    result["first_run_compile_s"] = time.perf_counter() - t
+    result["b1_first_run_compile_s"] = time.perf_counter() - t
     step_s, _, tokens, _ = e2e.run_decode(llm, prompt, scale["b1_new_tokens"])
     result["b1_ms_per_token"] = step_s * 1e3
     result["b1_device_ms_per_token"] = e2e.device_step_time(llm.engine) * 1e3
     result["b1_tokens"] = tokens[0]
-    emit(f"b1 {result['b1_ms_per_token']:.2f} ms/token, step alone {result['b1_device_ms_per_token']:.2f}")
+    emit(f"b1 {step_s * 1e3:.2f} ms/token, step alone {result['b1_device_ms_per_token']:.2f}")
     if llm.engine.mesh.size > 1:
         result["b1_collectives"] = collectives_of_last_step(llm.engine)
         emit(f"b1 collectives {summary(result['b1_collectives'])}")
@@ -136,7 +148,11 @@ def batch_32(result, engine, scale, emit) -> None:
 
     from jaxmtp import SamplingParams
 
-    llm = engine(max_num_seqs=scale["batch"], max_num_batched_tokens=1024, prefill_chunk_size=1024)
+    # every prompt prefilled in one step: two step shapes to compile (that step and the
+    # full-batch decode), where a smaller step budget would compile one per batch bucket
+    # as decoding requests join the prefill steps
+    tokens = scale["batch"] * scale["prompt_len"]
+    llm = engine(max_num_seqs=scale["batch"], max_num_batched_tokens=tokens, prefill_chunk_size=tokens)
     rng = np.random.default_rng(1)
     vocab = scale["config"]["vocab_size"]
     prompts = [rng.integers(3, vocab - 1, size=scale["prompt_len"]).tolist() for _ in range(scale["batch"])]
@@ -261,12 +277,13 @@ def correctness(result, tp, small_config) -> None:
 # ----- the parent: both sizes, then the table -----------------------------------------------
 
 
-def run_worker(tp: int, budget_s: float, tiny: bool) -> dict:
+def run_worker(tp: int, budget_s: float, tiny: bool, vocab_replicated: bool = False) -> dict:
     env = dict(os.environ)
     if tiny:
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
         env["JAX_PLATFORMS"] = "cpu"
-    command = [sys.executable, __file__, "--worker", str(tp), "--budget-s", str(budget_s)] + (["--tiny"] if tiny else [])
+    command = [sys.executable, __file__, "--worker", str(tp), "--budget-s", str(budget_s)]
+    command += ["--tiny"] * tiny + ["--vocab-replicated"] * vocab_replicated
     try:
         done = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, timeout=budget_s + 30)
         stdout, code = done.stdout, done.returncode
@@ -281,7 +298,7 @@ def run_worker(tp: int, budget_s: float, tiny: bool) -> dict:
 
 def compare(runs: dict) -> dict:
     one, two = runs.get("1", {}), runs.get("2", {})
-    checks = {"stories_golden": {tp: r.get("stories_golden") for tp, r in runs.items()}}
+    checks = {"stories_golden": {tp: r["stories_golden"] for tp, r in runs.items() if "stories_golden" in r}}
     if "small_f32_tokens" in one and "small_f32_tokens" in two:
         checks["small_f32_tp2_equals_tp1"] = one["small_f32_tokens"] == two["small_f32_tokens"]
         checks["small_f32_attention"] = two.get("small_f32_attention")
@@ -302,7 +319,7 @@ def collective_share(collectives, step_ms):
 
 def markdown(results) -> str:
     runs, scale = results["runs"], results["scale"]
-    one, two = runs.get("1", {}), runs.get("2", {})
+    one, two, whole_vocab = runs.get("1", {}), runs.get("2", {}), runs.get(VOCAB_REPLICATED, {})
     bandwidth = results.get("torch_copy_bytes_per_s")
     device = two.get("device") or one.get("device")
     head = (f"# Tensor parallelism: TP=1 vs TP=2\n\n{results['date']}, {two.get('devices_present', '?')} x {device}, "
@@ -314,6 +331,9 @@ def markdown(results) -> str:
     def value(run, key, fmt="{:.2f}"):
         return fmt.format(run[key]) if key in run else "-"
 
+    def ratio_between(slower, faster, key):
+        return f"{slower[key] / faster[key]:.2f}x" if key in slower and key in faster else "-"
+
     def ratio(key, inverse=False):
         if key not in one or key not in two:
             return "-"
@@ -323,7 +343,7 @@ def markdown(results) -> str:
         # batch-1 decode reads every weight once per token: (weights per GPU) / bandwidth
         if not bandwidth or key not in run:
             return ""
-        return f" ({run['weight_bytes_per_device'] / bandwidth * 1e3 / run[key]:.0%} of floor)"
+        return f" ({run['b1_weight_bytes_per_device'] / bandwidth * 1e3 / run[key]:.0%} of floor)"
 
     lines = [
         "| scenario | TP=1 | TP=2 | speed-up | target |",
@@ -332,6 +352,10 @@ def markdown(results) -> str:
         f"| {value(two, 'b1_ms_per_token')}{floor(two, 'b1_ms_per_token')} | {ratio('b1_ms_per_token')} | >= 1.6x |",
         f"| batch-1 decode, jitted step alone (replayed), ms/token | {value(one, 'b1_device_ms_per_token')}{floor(one, 'b1_device_ms_per_token')} "
         f"| {value(two, 'b1_device_ms_per_token')}{floor(two, 'b1_device_ms_per_token')} | {ratio('b1_device_ms_per_token')} | |",
+        f"| batch-1 decode, TP=2 with embedding and LM head replicated: engine step / step alone, ms/token | "
+        f"| {value(whole_vocab, 'b1_ms_per_token')} / {value(whole_vocab, 'b1_device_ms_per_token')} "
+        f"| vocab split is {ratio_between(whole_vocab, two, 'b1_ms_per_token')} / "
+        f"{ratio_between(whole_vocab, two, 'b1_device_ms_per_token')} faster | |",
         f"| batch-{scale['batch']} decode (prompt {scale['prompt_len']}, {scale['batch_new_tokens']} tokens), tokens/s | {value(one, 'b32_tokens_per_s', '{:.0f}')} "
         f"| {value(two, 'b32_tokens_per_s', '{:.0f}')} | {ratio('b32_tokens_per_s', inverse=True)} | |",
     ]
@@ -344,13 +368,14 @@ def markdown(results) -> str:
             lines.append(f"| collectives' share of a TP=2 {label} decode step ({which}) | | {text} | | |")
     body = "\n".join(lines)
     details = ["", "", "Collectives per TP=2 decode step (from the compiled HLO; each timed alone, see the script's docstring):", ""]
-    for coll in ("b1_collectives", "b32_collectives"):
-        if two.get(coll):
-            details.append(f"- {coll[:3]}: {summary(two[coll])}")
+    for label, run, coll in (("batch 1", two, "b1_collectives"), ("batch 32", two, "b32_collectives"),
+                             ("batch 1, vocab replicated", whole_vocab, "b1_collectives")):
+        if run.get(coll):
+            details.append(f"- {label}: {summary(run[coll])}")
     details += ["", f"Correctness: {json.dumps(results.get('checks'))}", "",
                 f"Weights read per GPU and decode step (all but the embedding table): "
-                f"TP=1 {one.get('weight_bytes_per_device', 0) / 1e9:.3g} GB, TP=2 {two.get('weight_bytes_per_device', 0) / 1e9:.3g} GB. "
-                f"Compile of the first run: TP=1 {one.get('first_run_compile_s', 0):.0f} s, TP=2 {two.get('first_run_compile_s', 0):.0f} s."]
+                f"TP=1 {one.get('b1_weight_bytes_per_device', 0) / 1e9:.3g} GB, TP=2 {two.get('b1_weight_bytes_per_device', 0) / 1e9:.3g} GB. "
+                f"Compile of the first run: TP=1 {one.get('b1_first_run_compile_s', 0):.0f} s, TP=2 {two.get('b1_first_run_compile_s', 0):.0f} s."]
     skipped = {tp: r.get("skipped") or r.get("error") for tp, r in runs.items() if r.get("skipped") or r.get("error")}
     if skipped or results.get("not_run"):
         details.append(f"\nSkipped or failed: {skipped} {results.get('not_run', '')}")
@@ -363,9 +388,10 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=320)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2 forced devices, a tiny model")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--vocab-replicated", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.budget_s, args.tiny)
+        worker(args.worker, args.budget_s, args.tiny, args.vocab_replicated)
         return
     t0 = time.perf_counter()
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -382,6 +408,11 @@ def main() -> None:
             break
         # an even share of what is left, so that TP=1 cannot take TP=2's time
         results["runs"][str(tp)] = run_worker(tp, left / (len(TP_SIZES) - i), args.tiny)
+    left = args.budget_s - (time.perf_counter() - t0)
+    if left >= 60:  # what splitting the vocabulary is worth, if the budget still holds it
+        results["runs"][VOCAB_REPLICATED] = run_worker(2, left, args.tiny, vocab_replicated=True)
+    else:
+        results["not_run"] = results.get("not_run", "") + f" TP=2 vocab replicated: {left:.0f} s of budget left"
     results["checks"] = compare(results["runs"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
