@@ -57,16 +57,14 @@ import e2e  # noqa: E402  (its 8B config and decode timing helpers; it puts ROOT
 
 TP_SIZES = (1, 2)
 VOCAB_REPLICATED = "2-vocab-replicated"  # the runs' key of TP=2 with embedding and LM head whole
-TINY_8B = {**e2e.LLAMA3_8B, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
 # What each size runs; --tiny shrinks the models and the lengths, not the code path.
 # small_f32: the exactness check's model (the Pallas kernel on the GPU: head_dim 64).
 FULL = dict(config=e2e.LLAMA3_8B, prompt_len=512, b1_new_tokens=128, batch=32, batch_new_tokens=64, num_pages=2400,
             small_f32={**e2e.LLAMA3_8B, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4,
                        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096,
                        "torch_dtype": "float32"})
-TINY = dict(config=TINY_8B, prompt_len=32, b1_new_tokens=16, batch=32, batch_new_tokens=8, num_pages=256,
-            small_f32={**TINY_8B, "torch_dtype": "float32"})
+TINY = dict(config=e2e.TINY, prompt_len=32, b1_new_tokens=16, batch=32, batch_new_tokens=8, num_pages=256,
+            small_f32={**e2e.TINY, "torch_dtype": "float32"})
 COLLECTIVE = re.compile(r"= (.*?) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(")
 ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
@@ -139,14 +137,12 @@ def batch_1(result, engine, scale, emit) -> None:
     result["b1_tokens"] = tokens[0]
     emit(f"b1 {step_s * 1e3:.2f} ms/token, step alone {result['b1_device_ms_per_token']:.2f}")
     if llm.engine.mesh.size > 1:
-        result["b1_collectives"] = collectives_of_last_step(llm.engine)
+        result["b1_collectives"] = collectives(llm.engine, num_seqs=1)
         emit(f"b1 collectives {summary(result['b1_collectives'])}")
 
 
 def batch_32(result, engine, scale, emit) -> None:
     import numpy as np
-
-    from jaxmtp import SamplingParams
 
     # every prompt prefilled in one step: two step shapes to compile (that step and the
     # full-batch decode), where a smaller step budget would compile one per batch bucket
@@ -161,22 +157,16 @@ def batch_32(result, engine, scale, emit) -> None:
     result["b32_step_ms"] = step_s * 1e3
     emit(f"b32 {tps:.0f} tokens/s")
     if llm.engine.mesh.size > 1:
-        # A full-batch decode step to read the collectives from: 32 one-token prompts
-        # run the step shape the timed window ran (already compiled), then decode once.
-        for i in range(scale["batch"]):
-            llm.engine.add_request(f"c{i}", [5], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        llm.engine.step()
-        llm.engine.step()
-        result["b32_collectives"] = collectives_of_last_step(llm.engine)
+        result["b32_collectives"] = collectives(llm.engine, num_seqs=scale["batch"])
         emit(f"b32 collectives {summary(result['b32_collectives'])}")
 
 
-def collectives_of_last_step(engine) -> list[dict]:
-    """The collectives in the compiled step of the engine's last batch (a cache hit: that
-    shape has run), each with its count and its time measured alone."""
-    from jaxmtp.step import jitted_step
-
-    hlo = jitted_step.lower(engine.params, engine.cache, *engine.last_batch, engine.step_config).compile().as_text()
+def collectives(engine, num_seqs: int) -> list[dict]:
+    """The collectives in the compiled decode step of num_seqs requests (the shape the
+    timed window ran, so compiling it again is a cache hit), each with its count and its
+    time measured alone."""
+    shape = engine.buckets.shape_for(num_seqs, num_seqs)  # one row per request
+    hlo = engine.lower_step(shape).compile().as_text()
     found = {}
     for line in hlo.splitlines():
         match = COLLECTIVE.search(line)
