@@ -26,6 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help=f"MTP drafts per step (default {DEFAULT_SPECULATIVE_TOKENS} if the model has MTP weights, else 0)")
     parser.add_argument("--mtp-boundary", choices=["next_chunk", "sampled"], default="next_chunk")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="local devices that split the model's heads, MLP and vocabulary (docs/tensor-parallel.md)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -50,6 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_speculative_tokens=speculative_tokens(args),
         mtp_boundary=args.mtp_boundary,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
     )
 
