@@ -1,14 +1,20 @@
-"""Paged KV cache: device pages as a donated pytree, and the host-side page allocator."""
+"""Paged KV cache: device pages as a donated pytree, the page copy behind copy-on-write,
+and the host-side page allocator."""
 
 from __future__ import annotations
 
+import functools
 from collections import deque
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import pytree_dataclass
+
+if TYPE_CHECKING:
+    from jaxmtp.prefix_cache import PrefixCache
 
 
 @pytree_dataclass
@@ -61,23 +67,60 @@ def allocate_cache(
     )
 
 
-class PageAllocator:
-    """Free list of page ids. Pages are handed out in units and returned whole."""
+# Page copies per copy_pages call: a fixed shape, compiled once. A step needs one copy
+# per admitted request whose cached prefix ends in a copy-on-write page.
+PAGE_COPY_BATCH = 8
 
-    def __init__(self, num_pages: int):
+
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+    """Copy page src[i] to page dst[i] in every layer (main and MTP). Every source is read
+    before any destination is written; padding copies write the scratch page."""
+    return KVCache(
+        k=[x.at[dst].set(x[src], mode="promise_in_bounds") for x in cache.k],
+        v=[x.at[dst].set(x[src], mode="promise_in_bounds") for x in cache.v],
+    )
+
+
+class PageAllocator:
+    """Page ids with reference counts: a page is free when no sequence holds it. With a
+    prefix cache, a page whose last holder lets go and that holds cached KV is parked
+    there instead of the free list, and taken back (least recently used first) only when
+    the free list is empty."""
+
+    def __init__(self, num_pages: int, prefix_cache: PrefixCache | None = None):
         self.num_pages = num_pages
         self.free_pages: deque[int] = deque(range(num_pages))
+        self.ref_counts = [0] * num_pages
+        self.prefix_cache = prefix_cache
 
     @property
     def num_free(self) -> int:
-        return len(self.free_pages)
+        """Pages an allocation can take: never used, freed, or cached but unheld."""
+        return len(self.free_pages) + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self.free_pages):
-            raise MemoryError(f"asked for {n} KV pages, {len(self.free_pages)} free")
-        return [self.free_pages.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise MemoryError(f"asked for {n} KV pages, {self.num_free} free")
+        pages = [self.free_pages.popleft() if self.free_pages else self.prefix_cache.evict() for _ in range(n)]
+        for page in pages:
+            self.ref_counts[page] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> list[int]:
+        """Take a reference on pages that hold cached KV (held by others, or parked)."""
+        for page in pages:
+            if self.ref_counts[page] == 0:
+                self.prefix_cache.unpark(page)
+            self.ref_counts[page] += 1
+        return list(pages)
 
     def free(self, pages: list[int]) -> None:
-        self.free_pages.extend(pages)
-
-
+        """Drop one reference on each page. Last page first, so that a sequence's later
+        pages are evicted before its earlier ones (which more requests share)."""
+        for page in reversed(pages):
+            if self.ref_counts[page] <= 0:
+                raise RuntimeError(f"KV page {page} freed more often than it was allocated")
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0 and not (self.prefix_cache and self.prefix_cache.park(page)):
+                self.free_pages.append(page)

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES
+
 CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
 DEFAULT_MODEL = str(CHECKPOINTS / "stories260K-mtp")  # stories260K with its trained MTP head
 DEFAULT_BASE = str(CHECKPOINTS / "stories260K")
@@ -25,6 +27,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help=f"MTP drafts per step (default {DEFAULT_SPECULATIVE_TOKENS} if the model has MTP weights, else 0)")
     parser.add_argument("--mtp-boundary", choices=["next_chunk", "sampled"], default="next_chunk")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV pages of earlier requests' shared prefixes (default: on)")
+    parser.add_argument("--prefix-cache-boundary", choices=PREFIX_CACHE_BOUNDARIES, default="exact",
+                        help="the MTP draft row at the end of the last reused page: exact (default), or the "
+                        "ablations drop (vLLM) and stale (docs/prefix-cache.md)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="local devices that split the model's heads, MLP and vocabulary (docs/tensor-parallel.md)")
@@ -51,6 +58,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         prefill_chunk_size=args.prefill_chunk_size,
         num_speculative_tokens=speculative_tokens(args),
         mtp_boundary=args.mtp_boundary,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_boundary=args.prefix_cache_boundary,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,

@@ -16,11 +16,12 @@ import numpy as np
 
 from jaxmtp.attention import resolve_backend
 from jaxmtp.batch import BatchShape, BucketPlan, build_batch, pack_batch
-from jaxmtp.cache import PageAllocator, allocate_cache
+from jaxmtp.cache import PAGE_COPY_BATCH, PageAllocator, allocate_cache, copy_pages
 from jaxmtp.config import load_config
 from jaxmtp.loader import load_params
 from jaxmtp.mtp import BOUNDARY_MODES
 from jaxmtp.outputs import CompletionOutput, RequestOutput
+from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES, PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import ScheduledRows, Scheduler, SchedulerConfig
 from jaxmtp.sequence import Sequence, SpecStats
@@ -55,6 +56,8 @@ class EngineConfig:
     prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
     num_speculative_tokens: int = 0
     mtp_boundary: str = "next_chunk"
+    enable_prefix_caching: bool = False  # reuse cached KV pages of earlier requests' prefixes
+    prefix_cache_boundary: str = "exact"  # see jaxmtp/prefix_cache.py; "drop" and "stale" are ablations
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1  # devices that split heads, ffn and vocabulary (jaxmtp/sharding.py)
     load_format: str = "auto"
@@ -90,6 +93,7 @@ class EngineStats:
     generation_tokens: int = 0
     computed_tokens: int = 0  # rows run through the main model (prefill and verify)
     spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # all requests' drafts together
+    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
     requests_finished: int = 0
 
 
@@ -103,6 +107,12 @@ class LLMEngine:
         self.model_config = cfg = load_config(model_dir, config.dtype)
         if config.mtp_boundary not in BOUNDARY_MODES:
             raise ValueError(f"mtp_boundary must be one of {BOUNDARY_MODES}, got {config.mtp_boundary!r}")
+        if config.prefix_cache_boundary not in PREFIX_CACHE_BOUNDARIES:
+            raise ValueError(
+                f"prefix_cache_boundary must be one of {PREFIX_CACHE_BOUNDARIES}, got {config.prefix_cache_boundary!r}"
+            )
+        if not isinstance(config.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {config.enable_prefix_caching!r}")
         k = config.num_speculative_tokens
         if not 0 <= k <= 4:
             raise ValueError(f"num_speculative_tokens must be in 0..4, got {k}")
@@ -128,7 +138,12 @@ class LLMEngine:
         # committed to its devices, sharded as every cache the step returns, so the first
         # shape warmup() compiles is not compiled again for the first real request
         self.cache = allocate_cache(cfg, num_pages, self.page_size, num_mtp_layers, cache_sharding(self.mesh))
-        self.allocator = PageAllocator(num_pages)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            # the salt: what besides the tokens decides a page's KV in this engine
+            salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
+            self.prefix_cache = PrefixCache(self.page_size, salt, k > 0, config.prefix_cache_boundary)
+        self.allocator = PageAllocator(num_pages, self.prefix_cache)
         chunk = config.prefill_chunk_size or config.max_num_batched_tokens
         if chunk < 1:
             raise ValueError(f"prefill_chunk_size must be >= 1, got {chunk}")
@@ -144,6 +159,7 @@ class LLMEngine:
                 num_speculative_tokens=k,
             ),
             self.allocator,
+            self.prefix_cache,
         )
         self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs)
         self.step_config = StepConfig(
@@ -155,7 +171,7 @@ class LLMEngine:
             mesh=self.mesh,
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
-        self.stats = EngineStats()
+        self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
         self.requests: dict[str, Request] = {}
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -284,6 +300,8 @@ class LLMEngine:
         read, so the host's work overlaps the device's."""
         outputs = self._admit_and_abort()
         scheduled = self.scheduler.schedule()
+        self._copy_pages(self.scheduler.page_copies)  # queued before the step that reads them
+        self.scheduler.page_copies = []
         if scheduled:
             self._in_flight.append(self._dispatch(scheduled))
         keep = 1 if scheduled and self.config.async_scheduling else 0
@@ -347,6 +365,11 @@ class LLMEngine:
                 following.start += accepted
                 following.token_ids = [int(out.tokens[i, accepted])] + seq.drafts
             touched[seq.request_id] = self.requests[seq.request_id]
+        if self.prefix_cache:
+            # KV dispatched to the device is final for every later step, which runs after it
+            for item in record.scheduled:
+                if not item.seq.finished:  # (a finished one registered its pages on release)
+                    self.prefix_cache.register(item.seq)
         outputs = []
         for request in touched.values():
             if all(s.finished for s in request.seqs):
@@ -368,6 +391,15 @@ class LLMEngine:
         self.cache, out = jitted_step(self.params, self.cache, *self.last_batch, self.step_config)
         self._carry = out.carry
         return out
+
+    def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Run (source, destination) page copies on the device, in order."""
+        for i in range(0, len(copies), PAGE_COPY_BATCH):
+            group = copies[i : i + PAGE_COPY_BATCH]
+            src = np.zeros(PAGE_COPY_BATCH, np.int32)
+            dst = np.full(PAGE_COPY_BATCH, self.cache.num_pages, np.int32)  # padding: the scratch page
+            src[: len(group)], dst[: len(group)] = zip(*group)
+            self.cache = copy_pages(self.cache, src, dst)
 
     def _append_tokens(self, seq: Sequence, out, i: int, count: int) -> None:
         params = seq.params
@@ -465,6 +497,8 @@ class LLMEngine:
                 list(pool.map(lambda shape: self.lower_step(shape).compile(), shapes))
         for shape in shapes:
             jax.block_until_ready(self._run([], shape))  # an empty batch: every write to the scratch page
+        if self.prefix_cache:
+            self._copy_pages([(0, self.cache.num_pages)])  # a copy to the scratch page: compiles, changes nothing
         return len(shapes)
 
     def lower_step(self, shape: BatchShape):

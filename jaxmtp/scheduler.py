@@ -1,5 +1,6 @@
 """Continuous batching, host side only (no JAX): which requests run this step and with
 which rows. Decodes go first, then prefill chunks fill what is left of the token budget.
+A request is admitted after the longest prefix of its tokens the prefix cache holds.
 When KV pages run out the newest running request is preempted and recomputed later."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import dataclasses
 from collections import deque
 
 from jaxmtp.cache import PageAllocator
+from jaxmtp.prefix_cache import PrefixCache
 from jaxmtp.sequence import Sequence, Status
 
 
@@ -37,12 +39,15 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix_cache: PrefixCache | None = None):
         self.config = config
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # (source, destination) page copies the engine runs before the next step
+        self.page_copies: list[tuple[int, int]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,8 +84,8 @@ class Scheduler:
         # Admit waiting requests while there is room.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            rows = self._rows_for(seq, budget)
-            if rows is None or self.pages_needed(seq, len(rows.token_ids)) > self.allocator.num_free:
+            rows = self._admit(seq, budget)
+            if rows is None:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -89,6 +94,46 @@ class Scheduler:
             scheduled.append(rows)
             budget -= len(rows.token_ids)
         return scheduled
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledRows | None:
+        """Rows for a waiting seq, after its longest cached prefix; None, with seq left as
+        it was, when its pages do not fit."""
+        copy = self._reuse_cached_prefix(seq) if self.prefix_cache else None
+        rows = self._rows_for(seq, budget)
+        if rows is None or self.pages_needed(seq, len(rows.token_ids)) > self.allocator.num_free:
+            self.allocator.free(seq.pages)
+            seq.pages, seq.cached_prefix, seq.num_computed = [], [], 0
+            return None
+        if self.prefix_cache:
+            self.prefix_cache.stats.queries += seq.num_tokens
+            self.prefix_cache.stats.hits += seq.num_computed
+            if copy:
+                self.page_copies.append(copy)
+        return rows
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> tuple[int, int] | None:
+        """Start seq after the longest cached prefix of its tokens, holding a reference on
+        each reused page. A page that is right but for its last row (the MTP draft KV there
+        was built from another next token, or the row is recomputed for the logits) is
+        reused as a private copy with that row recomputed; returns the copy to run."""
+        size = self.config.page_size
+        hit = self.prefix_cache.lookup(seq.token_ids)
+        seq.cached_prefix = list(hit.pages)
+        seq.pages = self.allocator.share([entry.page for entry in hit.pages])
+        seq.num_computed = len(hit.pages) * size
+        source = hit.copy_source
+        if source is None:
+            return None
+        self.allocator.share([source.page])  # so that allocating the copy cannot evict it
+        copy = None
+        if self.allocator.num_free:
+            seq.pages += self.allocator.allocate(1)
+            seq.num_computed += size - 1
+            copy = (source.page, seq.pages[-1])
+        # Letting go before the copy runs is safe: the engine runs copies before the step,
+        # in order, each reading its sources before writing its destinations.
+        self.allocator.free([source.page])
+        return copy
 
     def _rows_for(self, seq: Sequence, budget: int) -> ScheduledRows | None:
         tokens = seq.token_ids
@@ -129,9 +174,8 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Drop seq's KV; it goes back to the front of the queue and recomputes its
-        prompt and output so far as one longer prompt."""
-        self.allocator.free(seq.pages)
-        seq.pages = []
+        prompt and output so far as one longer prompt (after what the prefix cache kept)."""
+        self._release(seq)
         seq.num_computed = 0
         seq.drafts = []
         seq.in_flight = None
@@ -143,10 +187,16 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release everything seq holds, whether it is running or still waiting."""
-        self.allocator.free(seq.pages)
-        seq.pages = []
+        self._release(seq)
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back seq's pages; what it computed stays in the prefix cache."""
+        if self.prefix_cache:
+            self.prefix_cache.register(seq)
+        self.allocator.free(seq.pages)
+        seq.pages, seq.cached_prefix = [], []

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 from jaxmtp.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxmtp.prefix_cache import CachedPage
 
 
 class Status(enum.Enum):
@@ -57,6 +61,8 @@ class Sequence:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[dict] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
+    # prefix-cache entries of the leading full pages (reused or registered), in order
+    cached_prefix: list[CachedPage] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is written (and valid)
     drafts: list[int] = dataclasses.field(default_factory=list)  # proposals to verify next step
     # While a dispatched step that emits tokens for this sequence has not been read:

@@ -242,6 +242,11 @@ class EngineCollector:
         for position, count in enumerate(list(stats.spec.accepted_per_position)):
             per_position.add_metric([str(position)], count)
         yield per_position
+        cache = stats.prefix_cache
+        yield CounterMetricFamily("jaxmtp_prefix_cache_queries", "Tokens looked up in the prefix cache.", value=cache.queries)
+        yield CounterMetricFamily("jaxmtp_prefix_cache_hits", "Looked-up tokens whose KV was reused.", value=cache.hits)
+        yield GaugeMetricFamily("jaxmtp_prefix_cache_hit_rate", "Prefix cache hits / queries so far.", value=cache.hit_rate)
+        yield CounterMetricFamily("jaxmtp_prefix_cache_evictions", "Cached KV pages evicted.", value=cache.evictions)
 
 
 class Metrics:

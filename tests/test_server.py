@@ -275,10 +275,23 @@ def test_metrics_count_tokens_speculation_and_latency(server):
         'jaxmtp_spec_decode_accepted_tokens_per_position_total{position="1"}',
         "jaxmtp_time_to_first_token_seconds_count", "jaxmtp_inter_token_latency_seconds_count",
         'jaxmtp_requests_finished_total{finish_reason="length"}',
+        "jaxmtp_prefix_cache_queries_total", "jaxmtp_prefix_cache_hits_total", "jaxmtp_prefix_cache_hit_rate",
+        "jaxmtp_prefix_cache_evictions_total",
     ):
         assert re.search(rf"^{re.escape(name)} \d", text, re.M), name
     assert server.metric("jaxmtp_generation_tokens_total") > 0
     assert server.metric("jaxmtp_spec_decode_draft_tokens_total") >= server.metric("jaxmtp_spec_decode_accepted_tokens_total")
+
+
+def test_prefix_caching_is_on_by_default(client, server):
+    prompt = " ".join(PROMPTS)  # more than two 16-token pages
+    before = server.metric("jaxmtp_prefix_cache_hits_total")
+    first = client.completions.create(prompt=prompt, max_tokens=8, **GREEDY)
+    second = client.completions.create(prompt=prompt, max_tokens=8, **GREEDY)
+    assert second.choices[0].text == first.choices[0].text
+    assert server.metric("jaxmtp_prefix_cache_hits_total") - before == 32
+    queries = server.metric("jaxmtp_prefix_cache_queries_total")
+    assert server.metric("jaxmtp_prefix_cache_hit_rate") == pytest.approx(server.metric("jaxmtp_prefix_cache_hits_total") / queries)
 
 
 # ----- bad input ----------------------------------------------------------------------------

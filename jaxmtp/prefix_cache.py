@@ -1,0 +1,166 @@
+"""Prefix caching, host side only (no JAX): full KV pages identified by a hash chain
+over their tokens, reused by later requests that start with the same tokens.
+
+The MTP module's KV entry at position i is built from the main hidden state h_i and the
+embedding of token i+1, so the draft KV at the LAST row of a page depends on the first
+token AFTER the page. A cached page is therefore a version of its content: its tokens
+(and all tokens before it, through the hash chain) plus the token that followed it
+when its last row was written. A lookup reuses a page whole only with the version whose
+following token is the new request's; when only another version is cached (the request
+diverges exactly at the page's end) or nothing follows the page yet (the prompt ends
+with it), the page is reused as a private copy whose last row is recomputed
+(copy-on-write): the hit stays within one token of the longest cached prefix. See
+docs/prefix-cache.md for the design and the measured alternatives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxmtp.sequence import Sequence
+
+# How a lookup treats the last row of the last reused page (see the module docstring):
+#   exact: reuse the version followed by the request's next token, else copy-on-write
+#   drop:  reuse only pages followed by a known token, then drop the last one (vLLM)
+#   stale: reuse any version, whatever token followed it (the bug; for ablations)
+PREFIX_CACHE_BOUNDARIES = ("exact", "drop", "stale")
+
+
+def page_hash(parent_hash: int, tokens: tuple[int, ...], salt: int) -> int:
+    """The hash chain: a page's hash covers its tokens, every token before it (through
+    its parent's hash) and the salt (what else decides the KV: the model)."""
+    return hash((parent_hash, salt, tokens))
+
+
+def model_salt(*facts) -> int:
+    """A stable 64-bit salt from the facts that decide the KV for given tokens."""
+    return int.from_bytes(hashlib.sha256(repr(facts).encode()).digest()[:8], "little")
+
+
+@dataclasses.dataclass(eq=False)
+class CachedPage:
+    page: int  # the KV page id
+    hash: int  # page_hash over the page's tokens and its parent's hash
+    tokens: tuple[int, ...]  # checked on lookup, with the parent: a hash collision is a miss, never a wrong hit
+    next_token: int | None  # the token after the page, which the draft KV at its last row was built from (None without MTP)
+    parent: CachedPage | None  # the previous page's entry (None for a sequence's first page)
+
+
+@dataclasses.dataclass
+class PrefixHit:
+    pages: list[CachedPage]  # reused whole, in order
+    copy_source: CachedPage | None  # the page after them, reusable but for its last row: copy-on-write
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up: all known tokens of every admitted sequence
+    hits: int = 0  # tokens of those whose KV was reused
+    evictions: int = 0  # cached pages taken back for new KV
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class PrefixCache:
+    """Cached full pages by hash and following token, and the least-recently-used order
+    of those no sequence holds (evictable). The PageAllocator owns reference counts and
+    parks a page here when its last holder lets go."""
+
+    def __init__(self, page_size: int, salt: int, with_draft_kv: bool, boundary: str = "exact"):
+        self.page_size = page_size
+        self.salt = salt
+        self.with_draft_kv = with_draft_kv  # the cache has MTP layers, so a page's following token matters
+        self.boundary = boundary
+        self.table: dict[int, dict[int | None, CachedPage]] = {}  # hash -> following token -> entry
+        self.by_page: dict[int, CachedPage] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        self.stats = PrefixCacheStats()
+
+    # ----- lookup and registration --------------------------------------------------
+
+    def lookup(self, token_ids: list[int]) -> PrefixHit:
+        """The longest cached prefix of token_ids, in full pages."""
+        size = self.page_size
+        pages: list[CachedPage] = []
+        parent = None
+        for start in range(0, len(token_ids) - size + 1, size):
+            versions = self._versions(parent, tuple(token_ids[start : start + size]))
+            if not versions:
+                break
+            following = token_ids[start + size] if start + size < len(token_ids) else None
+            entry = versions.get(following if self.with_draft_kv else None)
+            if entry is None and following is not None and self.boundary == "stale":
+                entry = next(iter(versions.values()))  # the bug: its draft row was built from another token
+            if entry is None or following is None:
+                # The page is right but for its last row: nothing follows it yet (the row is
+                # recomputed for the logits), or its draft row was built from another token.
+                if self.boundary == "drop":  # vLLM: matched if a known token follows, then dropped
+                    return PrefixHit(pages if following is not None else pages[:-1], None)
+                return PrefixHit(pages, entry or next(iter(versions.values())))
+            pages.append(entry)
+            parent = entry
+        return PrefixHit(pages[:-1] if self.boundary == "drop" else pages, None)
+
+    def register(self, seq: Sequence) -> None:
+        """Cache seq's full pages whose KV is final: every row computed, the token after
+        the page known (the draft KV at its last row was built from it)."""
+        size = self.page_size
+        num_final = min(seq.num_computed, seq.num_tokens - 1) // size
+        if num_final <= len(seq.cached_prefix):
+            return
+        token_ids = seq.token_ids
+        parent = seq.cached_prefix[-1] if seq.cached_prefix else None
+        for j in range(len(seq.cached_prefix), num_final):
+            tokens = tuple(token_ids[j * size : (j + 1) * size])
+            following = token_ids[(j + 1) * size] if self.with_draft_kv else None
+            digest = page_hash(parent.hash if parent else 0, tokens, self.salt)
+            versions = self.table.setdefault(digest, {})
+            entry = versions.get(following)
+            if entry is None:
+                entry = CachedPage(seq.pages[j], digest, tokens, following, parent)
+                versions[following] = entry
+                self.by_page[entry.page] = entry
+            elif entry.tokens != tokens or entry.parent is not parent:
+                return  # a hash collision: this page and the rest of seq's pages stay uncached
+            # else another sequence cached the same version first; seq keeps its own copy
+            seq.cached_prefix.append(entry)
+            parent = entry
+
+    def _versions(self, parent: CachedPage | None, tokens: tuple[int, ...]) -> dict[int | None, CachedPage]:
+        """Cached entries with exactly these tokens after exactly this parent, by following token."""
+        versions = self.table.get(page_hash(parent.hash if parent else 0, tokens, self.salt), {})
+        return {t: e for t, e in versions.items() if e.tokens == tokens and e.parent is parent}
+
+    # ----- pages no sequence holds ------------------------------------------------
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self.evictable)
+
+    def park(self, page: int) -> bool:
+        """The page's last holder let go: keep it, evictable, if it holds cached KV."""
+        if page not in self.by_page:
+            return False
+        self.evictable[page] = None
+        return True
+
+    def unpark(self, page: int) -> None:
+        """A parked page is held again: it is no longer evictable."""
+        del self.evictable[page]
+
+    def evict(self) -> int:
+        """Forget the least recently used unheld page and hand it out for new KV."""
+        page, _ = self.evictable.popitem(last=False)
+        entry = self.by_page.pop(page)
+        versions = self.table[entry.hash]
+        del versions[entry.next_token]
+        if not versions:
+            del self.table[entry.hash]
+        self.stats.evictions += 1
+        return page

@@ -1,0 +1,289 @@
+"""Prefix caching with MTP (issue 9): a request that shares a prefix with an earlier one
+computes only its suffix, with the same greedy output, the same draft KV and the same
+acceptance as without the cache, for prefixes ending on, one before and one past a page
+boundary; eviction, sharing, preemption, hash collisions and bad options."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, STORIES
+from jaxmtp import LLM, SamplingParams, prefix_cache
+from jaxmtp.cache import PageAllocator
+from jaxmtp.engine import num_compiles
+from jaxmtp.prefix_cache import PrefixCache
+from jaxmtp.sequence import Sequence
+
+MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"
+PAGE = 16
+# One engine shape for every test, with few batch shapes to compile (8 tokens, 1/2/4
+# requests); a pool of 24 pages holds about three of these requests, so pages are evicted.
+ENGINE = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=8, num_pages=24)
+_request_ids = itertools.count()
+
+
+def make_llm(model=MTP_MODEL, **kwargs) -> LLM:
+    defaults = dict(ENGINE, enable_prefix_caching=True, num_speculative_tokens=2 if model == MTP_MODEL else 0)
+    return LLM(model, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def no_cache():
+    """The same engine, MTP on, without a prefix cache: the reference for every output."""
+    return make_llm(enable_prefix_caching=False)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def random_prompts(rng, lengths) -> list[list[int]]:
+    return [[1] + rng.integers(3, 512, size=n - 1).tolist() for n in lengths]
+
+
+def diverging(rng, prompt: list[int], shared: int, length: int) -> list[int]:
+    """prompt's first `shared` tokens, then random ones, the first of them not prompt's."""
+    tail = rng.integers(3, 512, size=length - shared).tolist()
+    if tail[0] == prompt[shared]:
+        tail[0] = tail[0] % 511 + 1
+    return prompt[:shared] + tail
+
+
+def run_alone(llm: LLM, prompt: list[int], max_tokens: int):
+    """One greedy request run to the end. Returns its output, the prompt tokens the engine
+    computed for it, and the draft KV [2, len(prompt), heads, dim] right after its prefill
+    (None without MTP)."""
+    engine = llm.engine
+    request_id = f"r{next(_request_ids)}"
+    engine.add_request(request_id, prompt, greedy(max_tokens))
+    computed, kv, out = 0, None, None
+    while out is None:
+        steps = engine.stats.steps
+        out = next((o for o in engine.step() if o.finished), None)
+        if engine.stats.steps == steps:
+            continue
+        rows = next(r for r in engine.last_schedule if r.seq.request_id == request_id)
+        computed += len(rows.token_ids) if rows.start < len(prompt) else 0
+        if kv is None and rows.seq.output_token_ids and engine.config.num_speculative_tokens and out is None:
+            kv = draft_kv(engine, rows.seq.pages, len(prompt))
+    return out, computed, kv
+
+
+def draft_kv(engine, pages: list[int], length: int) -> np.ndarray:
+    layer = engine.model_config.num_layers  # the MTP module's cache layer
+    slots = np.array([pages[p // PAGE] * PAGE + p % PAGE for p in range(length)])
+    k, v = (np.asarray(x[layer]).reshape(-1, *x[layer].shape[2:])[slots] for x in (engine.cache.k, engine.cache.v))
+    return np.stack([k, v])
+
+
+def assert_no_leaks(llm: LLM):
+    """Every page is unheld, and free or cached exactly once."""
+    allocator, cache = llm.engine.allocator, llm.engine.prefix_cache
+    assert not llm.engine.has_unfinished_requests()
+    assert allocator.num_free == allocator.num_pages and not any(allocator.ref_counts)
+    assert sorted([*allocator.free_pages, *cache.evictable]) == list(range(allocator.num_pages))
+    assert set(cache.evictable) == set(cache.by_page)
+
+
+# ----- a shared prefix computes only the suffix, with the same output ---------------------
+
+
+@pytest.mark.parametrize("offset", [-1, 0, 1])
+def test_second_request_computes_only_its_suffix(no_cache, rng, offset):
+    """The prefix the two prompts share ends one token before, exactly on, or one token
+    past the end of page 3. Pages match whole up to the last page both fill; when the
+    prompts diverge exactly at a page's end, that page's draft row was built from the
+    first prompt's next token, so the second recomputes that one row."""
+    first = random_prompts(rng, [70])[0]
+    shared = 3 * PAGE + offset
+    second = diverging(rng, first, shared, 70)
+    reused = shared // PAGE * PAGE - (1 if shared % PAGE == 0 else 0)
+    llm = make_llm()
+    out1, computed1, _ = run_alone(llm, first, 20)
+    out2, computed2, _ = run_alone(llm, second, 20)
+    assert (computed1, computed2) == (len(first), len(second) - reused)
+    assert token_ids([out1, out2]) == token_ids(no_cache.generate([first, second], greedy(20), use_tqdm=False))
+    stats = llm.engine.stats.prefix_cache
+    assert (stats.queries, stats.hits) == (len(first) + len(second), reused)
+    assert stats.hit_rate == reused / (len(first) + len(second))
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("model", [MTP_MODEL, STORIES])
+@pytest.mark.parametrize("length", [4 * PAGE, 4 * PAGE + 5])
+def test_repeated_prompt_recomputes_at_most_its_last_token(rng, model, length):
+    """A prompt cached whole still needs its last row for the logits: when it ends on a
+    page boundary that page is copied and its last row recomputed (1 token); otherwise
+    only the partial last page is computed."""
+    prompt = random_prompts(rng, [length])[0]
+    llm = make_llm(model)
+    out1, _, _ = run_alone(llm, prompt, 24)
+    out2, computed, _ = run_alone(llm, prompt, 24)
+    assert computed == (1 if length % PAGE == 0 else length % PAGE)
+    expected, _, _ = run_alone(make_llm(model, enable_prefix_caching=False), prompt, 24)
+    assert token_ids([out1, out2]) == token_ids([expected, expected])
+    assert_no_leaks(llm)
+
+
+# ----- the MTP boundary: draft KV and acceptance equal the no-cache run -------------------
+
+
+def test_boundary_page_gives_the_no_cache_draft_kv_and_acceptance(no_cache, rng):
+    """Second prompts diverge from first prompts exactly at a page's end. With the cache,
+    the draft KV at every prompt position, the first drafts and the per-position
+    acceptance equal those of the same request on an engine without a cache. Reusing the
+    page's stale draft row (the bug, prefix_cache_boundary="stale") changes the draft KV
+    there; dropping the page (vLLM, "drop") stays exact but computes a page more."""
+    pairs = []
+    for shared, first in zip((2 * PAGE, 3 * PAGE), random_prompts(rng, [60, 60])):
+        pairs.append((first, diverging(rng, first, shared, 60), shared))
+    expected = [run_alone(no_cache, second, 32) for _, second, _ in pairs]
+    for mode, reused in [("exact", lambda s: s - 1), ("drop", lambda s: s - PAGE), ("stale", lambda s: s)]:
+        llm = make_llm(prefix_cache_boundary=mode)
+        for (first, second, shared), (ref_out, _, ref_kv) in zip(pairs, expected):
+            run_alone(llm, first, 32)
+            out, computed, kv = run_alone(llm, second, 32)
+            assert computed == len(second) - reused(shared), mode
+            assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids
+            row_differs = np.abs(kv - ref_kv).max(axis=(0, 2, 3)) > 1e-4
+            if mode == "stale":
+                # the reused page's last row only: built from the first prompt's next token
+                assert np.flatnonzero(row_differs).tolist() == [shared - 1], "the test cannot tell the fix from the bug"
+            else:
+                np.testing.assert_allclose(kv, ref_kv, rtol=1e-5, atol=1e-5, err_msg=mode)
+                assert out.spec_stats["accepted_per_position"] == ref_out.spec_stats["accepted_per_position"]
+        assert_no_leaks(llm)
+
+
+# ----- eviction, preemption, sharing -------------------------------------------------------
+
+
+def test_eviction_under_a_small_pool_keeps_outputs_and_pages(no_cache, rng):
+    """Eight prompts fill the 24-page pool with cached pages several times over, so
+    allocations evict the least recently used; conversations then continue the latest
+    four, reusing what is left."""
+    prompts = random_prompts(rng, [50] * 8)
+    llm = make_llm()
+    for wave in range(2):
+        outs = token_ids(llm.generate(prompts, greedy(12), use_tqdm=False))
+        assert outs == token_ids(no_cache.generate(prompts, greedy(12), use_tqdm=False)), f"wave {wave}"
+        assert_no_leaks(llm)
+        prompts = [p + o + r for p, o, r in zip(prompts[4:], outs[4:], random_prompts(rng, [9] * 4))]
+    stats = llm.engine.stats.prefix_cache
+    assert stats.evictions > 0 and stats.hits > 0
+
+
+def test_preempted_request_resumes_after_its_own_cached_pages(no_cache, rng):
+    prompt = random_prompts(rng, [60])[0]
+    expected = token_ids(no_cache.generate([prompt], greedy(40), use_tqdm=False))
+    llm = make_llm()
+    engine = llm.engine
+    engine.add_request("a", prompt, greedy(40))
+    while not engine.requests or len(engine.requests["a"].seqs[0].output_token_ids) < 10:
+        engine.step()
+    seq = engine.requests["a"].seqs[0]
+    # KV written (or queued on the device) and followed by a known token
+    cached = min(seq.num_computed, seq.num_tokens - 1) // PAGE * PAGE
+    engine.scheduler.preempt(seq)
+    hits = engine.stats.prefix_cache.hits
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert engine.stats.prefix_cache.hits - hits == cached  # every full page it had computed
+    assert [results["a"]] == expected
+    assert_no_leaks(llm)
+
+
+def test_concurrent_requests_share_the_cached_pages(no_cache, rng):
+    """Requests arriving while the first decodes hold the same physical pages for the
+    shared prefix; nothing writes to a shared page, so every output is its no-cache one."""
+    base = random_prompts(rng, [60])[0]
+    prompts = [base] + [diverging(rng, base, 3 * PAGE + 3, 60) for _ in range(3)]
+    expected = token_ids(no_cache.generate(prompts, greedy(30), use_tqdm=False))
+    engine = make_llm().engine
+    engine.add_request("0", prompts[0], greedy(30))
+    while not engine.requests or not engine.requests["0"].seqs[0].output_token_ids:
+        engine.step()
+    for i, prompt in enumerate(prompts[1:], 1):
+        engine.add_request(str(i), prompt, greedy(30))
+    engine.step()
+    seqs = [engine.requests[str(i)].seqs[0] for i in range(4)]
+    while not all(seq.pages for seq in seqs):  # admitted as the token budget allows
+        engine.step()
+    shared_pages = seqs[0].pages[:3]
+    assert all(seq.pages[:3] == shared_pages for seq in seqs)
+    assert [engine.allocator.ref_counts[p] for p in shared_pages] == [4, 4, 4]
+    assert len({seq.pages[3] for seq in seqs}) == 4
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [results[str(i)] for i in range(4)] == expected
+
+
+# ----- hash collisions ---------------------------------------------------------------------
+
+
+def test_hash_collisions_are_misses_not_wrong_hits(no_cache, rng, monkeypatch):
+    """With every page hashing to 0, pages are told apart by their tokens and their
+    parent alone: outputs stay right and shared prefixes still hit."""
+    monkeypatch.setattr(prefix_cache, "page_hash", lambda parent_hash, tokens, salt: 0)
+    bases = random_prompts(rng, [50, 50])
+    prompts = bases + [diverging(rng, base, 2 * PAGE + 5, 50) for base in bases]
+    expected = token_ids(no_cache.generate(prompts, greedy(16), use_tqdm=False))
+    llm = make_llm()
+    got = [token_ids(llm.generate([p], greedy(16), use_tqdm=False))[0] for p in prompts]
+    assert got == expected
+    assert llm.engine.stats.prefix_cache.hits > 0
+    assert_no_leaks(llm)
+
+
+def test_a_page_matches_only_after_the_parent_it_was_cached_with(monkeypatch):
+    """A hash that ignores the parent makes page T after X collide with page T after Y.
+    Once X's page is evicted and Y's cached in the same slot, [Y, T] must not reuse the
+    KV computed after X."""
+    monkeypatch.setattr(prefix_cache, "page_hash", lambda parent_hash, tokens, salt: tokens[0] % 2)
+    cache = PrefixCache(page_size=2, salt=0, with_draft_kv=False)
+    allocator = PageAllocator(3, cache)
+    x, t, y = [10, 11], [21, 22], [30, 31]  # x and y hash alike, t differently
+    seq = Sequence("a", x + t + [5], SamplingParams(), 0, 0, frozenset(), pages=allocator.allocate(2), num_computed=4)
+    cache.register(seq)
+    assert [e.tokens for e in cache.lookup(x + t + [5]).pages] == [tuple(x), tuple(t)]
+    allocator.free(seq.pages[:1])  # X's page first, so it is the least recently used
+    allocator.free(seq.pages[1:])
+    allocator.allocate(1)  # the unused page
+    other = Sequence("b", y + [7], SamplingParams(), 0, 1, frozenset(), pages=allocator.allocate(1), num_computed=2)
+    assert cache.stats.evictions == 1 and other.pages == seq.pages[:1]
+    cache.register(other)
+    assert [e.tokens for e in cache.lookup(y + t + [5]).pages] == [tuple(y)]
+    assert [e.tokens for e in cache.lookup(x + t + [5]).pages] == []
+
+
+# ----- options and compilation --------------------------------------------------------------
+
+
+def test_bad_prefix_cache_options_raise_value_errors():
+    with pytest.raises(ValueError, match="prefix_cache_boundary must be one of .*'vllm'"):
+        make_llm(prefix_cache_boundary="vllm")
+    with pytest.raises(ValueError, match="enable_prefix_caching must be True or False, got 'yes'"):
+        make_llm(enable_prefix_caching="yes")
+
+
+def test_no_recompilation_after_warmup_with_cache_hits_and_copies(rng):
+    llm = make_llm()
+    llm.engine.warmup()
+    before = num_compiles()
+    first = random_prompts(rng, [50])[0]
+    prompts = [first, diverging(rng, first, 2 * PAGE, 50), first[: 3 * PAGE], first]
+    params = [greedy(10), SamplingParams(max_tokens=12, temperature=0.9, seed=3), greedy(7), greedy(5)]
+    for prompt, p in zip(prompts, params):
+        llm.generate([prompt], p, use_tqdm=False)
+    assert llm.engine.stats.prefix_cache.hits > 0
+    assert num_compiles() == before
+    assert_no_leaks(llm)
