@@ -208,7 +208,10 @@ def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True):
     engine.draft_override = None
     set_async(llm, True)
     ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
-    return elapsed / steps, tokens_timed / elapsed, [o.outputs[0].token_ids for o in ordered], ordered
+    tokens = [o.outputs[0].token_ids for o in ordered]
+    if elapsed is None:  # a warm-up run too short to reach full-batch decode steps
+        return None, None, tokens, ordered
+    return elapsed / steps, tokens_timed / elapsed, tokens, ordered
 
 
 def device_step_time(engine, repeats: int = 50) -> float:
@@ -354,7 +357,7 @@ def scenario_mtp32(bench: Bench) -> None:
               target=">= 0.75 of floor; >= 2.5x transformers static cache",
               note=f"{step_s * 1e3:.2f} ms/step; sync {sync_tps:.0f} tokens/s; vs transformers dynamic cache "
                    f"{ratio(tps, peer.get('b32_dynamic'))}x, torch.compile {ratio(tps, peer.get('b32_static_compiled'))}x")
-    for k in (1, 3):
+    for k in bench.args.mtp32_k:
         if bench.budget_left() < 90:
             break
         spec = bench.engine(num_speculative_tokens=k, **common)
@@ -372,15 +375,19 @@ def scenario_mtp32(bench: Bench) -> None:
 def scenario_batch(bench: Bench) -> None:
     s = bench.sizes
     most = max(s.batches)
-    pages = most * (max(s.contexts) + s.batch_new_tokens + 16) // 16 + 64
+
+    def new_tokens(batch, context):  # enough to outlast the prefill of the last request
+        return s.batch_new_tokens + -(-batch * context // s.max_batched)
+
+    pages = most * (max(s.contexts) + new_tokens(most, max(s.contexts)) + 16) // 16 + 64
     llm = bench.engine(max_num_seqs=most, max_num_batched_tokens=s.max_batched, num_pages=pages)
     for context in s.contexts:
         for batch in s.batches:
             if bench.budget_left() < 40:
                 return
             prompts = bench.prompts(batch, context)
-            step_s, tps, _, _ = run_decode(llm, prompts, s.batch_new_tokens)
-            floor = bench.floor_s(batch, context + s.batch_new_tokens // 2)
+            step_s, tps, _, _ = run_decode(llm, prompts, new_tokens(batch, context))
+            floor = bench.floor_s(batch, context + new_tokens(batch, context) // 2)
             target = ">= 0.75 of floor" if batch == 32 else ""
             bench.row(f"b{batch} decode, context {context}", tps, "tokens/s", floor / step_s, target=target,
                       note=f"{step_s * 1e3:.2f} ms/step")
@@ -509,6 +516,8 @@ def main() -> None:
                         help="comma list of: peer, checks, " + ", ".join(SCENARIOS))
     parser.add_argument("--tag", default="", help="suffix of the output files (e2e<tag>.json/.md)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny model and workload")
+    parser.add_argument("--mtp32-k", type=lambda x: [int(k) for k in x.split(",")], default=[1, 3],
+                        help="speculative tokens to measure at batch 32")
     args = parser.parse_args()
     t0 = time.perf_counter()
     chosen = [x for x in args.scenarios.split(",") if x]

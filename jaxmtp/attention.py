@@ -1,5 +1,6 @@
 """The one place the engine's attention goes through: the KV write for the step's new
-tokens and the ragged paged attention, Pallas kernel on GPU, jnp reference elsewhere."""
+tokens and the ragged paged attention, Pallas kernel on GPU, jnp reference elsewhere.
+Under tensor parallelism both run per device on its own heads (shard_map)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxmtp.cache import scratch_slot
+from jaxmtp.sharding import shard_over_heads
 from kernels.reference import ragged_paged_attention_reference
 
-AttentionFn = Callable[..., jax.Array]
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
@@ -31,10 +34,12 @@ def resolve_backend(name: str, head_dim: int) -> str:
     return name
 
 
-def attention_fn(backend: str, head_dim: int) -> AttentionFn:
-    """(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window) -> out.
-    "auto" is the Pallas kernel on GPU where it supports the head size, else the
-    jnp reference."""
+def attention_fn(backend: str, head_dim: int, mesh: Mesh | None = None) -> AttentionFn:
+    """(q, k, v, k_pages, v_pages, slot_mapping, kv_lens, page_table, query_start,
+    sliding_window=None) -> (out, k_pages, v_pages): writes this step's K/V rows into
+    their page slots, then attends. "auto" is the Pallas kernel on GPU where it supports
+    the head size, else the jnp reference. With a mesh, the write and the attention run
+    per device over its shard of the heads and the cache (no mesh: plain, one device)."""
     backend = resolve_backend(backend, head_dim)
     if backend == "reference":
         impl = ragged_paged_attention_reference
@@ -43,10 +48,12 @@ def attention_fn(backend: str, head_dim: int) -> AttentionFn:
 
         impl = functools.partial(ragged_paged_attention, interpret=backend == "pallas_interpret")
 
-    def attend(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window=None):
-        return impl(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window=sliding_window)
+    def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, kv_lens, page_table, query_start, sliding_window=None):
+        k_pages, v_pages = write_kv(k_pages, v_pages, slot_mapping, k, v)
+        out = impl(q, k_pages, v_pages, kv_lens, page_table, query_start, sliding_window=sliding_window)
+        return out, k_pages, v_pages
 
-    return attend
+    return write_and_attend if mesh is None else shard_over_heads(write_and_attend, mesh)
 
 
 def write_kv(k_pages, v_pages, slot_mapping, k, v):

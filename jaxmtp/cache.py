@@ -53,13 +53,17 @@ def scratch_slot(pages: jax.Array) -> int:
     return (pages.shape[0] - 1) * pages.shape[1]
 
 
-def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_layers: int) -> KVCache:
+def allocate_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_layers: int, sharding: jax.sharding.Sharding | None = None
+) -> KVCache:
+    """sharding (jaxmtp.sharding.cache_sharding under tensor parallelism) places each
+    device's kv heads directly on it."""
     shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
     n = cfg.num_layers + num_mtp_layers
     # zeros, not empty: a page read before it is written must hold finite values.
     return KVCache(
-        k=[jnp.zeros(shape, cfg.jnp_dtype) for _ in range(n)],
-        v=[jnp.zeros(shape, cfg.jnp_dtype) for _ in range(n)],
+        k=[jnp.zeros(shape, cfg.jnp_dtype, device=sharding) for _ in range(n)],
+        v=[jnp.zeros(shape, cfg.jnp_dtype, device=sharding) for _ in range(n)],
     )
 
 

@@ -33,6 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="the MTP draft row at the end of the last reused page: exact (default), or the "
                         "ablations drop (vLLM) and stale (docs/prefix-cache.md)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="local devices that split the model's heads, MLP and vocabulary (docs/tensor-parallel.md)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -59,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_boundary=args.prefix_cache_boundary,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
     )
 

@@ -25,6 +25,7 @@ from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES, PrefixCache, PrefixCach
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import ScheduledRows, Scheduler, SchedulerConfig
 from jaxmtp.sequence import Sequence, SpecStats
+from jaxmtp.sharding import cache_sharding, check_divisible, make_mesh, replicated
 from jaxmtp.step import StepConfig, StepOutput, jitted_step
 from jaxmtp.tokenizer import Tokenizer
 
@@ -58,6 +59,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False  # reuse cached KV pages of earlier requests' prefixes
     prefix_cache_boundary: str = "exact"  # see jaxmtp/prefix_cache.py; "drop" and "stale" are ablations
     attention_backend: str = "auto"
+    tensor_parallel_size: int = 1  # devices that split heads, ffn and vocabulary (jaxmtp/sharding.py)
     load_format: str = "auto"
     max_logprobs: int = 20
     seed: int = 0
@@ -123,7 +125,9 @@ class LLMEngine:
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
         resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
-        self.params = load_params(model_dir, cfg, config.load_format, config.seed, with_mtp=k > 0)
+        self.mesh = make_mesh(config.tensor_parallel_size)
+        check_divisible(cfg, config.tensor_parallel_size)
+        self.params = load_params(model_dir, cfg, config.load_format, config.seed, with_mtp=k > 0, mesh=self.mesh)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = config.page_size
@@ -131,9 +135,9 @@ class LLMEngine:
         self.max_pages_per_seq = math.ceil((self.max_model_len + 2 * k) / self.page_size)
         num_pages = config.num_pages or config.max_num_seqs * self.max_pages_per_seq
         num_mtp_layers = 1 if k else 0
-        # committed to the device like every cache the step returns, so the first shape
-        # warmup() compiles is not compiled again for the first real request
-        self.cache = jax.device_put(allocate_cache(cfg, num_pages, self.page_size, num_mtp_layers), jax.devices()[0])
+        # committed to its devices, sharded as every cache the step returns, so the first
+        # shape warmup() compiles is not compiled again for the first real request
+        self.cache = allocate_cache(cfg, num_pages, self.page_size, num_mtp_layers, cache_sharding(self.mesh))
         self.prefix_cache = None
         if config.enable_prefix_caching:
             # the salt: what besides the tokens decides a page's KV in this engine
@@ -164,6 +168,7 @@ class LLMEngine:
             attention_backend=config.attention_backend,
             mtp_boundary=config.mtp_boundary,
             num_top_logprobs=min(config.max_logprobs, cfg.vocab_size),
+            mesh=self.mesh,
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
@@ -184,7 +189,7 @@ class LLMEngine:
         self._in_flight: deque[InFlightStep] = deque()
         self._step_ids = 0
         # per request of the last dispatched step: accepted count, last token, drafts
-        self._carry = jax.device_put(np.zeros((self.buckets.seq_sizes[-1], k + 2), np.int32), jax.devices()[0])
+        self._carry = jax.device_put(np.zeros((self.buckets.seq_sizes[-1], k + 2), np.int32), replicated(self.mesh))
 
     # ----- requests -------------------------------------------------------------------
 
@@ -380,7 +385,7 @@ class LLMEngine:
             scheduled, shape, self.max_pages_per_seq, self.page_size,
             self.cache.scratch_slot, self.config.num_speculative_tokens,
         )
-        ints, floats = jax.device_put(pack_batch(batch))
+        ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
         static = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
         self.last_batch = (self._carry, ints, floats, static)
         self.cache, out = jitted_step(self.params, self.cache, *self.last_batch, self.step_config)
@@ -498,10 +503,10 @@ class LLMEngine:
 
     def lower_step(self, shape: BatchShape):
         """The step lowered for one bucket shape (compile it to warm up or inspect)."""
-        ints, floats = pack_batch(build_batch(
+        ints, floats = jax.device_put(pack_batch(build_batch(
             [], shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot,
             self.config.num_speculative_tokens,
-        ))
+        )), replicated(self.mesh))  # placed as _run places them: the same compiled step
         static = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
         return jitted_step.lower(self.params, self.cache, self._carry, ints, floats, static, self.step_config)
 

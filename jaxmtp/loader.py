@@ -3,18 +3,36 @@ or random weights of the right shapes (load_format="dummy")."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jaxmtp.config import ModelConfig
-from jaxmtp.params import LayerParams, MTPParams, Params, random_params
+from jaxmtp.params import LayerParams, MTPParams, Params, param_shapes, random_params
+from jaxmtp.sharding import make_mesh, param_shardings
 
 ORBAX_DIR = "params"  # the engine's own checkpoints keep an orbax tree here
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """One parameter as a checkpoint stores it, read from disk only when placed.
+    shape is the engine's ([in, out] for matrices); Hugging Face stores matrices
+    [out, in] (transpose); row_offset picks a block of the engine-side rows (the MTP
+    input projection is one stored [2H, H] matrix for two parameters)."""
+
+    name: str
+    shape: tuple[int, ...]
+    transpose: bool = False
+    row_offset: int = 0
 
 
 class TensorSource:
@@ -38,7 +56,8 @@ class TensorSource:
         for name in files:
             if not (model_dir / name).is_file():
                 raise FileNotFoundError(f"shard {name} listed in the index is missing from {model_dir!s}")
-            handle = safe_open(str(model_dir / name), framework="flax")
+            # numpy: blocks are read to host memory, each then sent to its own device
+            handle = safe_open(str(model_dir / name), framework="numpy")
             self.handles[name] = handle
             for key in handle.keys():
                 self.file_of[key] = name
@@ -46,30 +65,41 @@ class TensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
-    def get(self, name: str, dtype, transpose: bool = False) -> jax.Array:
+    def ref(self, name: str, transpose: bool = False, rows: tuple[int, int] | None = None) -> TensorRef:
         if name not in self.file_of:
             raise ValueError(f"checkpoint in {self.model_dir!s} is missing tensor {name!r}")
-        tensor = self.handles[self.file_of[name]].get_tensor(name).astype(dtype)
-        return tensor.T if transpose else tensor
+        shape = tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
+        shape = shape[::-1] if transpose else shape
+        if rows is not None:
+            shape = (rows[1] - rows[0],) + shape[1:]
+        return TensorRef(name, shape, transpose, rows[0] if rows else 0)
+
+    def read(self, ref: TensorRef, index: tuple[slice, ...], dtype) -> np.ndarray:
+        """The block `index` (slices over ref.shape, as jax.make_array_from_callback
+        asks for one device's shard) of a tensor, read from disk."""
+        bounds = [(s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, ref.shape)]
+        bounds[0] = (bounds[0][0] + ref.row_offset, bounds[0][1] + ref.row_offset)
+        stored = [slice(lo, hi) for lo, hi in (bounds[::-1] if ref.transpose else bounds)]
+        block = self.handles[self.file_of[ref.name]].get_slice(ref.name)[tuple(stored)]
+        return (block.T if ref.transpose else block).astype(dtype)
 
 
-def _load_block(src: TensorSource, prefix: str, cfg: ModelConfig, norm_names=("input_layernorm", "post_attention_layernorm")) -> LayerParams:
-    dt = cfg.jnp_dtype
+def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, norm_names=("input_layernorm", "post_attention_layernorm")) -> LayerParams:
     attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
 
     def optional(name, enabled):
-        return src.get(name, dt) if enabled else None
+        return src.ref(name) if enabled else None
 
     return LayerParams(
-        input_norm=src.get(f"{prefix}.{norm_names[0]}.weight", dt),
-        q_proj=src.get(f"{attn}.q_proj.weight", dt, transpose=True),
-        k_proj=src.get(f"{attn}.k_proj.weight", dt, transpose=True),
-        v_proj=src.get(f"{attn}.v_proj.weight", dt, transpose=True),
-        o_proj=src.get(f"{attn}.o_proj.weight", dt, transpose=True),
-        post_norm=src.get(f"{prefix}.{norm_names[1]}.weight", dt),
-        gate_proj=src.get(f"{mlp}.gate_proj.weight", dt, transpose=True),
-        up_proj=src.get(f"{mlp}.up_proj.weight", dt, transpose=True),
-        down_proj=src.get(f"{mlp}.down_proj.weight", dt, transpose=True),
+        input_norm=src.ref(f"{prefix}.{norm_names[0]}.weight"),
+        q_proj=src.ref(f"{attn}.q_proj.weight", transpose=True),
+        k_proj=src.ref(f"{attn}.k_proj.weight", transpose=True),
+        v_proj=src.ref(f"{attn}.v_proj.weight", transpose=True),
+        o_proj=src.ref(f"{attn}.o_proj.weight", transpose=True),
+        post_norm=src.ref(f"{prefix}.{norm_names[1]}.weight"),
+        gate_proj=src.ref(f"{mlp}.gate_proj.weight", transpose=True),
+        up_proj=src.ref(f"{mlp}.up_proj.weight", transpose=True),
+        down_proj=src.ref(f"{mlp}.down_proj.weight", transpose=True),
         q_bias=optional(f"{attn}.q_proj.bias", cfg.qkv_bias),
         k_bias=optional(f"{attn}.k_proj.bias", cfg.qkv_bias),
         v_bias=optional(f"{attn}.v_proj.bias", cfg.qkv_bias),
@@ -78,46 +108,50 @@ def _load_block(src: TensorSource, prefix: str, cfg: ModelConfig, norm_names=("i
     )
 
 
-def _load_mtp_module(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
+def _mtp_module_refs(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
     """One MTP module in the layout the checkpoint ships (see jaxmtp/mtp.py for layouts)."""
-    dt, h = cfg.jnp_dtype, cfg.hidden_size
+    h = cfg.hidden_size
     if cfg.mtp_layout == "mimo":
         p = f"model.mtp_layers.{n}"
-        proj = src.get(f"{p}.input_proj.weight", dt, transpose=True)  # [2H, H] over concat(hidden, embedding)
+        proj = f"{p}.input_proj.weight"  # [2H, H] over concat(hidden, embedding)
         return MTPParams(
-            token_norm=src.get(f"{p}.token_layernorm.weight", dt),
-            hidden_norm=src.get(f"{p}.hidden_layernorm.weight", dt),
-            proj_token=proj[h:],
-            proj_hidden=proj[:h],
-            block=_load_block(src, p, cfg),
-            final_norm=src.get(f"{p}.final_layernorm.weight", dt),
+            token_norm=src.ref(f"{p}.token_layernorm.weight"),
+            hidden_norm=src.ref(f"{p}.hidden_layernorm.weight"),
+            proj_token=src.ref(proj, transpose=True, rows=(h, 2 * h)),
+            proj_hidden=src.ref(proj, transpose=True, rows=(0, h)),
+            block=_block_refs(src, p, cfg),
+            final_norm=src.ref(f"{p}.final_layernorm.weight"),
         )
     p = f"model.layers.{cfg.num_layers + n}"
-    proj = src.get(f"{p}.eh_proj.weight", dt, transpose=True)  # [2H, H] over concat(embedding, hidden)
+    proj = f"{p}.eh_proj.weight"  # [2H, H] over concat(embedding, hidden)
     head = f"{p}.shared_head.head.weight"
     return MTPParams(
-        token_norm=src.get(f"{p}.enorm.weight", dt),
-        hidden_norm=src.get(f"{p}.hnorm.weight", dt),
-        proj_token=proj[:h],
-        proj_hidden=proj[h:],
-        block=_load_block(src, p, cfg),
-        final_norm=src.get(f"{p}.shared_head.norm.weight", dt),
-        lm_head=src.get(head, dt, transpose=True) if head in src else None,
+        token_norm=src.ref(f"{p}.enorm.weight"),
+        hidden_norm=src.ref(f"{p}.hnorm.weight"),
+        proj_token=src.ref(proj, transpose=True, rows=(0, h)),
+        proj_hidden=src.ref(proj, transpose=True, rows=(h, 2 * h)),
+        block=_block_refs(src, p, cfg),
+        final_norm=src.ref(f"{p}.shared_head.norm.weight"),
+        lm_head=src.ref(head, transpose=True) if head in src else None,
     )
 
 
-def load_hf_params(model_dir: Path, cfg: ModelConfig, with_mtp: bool = True) -> Params:
+def load_hf_params(model_dir: Path, cfg: ModelConfig, mesh: Mesh, with_mtp: bool = True) -> Params:
+    """Each device reads only its own shard of each tensor from disk: no device, and no
+    host buffer, ever holds the whole model."""
     src = TensorSource(model_dir)
-    dt = cfg.jnp_dtype
-    lm_head = None
-    if not cfg.tie_word_embeddings:
-        lm_head = src.get("lm_head.weight", dt, transpose=True)
-    return Params(
-        embed=src.get("model.embed_tokens.weight", dt),
-        layers=[_load_block(src, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)],
-        final_norm=src.get("model.norm.weight", dt),
-        lm_head=lm_head,
-        mtp=[_load_mtp_module(src, cfg, n) for n in range(cfg.num_mtp_modules if with_mtp else 0)],
+    refs = Params(
+        embed=src.ref("model.embed_tokens.weight"),
+        layers=[_block_refs(src, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)],
+        final_norm=src.ref("model.norm.weight"),
+        lm_head=None if cfg.tie_word_embeddings else src.ref("lm_head.weight", transpose=True),
+        mtp=[_mtp_module_refs(src, cfg, n) for n in range(cfg.num_mtp_modules if with_mtp else 0)],
+    )
+    return jax.tree.map(
+        lambda ref, sharding: jax.make_array_from_callback(
+            ref.shape, sharding, functools.partial(src.read, ref, dtype=cfg.jnp_dtype)
+        ),
+        refs, param_shardings(refs, mesh),
     )
 
 
@@ -150,26 +184,35 @@ def save_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, sourc
     return out
 
 
-def restore_checkpoint(model_dir: Path, cfg: ModelConfig) -> Params:
-    abstract = jax.eval_shape(lambda: random_params(cfg, jax.random.key(0)))
-    return _orbax().StandardCheckpointer().restore(Path(model_dir).absolute() / ORBAX_DIR, abstract)
+def restore_checkpoint(model_dir: Path, cfg: ModelConfig, mesh: Mesh) -> Params:
+    """Orbax reads each array straight into its target sharding."""
+    shapes = param_shapes(cfg)
+    target = jax.tree.map(
+        lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        shapes, param_shardings(shapes, mesh),
+    )
+    return _orbax().StandardCheckpointer().restore(Path(model_dir).absolute() / ORBAX_DIR, target)
 
 
 def load_params(
-    model_dir: str | Path, cfg: ModelConfig, load_format: str = "auto", seed: int = 0, with_mtp: bool = True
+    model_dir: str | Path, cfg: ModelConfig, load_format: str = "auto", seed: int = 0, with_mtp: bool = True,
+    mesh: Mesh | None = None,
 ) -> Params:
-    """with_mtp=False leaves the MTP modules out (no speculation): checkpoints often
+    """Parameters placed by the sharding rules over mesh (default: one device).
+    with_mtp=False leaves the MTP modules out (no speculation): checkpoints often
     declare num_nextn_predict_layers but ship without the module's tensors."""
     model_dir = Path(model_dir)
+    mesh = mesh or make_mesh(1)
     num_mtp = cfg.num_mtp_modules if with_mtp else 0
     if load_format == "dummy":
-        return random_params(cfg, jax.random.key(seed), num_mtp)
+        shardings = param_shardings(param_shapes(cfg, num_mtp), mesh)
+        return random_params(cfg, jax.random.key(seed), num_mtp, shardings)
     if load_format not in ("auto", "safetensors", "orbax"):
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto', 'safetensors', 'orbax' or 'dummy'")
     if load_format == "orbax" or (load_format == "auto" and (model_dir / ORBAX_DIR).is_dir()):
-        params = restore_checkpoint(model_dir, cfg)
+        params = restore_checkpoint(model_dir, cfg, mesh)
         return params if with_mtp else Params(params.embed, params.layers, params.final_norm, params.lm_head)
-    return load_hf_params(model_dir, cfg, with_mtp)
+    return load_hf_params(model_dir, cfg, mesh, with_mtp)
 
 def _block_tensors(prefix: str, p: LayerParams) -> dict:
     names = {
@@ -195,7 +238,6 @@ def export_hf_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, 
     """Write params as a Hugging Face folder, MTP modules in the DeepSeek-V3 layout
     (model.layers.{num_hidden_layers + n}: enorm, hnorm, eh_proj over
     concat(embedding, hidden), shared_head.norm), which vLLM and SGLang also read."""
-    import numpy as np
     from safetensors.numpy import save_file
 
     if cfg.mtp_layout not in (None, "deepseek"):

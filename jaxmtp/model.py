@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.attention import AttentionFn, write_kv
+from jaxmtp.attention import AttentionFn
 from jaxmtp.batch import Batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
@@ -52,8 +52,10 @@ def decoder_layer(
         k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
     inv_freq = jnp.asarray(cfg.rope_inv_freq(), jnp.float32)
     q, k = rope(q, batch.positions, inv_freq), rope(k, batch.positions, inv_freq)
-    k_pages, v_pages = write_kv(k_pages, v_pages, batch.slot_mapping, k, v)
-    out = attention(q, k_pages, v_pages, batch.kv_len, batch.page_table, batch.query_start, cfg.sliding_window)
+    out, k_pages, v_pages = attention(
+        q, k, v, k_pages, v_pages, batch.slot_mapping, batch.kv_len, batch.page_table, batch.query_start,
+        sliding_window=cfg.sliding_window,
+    )
     x = x + out.reshape(t, cfg.q_size) @ p.o_proj
     h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)
     x = x + (jax.nn.silu(h @ p.gate_proj) * (h @ p.up_proj)) @ p.down_proj

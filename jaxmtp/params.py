@@ -62,52 +62,59 @@ class Params:
         return self.embed.T if self.lm_head is None else self.lm_head
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _scaled_normal(key, shape, dtype):
-    # one small compiled generator per shape: a model has few distinct shapes, and
-    # one jit over the whole model takes minutes to compile at 8B
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params:
+    """The parameter tree with jax.ShapeDtypeStruct leaves: every shape, no memory."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
 
-
-def random_params(cfg: ModelConfig, key: jax.Array, num_mtp_modules: int | None = None) -> Params:
-    """Random weights of the right shapes and a sensible scale (std 0.02, unit norms)."""
-    dtype = cfg.jnp_dtype
-    keys = iter(jax.random.split(key, 4096))
-
-    def dense(n_in, n_out):
-        return _scaled_normal(next(keys), (n_in, n_out), dtype)
-
-    def ones(n):
-        return jnp.ones((n,), dtype)
+    def leaf(*shape):
+        return jax.ShapeDtypeStruct(shape, cfg.jnp_dtype)
 
     def layer():
-        h, i = cfg.hidden_size, cfg.intermediate_size
         return LayerParams(
-            input_norm=ones(h),
-            q_proj=dense(h, cfg.q_size),
-            k_proj=dense(h, cfg.kv_size),
-            v_proj=dense(h, cfg.kv_size),
-            o_proj=dense(cfg.q_size, h),
-            post_norm=ones(h),
-            gate_proj=dense(h, i),
-            up_proj=dense(h, i),
-            down_proj=dense(i, h),
-            q_bias=dense(1, cfg.q_size)[0] if cfg.qkv_bias else None,
-            k_bias=dense(1, cfg.kv_size)[0] if cfg.qkv_bias else None,
-            v_bias=dense(1, cfg.kv_size)[0] if cfg.qkv_bias else None,
-            q_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
-            k_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
+            input_norm=leaf(h),
+            q_proj=leaf(h, cfg.q_size),
+            k_proj=leaf(h, cfg.kv_size),
+            v_proj=leaf(h, cfg.kv_size),
+            o_proj=leaf(cfg.q_size, h),
+            post_norm=leaf(h),
+            gate_proj=leaf(h, i),
+            up_proj=leaf(h, i),
+            down_proj=leaf(i, h),
+            q_bias=leaf(cfg.q_size) if cfg.qkv_bias else None,
+            k_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
+            v_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
+            q_norm=leaf(cfg.head_dim) if cfg.qk_norm else None,
+            k_norm=leaf(cfg.head_dim) if cfg.qk_norm else None,
         )
 
-    h = cfg.hidden_size
     n_mtp = cfg.num_mtp_modules if num_mtp_modules is None else num_mtp_modules
     return Params(
-        embed=dense(cfg.vocab_size, h),
+        embed=leaf(cfg.vocab_size, h),
         layers=[layer() for _ in range(cfg.num_layers)],
-        final_norm=ones(h),
-        lm_head=None if cfg.tie_word_embeddings else dense(h, cfg.vocab_size),
-        mtp=[
-            MTPParams(ones(h), ones(h), dense(h, h), dense(h, h), layer(), ones(h))
-            for _ in range(n_mtp)
-        ],
+        final_norm=leaf(h),
+        lm_head=None if cfg.tie_word_embeddings else leaf(h, cfg.vocab_size),
+        mtp=[MTPParams(leaf(h), leaf(h), leaf(h, h), leaf(h, h), layer(), leaf(h)) for _ in range(n_mtp)],
     )
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "ones", "sharding"))
+def _random_array(key, shape, dtype, ones, sharding):
+    # one small compiled generator per (shape, sharding): a model has few, and one jit
+    # over the whole model takes minutes to compile at 8B. The random bits do not depend
+    # on the sharding (jax_threefry_partitionable), so every tensor-parallel size gets
+    # the same weights, each device making only its own shard.
+    x = jnp.ones(shape, dtype) if ones else (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def random_params(cfg: ModelConfig, key: jax.Array, num_mtp_modules: int | None = None, shardings=None) -> Params:
+    """Random weights of the right shapes and a sensible scale (std 0.02, unit norms).
+    shardings, a tree like the params' of NamedShardings (jaxmtp.sharding.param_shardings),
+    creates each array directly split over its devices."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, num_mtp_modules))
+    placements = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
+    arrays = [
+        _random_array(jax.random.fold_in(key, n), leaf.shape, leaf.dtype, "norm" in path[-1].name, sharding)
+        for n, ((path, leaf), sharding) in enumerate(zip(leaves, placements))
+    ]
+    return treedef.unflatten(arrays)

@@ -14,19 +14,6 @@ import jax.numpy as jnp
 NEG_INF = -jnp.inf
 
 
-def after(predicate: jax.Array, x: jax.Array) -> jax.Array:
-    """predicate, made to depend on x (unchanged unless x[0] is NaN, which gives False).
-
-    XLA may run a lax.cond on the host (outside a CUDA graph): it copies the predicate
-    back and waits for the stream there. A predicate computed from the step's inputs
-    alone is waited for before the forward pass, and the host then launches the
-    forward's hundreds of kernels one by one behind an idle GPU (1.2 ms of gaps in a
-    6 ms batch-1 step on the H200); tied to the logits, the wait comes after the
-    forward pass is queued."""
-    first = x.reshape(-1)[0]
-    return predicate & ((first < jnp.inf) | (first >= jnp.inf))
-
-
 def filter_logits(logits, temperature, top_k, top_p, min_p):
     """Temperature, top-k, top-p and min-p over logits [N, V] with per-row params [N].
     Returns logits of the distribution to sample from (masked entries -inf)."""
@@ -49,7 +36,7 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
         return jnp.where((x >= cutoff) & (x >= kth), x, NEG_INF)
 
     needs_restriction = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
-    return jax.lax.cond(after(needs_restriction, scaled), restrict, lambda x: x, scaled)
+    return jax.lax.cond(needs_restriction, restrict, lambda x: x, scaled)
 
 
 def row_keys(seed, output_index, num_rows: int):
@@ -98,7 +85,7 @@ def verify_and_sample(logits, drafts, num_drafts, batch):
     all_greedy = lambda *_: (jnp.zeros((b, r), bool), argmax, argmax)  # noqa: E731
     sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.output_index)
     stochastic_accept, plain, residual = jax.lax.cond(
-        after(jnp.all(greedy), logits), all_greedy, _sample_rows, logits, padded, sampling
+        jnp.all(greedy), all_greedy, _sample_rows, logits, padded, sampling
     )
     accept = jnp.where(greedy[:, None], padded == argmax, stochastic_accept)
     accept &= jnp.arange(r)[None, :] < num_drafts[:, None]
@@ -120,7 +107,5 @@ def chosen_logprobs(logits, tokens, num_top: int, num_requested):
         return chosen, None, None
     shape = logp.shape[:-1] + (num_top,)
     none = lambda x: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int32))  # noqa: E731
-    top_values, top_ids = jax.lax.cond(
-        after(jnp.any(num_requested > 0), logp), lambda x: tuple(jax.lax.top_k(x, num_top)), none, logp
-    )
+    top_values, top_ids = jax.lax.cond(jnp.any(num_requested > 0), lambda x: tuple(jax.lax.top_k(x, num_top)), none, logp)
     return chosen, top_values, top_ids

@@ -67,6 +67,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledRows]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRows] = []
+        preemptions_before = self.num_preemptions
         # Running requests in admission order: decodes first, then unfinished prefills.
         for phase_decode in (True, False):
             for seq in sorted(self.running, key=lambda s: s.arrival):
@@ -81,8 +82,11 @@ class Scheduler:
                     continue
                 scheduled.append(rows)
                 budget -= len(rows.token_ids)
-        # Admit waiting requests while there is room.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # Admit waiting requests while there is room, but not in a step that had to
+        # preempt: the pages just freed would readmit the victim at once, and requests
+        # would take turns preempting each other without finishing.
+        admitting = self.num_preemptions == preemptions_before
+        while admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             rows = self._admit(seq, budget)
             if rows is None:

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxmtp import model, mtp
 from jaxmtp.attention import attention_fn
@@ -19,6 +20,7 @@ from jaxmtp.batch import apply_carry, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
+from jaxmtp.sharding import gather_vocab
 from jaxmtp.sampling import chosen_logprobs, verify_and_sample
 
 
@@ -31,6 +33,7 @@ class StepConfig:
     attention_backend: str = "auto"
     mtp_boundary: str = "next_chunk"
     num_top_logprobs: int = 0
+    mesh: Mesh | None = None  # tensor parallelism (jaxmtp.sharding); None: one device, no shard_map
 
 
 @pytree_dataclass
@@ -59,9 +62,11 @@ def step(
     batch = apply_carry(unpack_batch(ints, floats, shapes), carry, cache.page_size)
     cfg = config.model
     k = config.num_speculative_tokens
-    attention = attention_fn(config.attention_backend, cfg.head_dim)
+    attention = attention_fn(config.attention_backend, cfg.head_dim, config.mesh)
     hidden, cache = model.forward(params, cfg, batch, cache, attention)
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
+    if config.mesh is not None:
+        logits = gather_vocab(logits, config.mesh)
     # the draft checked at verify row j is the input id of row j+1
     t = batch.input_ids.shape[0]
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]

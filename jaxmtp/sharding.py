@@ -1,0 +1,163 @@
+"""Tensor parallelism: the sharding rules, written once.
+
+Every array is described by logical axis names (what each dimension is); LOGICAL_RULES
+maps a logical axis to the mesh axis that splits it, or None to keep it whole. This is
+Megatron-style tensor parallelism: attention heads and the MLP intermediate are split,
+so q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (XLA adds
+one all-reduce after each), and the KV cache is split by kv head so that each device
+attends with its own heads. The vocabulary is split too: the LM head is the largest
+single matrix a decode step reads, and a tied embedding must shard like its head.
+Everything else (norms, the residual stream, the batch) is replicated.
+
+The model code never names a mesh axis: XLA's SPMD partitioner propagates these
+shardings through the matmuls, and the attention (KV write plus kernel) runs per shard
+under shard_map (jaxmtp.attention), with specs from the same rules.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmtp.config import ModelConfig
+
+TP = "tp"  # the mesh's one axis: devices that split heads, ffn and vocabulary
+
+LOGICAL_RULES: dict[str, str | None] = {
+    "heads": TP,
+    "kv_heads": TP,
+    "ffn": TP,
+    "vocab": TP,
+    "embed": None,  # the residual stream stays whole on every device
+    "head_dim": None,
+    "tokens": None,
+    "pages": None,
+    "page_slots": None,
+}
+
+# Parameter fields (of LayerParams, MTPParams and Params; a name means the same thing
+# wherever it appears) -> logical axes of the stored [in, out] array. q/k/v are stored
+# with heads flattened into their output dim (Hq*D), head-major, so splitting that dim
+# in N contiguous blocks gives each device whole heads, and their biases split alike.
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    "final_norm": ("embed",),
+    "input_norm": ("embed",),
+    "post_norm": ("embed",),
+    "q_proj": ("embed", "heads"),
+    "k_proj": ("embed", "kv_heads"),
+    "v_proj": ("embed", "kv_heads"),
+    "o_proj": ("heads", "embed"),
+    "q_bias": ("heads",),
+    "k_bias": ("kv_heads",),
+    "v_bias": ("kv_heads",),
+    "q_norm": ("head_dim",),  # one [D] weight shared by every head
+    "k_norm": ("head_dim",),
+    "gate_proj": ("embed", "ffn"),
+    "up_proj": ("embed", "ffn"),
+    "down_proj": ("ffn", "embed"),
+    # MTP module: its block is a LayerParams and shards like a decoder layer. The two
+    # [H, H] input projections stay whole: split, they would add an all-reduce of the
+    # rows for about 15% of the block's weights.
+    "token_norm": ("embed",),
+    "hidden_norm": ("embed",),
+    "proj_token": ("embed", "embed"),
+    "proj_hidden": ("embed", "embed"),
+}
+
+CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")  # one layer's K or V pages
+QUERY_AXES = ("tokens", "heads", "head_dim")  # attention's q rows and its output
+NEW_KV_AXES = ("tokens", "kv_heads", "head_dim")  # this step's K/V rows, before the write
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh:
+    """A one-axis mesh over the first N devices. N = 1 is the same code path."""
+    devices = jax.devices()
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} is larger than the {len(devices)} "
+            f"{jax.default_backend()} device(s) present"
+        )
+    # Auto axes: shardings propagate through the model (jax.make_mesh's default turned Explicit)
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def check_divisible(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Heads and the MLP intermediate must split evenly: each device owns whole heads,
+    and the q heads of one kv head (its GQA group) must live on the kv head's device."""
+    n = tensor_parallel_size
+    for name, size in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
+                       ("intermediate_size", cfg.intermediate_size)):
+        if size % n:
+            raise ValueError(f"tensor_parallel_size={n} does not divide the model's {name}={size}")
+
+
+def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...] | None = None, mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec of an array with these logical axes. Given its shape and the mesh, a
+    dimension the mesh axis does not divide stays whole; check_divisible has already
+    rejected heads and ffn, so only a vocabulary of odd size is replicated this way."""
+    mesh_axes = []
+    for i, axis in enumerate(axes):
+        mesh_axis = LOGICAL_RULES[axis]
+        if mesh_axis is not None and shape is not None and shape[i] % mesh.shape[mesh_axis]:
+            mesh_axis = None
+        mesh_axes.append(mesh_axis)
+    return PartitionSpec(*mesh_axes)
+
+
+def param_shardings(params, mesh: Mesh) -> object:
+    """NamedSharding of every parameter, as a tree shaped like params. params may hold
+    arrays, ShapeDtypeStructs or the loader's tensor references: anything with .shape.
+    The rule is found by field name (list indices come before it in the path)."""
+    def sharding(path, leaf):
+        axes = PARAM_AXES[path[-1].name]
+        if len(axes) != len(leaf.shape):
+            raise ValueError(f"{jax.tree_util.keystr(path)} has shape {leaf.shape}; the rules say {axes}")
+        return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(sharding, params)
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
+    """Vocab-sharded logits [..., V] (the head's output) whole on every device.
+    Sampling reads whole rows (argmax, sort, softmax): one all-gather here instead of
+    the many small collectives XLA would put inside each of those, at a collective's
+    latency each. Pinning the sharded side first keeps XLA from gathering the head
+    (the weight) to meet the replicated result instead."""
+    spec = logical_to_spec(("tokens",) * (logits.ndim - 1) + ("vocab",), logits.shape, mesh)
+    logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(logits, replicated(mesh))
+
+
+def shard_over_heads(write_and_attend, mesh: Mesh):
+    """write_and_attend(q, k, v, k_pages, v_pages, *batch_arrays, **static) run per
+    device on its own heads and cache pages: the Pallas kernel and the KV scatter see
+    one shard's arrays, exactly as on one device, and need no collective (each q head's
+    kv head lives on its device). Returns (out, k_pages, v_pages), sharded alike."""
+    q_spec, kv_spec, cache_spec = (logical_to_spec(a) for a in (QUERY_AXES, NEW_KV_AXES, CACHE_AXES))
+
+    def sharded(q, k, v, k_pages, v_pages, *batch_arrays, **static):
+        return jax.shard_map(
+            functools.partial(write_and_attend, **static),
+            mesh=mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, cache_spec, cache_spec) + (PartitionSpec(),) * len(batch_arrays),
+            out_specs=(q_spec, cache_spec, cache_spec),
+            # the Pallas call carries no varying-axis annotations for the checker
+            check_vma=False,
+        )(q, k, v, k_pages, v_pages, *batch_arrays)
+
+    return sharded

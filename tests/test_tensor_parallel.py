@@ -1,0 +1,245 @@
+"""Tensor parallelism on forced CPU devices: TP=2 and TP=4 give TP=1's outputs, every
+array is sharded as jaxmtp/sharding.py's rules say, and bad sizes fail clearly.
+
+The cases run in ONE subprocess (this file run as a script) with
+XLA_FLAGS=--xla_force_host_platform_device_count=4 set before JAX starts: compile time
+dominates, and one process shares its compiled steps across chunk sizes. The tests
+below read what it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STORIES = ROOT / "checkpoints" / "stories260K"  # safetensors; 8 heads, 4 kv heads, vocab 512
+STORIES_MTP = ROOT / "checkpoints" / "stories260K-mtp"  # orbax, with a trained MTP head
+NUM_DEVICES = 4
+TP_SIZES = (1, 2, 4)
+CHUNK_SIZES = (3, 8)  # a small odd chunk; half a page, the whole step budget
+MAX_TOKENS = 16
+
+
+# ----- the subprocess ---------------------------------------------------------------------
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    return [[1], [1] + rng.integers(3, 512, size=36).tolist()]
+
+
+def _run(model, tp: int, **engine_kwargs) -> dict:
+    """Two greedy requests and a sampled one. One step budget and at most two requests
+    a step: the step compiles for two batch shapes only, shared by every chunk size."""
+    from jaxmtp import LLM, SamplingParams
+
+    llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, **engine_kwargs)
+    initial_cache = llm.engine.cache.k[0].sharding
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=40, seed=3, ignore_eos=True, logprobs=3)
+    outs = llm.generate(_prompts() + [[1, 403]], [greedy] * 2 + [sampled], use_tqdm=False)
+    cache = llm.engine.cache
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [[float(next(iter(e.values()))) for e in o.outputs[0].logprobs] for o in outs],
+        "top_ids": [[list(e) for e in o.outputs[0].logprobs] for o in outs[2:]],
+        "cache_sharding_kept": all(a.sharding.is_equivalent_to(initial_cache, 4) for a in cache.k + cache.v),
+        "_llm": llm,
+    }
+
+
+def _spec(array) -> list:
+    """The array's PartitionSpec with trailing unsplit dims dropped (P(None) == P())."""
+    spec = list(array.sharding.spec) + [None] * (array.ndim - len(array.sharding.spec))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return spec
+
+
+def _layouts(llm) -> dict:
+    import jax
+
+    params, cache = llm.engine.params, llm.engine.cache
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    arrays = {jax.tree_util.keystr(path): a for path, a in flat}
+    arrays.update({f"cache.k[{i}]": a for i, a in enumerate(cache.k)})
+    arrays.update({f"cache.v[{i}]": a for i, a in enumerate(cache.v)})
+    return {
+        name: {"spec": _spec(a), "shape": list(a.shape), "shard": list(a.addressable_shards[0].data.shape),
+               "devices": len(a.sharding.device_set)}
+        for name, a in arrays.items()
+    }
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _dummy_model(folder: Path, **overrides) -> Path:
+    """A config.json only (load_format="dummy": the weights are made on the devices)."""
+    config = {**json.loads((STORIES / "config.json").read_text()), **overrides}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def worker() -> dict:
+    import tempfile
+
+    import jax
+
+    from jaxmtp import LLM
+    from jaxmtp.loader import save_checkpoint
+
+    assert len(jax.devices()) == NUM_DEVICES
+    report = {"runs": {}, "layouts": {}, "errors": {}}
+    for model, k in ((STORIES, 0), (STORIES_MTP, 2)):
+        for chunk in CHUNK_SIZES:
+            for tp in TP_SIZES:
+                run = _run(model, tp, num_speculative_tokens=k, prefill_chunk_size=chunk)
+                llm = run.pop("_llm")
+                report["runs"][f"{model.name} k={k} chunk={chunk} tp={tp}"] = run
+                if k and chunk == CHUNK_SIZES[0]:
+                    report["layouts"][tp] = _layouts(llm)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        # Loading: dummy weights made sharded equal TP=1's; an orbax checkpoint written
+        # at TP=4 restores at TP=2 into the rules' shardings.
+        dummy = _dummy_model(tmp / "dummy")
+        dummy_params = [LLM(dummy, load_format="dummy", tensor_parallel_size=tp).engine.params for tp in (1, 4)]
+        report["dummy_equal"] = all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(*map(jax.tree.leaves, dummy_params))
+        )
+        four = LLM(STORIES, tensor_parallel_size=4)
+        saved = save_checkpoint(tmp / "orbax", four.engine.params, four.engine.model_config, STORIES)
+        two = LLM(saved, tensor_parallel_size=2)
+        report["orbax_equal"] = all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(four.engine.params), jax.tree.leaves(two.engine.params))
+        )
+        report["orbax_q_proj_spec"] = _spec(two.engine.params.layers[0].q_proj)
+
+        # q/k/v biases (Qwen2) split with their heads, the per-head q/k norm (Qwen3), an
+        # MTP module, and the Pallas kernel (interpret mode, head_dim 16) under shard_map
+        # at TP=2 against the jnp reference at TP=1.
+        folder = _dummy_model(tmp / "qwen3-bias", model_type="qwen3", attention_bias=True, head_dim=16,
+                              num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
+                              num_nextn_predict_layers=1, jaxmtp_mtp_layout="deepseek")
+        for tp, backend in ((1, "reference"), (2, "pallas_interpret")):
+            run = _run(folder, tp, load_format="dummy", prefill_chunk_size=7, num_speculative_tokens=1,
+                       attention_backend=backend)
+            run.pop("_llm")
+            report["runs"][f"qwen3-bias tp={tp}"] = run
+
+        report["errors"]["kv_heads"] = _error(lambda: LLM(STORIES, tensor_parallel_size=3))
+        report["errors"]["devices"] = _error(lambda: LLM(STORIES, tensor_parallel_size=8))
+        report["errors"]["ffn"] = _error(lambda: LLM(_dummy_model(tmp / "ffn", intermediate_size=170),
+                                                      load_format="dummy", tensor_parallel_size=4))
+    return report
+
+
+# ----- the tests ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} --xla_backend_optimization_level=0",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),  # this checkout's jaxmtp, whatever is installed
+    }
+    done = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compare(report, key_of_tp):
+    base = report["runs"][key_of_tp(1)]
+    for tp in (2, 4):
+        key = key_of_tp(tp)
+        if key not in report["runs"]:
+            continue
+        run = report["runs"][key]
+        assert run["tokens"] == base["tokens"], key
+        # all-reduce order changes float32 rounding only
+        for a, b in zip(run["logprobs"], base["logprobs"]):
+            np.testing.assert_allclose(a, b, atol=2e-5, err_msg=key)
+        assert run["cache_sharding_kept"], key
+
+
+@pytest.mark.parametrize("chunk", CHUNK_SIZES)
+@pytest.mark.parametrize("model,k", [("stories260K", 0), ("stories260K-mtp", 2)])
+def test_outputs_equal_tp1_token_for_token(report, model, k, chunk):
+    """Greedy requests and a sampled one (temperature, top-k, its top logprob ids):
+    the vocab-sharded head feeds the same sampling."""
+    _compare(report, lambda tp: f"{model} k={k} chunk={chunk} tp={tp}")
+    for tp in (2, 4):
+        run = report["runs"][f"{model} k={k} chunk={chunk} tp={tp}"]
+        assert run["top_ids"] == report["runs"][f"{model} k={k} chunk={chunk} tp=1"]["top_ids"]
+
+
+def test_qkv_bias_qk_norm_mtp_and_pallas_kernel_under_shard_map(report):
+    _compare(report, lambda tp: f"qwen3-bias tp={tp}")
+
+
+# what the rules say, written out for stories260K-mtp (8/4 heads of 8, ffn 172, vocab 512, tied)
+EXPECTED_SPEC = {
+    "embed": ["tp"], "final_norm": [], "input_norm": [], "post_norm": [],
+    "q_proj": [None, "tp"], "k_proj": [None, "tp"], "v_proj": [None, "tp"], "o_proj": ["tp"],
+    "gate_proj": [None, "tp"], "up_proj": [None, "tp"], "down_proj": ["tp"],
+    "token_norm": [], "hidden_norm": [], "proj_token": [], "proj_hidden": [],
+}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_weight_and_cache_array_is_sharded_by_the_rules(report, tp):
+    layouts = report["layouts"][str(tp)]
+    names = [n for n in layouts if not n.startswith("cache")]
+    assert len(names) == 1 + 5 * 9 + 1 + (4 + 9 + 1)  # embed, 5 layers, final norm, the MTP module
+    assert any(".mtp[0].block.q_proj" in n for n in names)
+    for name, layout in layouts.items():
+        field = "cache" if name.startswith("cache") else name.rsplit(".", 1)[-1]
+        spec = [None, None, "tp"] if field == "cache" else EXPECTED_SPEC[field]
+        assert layout["spec"] == spec, name
+        assert layout["devices"] == tp, name
+        shard = [size // tp if axis == "tp" else size for size, axis in zip(layout["shape"], spec + [None] * 4)]
+        assert layout["shard"] == shard, name
+    assert len([n for n in layouts if n.startswith("cache.k")]) == 5 + 1  # main layers, then the MTP layer
+
+
+def test_loading_places_the_same_weights_at_every_size(report):
+    assert report["dummy_equal"]  # random weights made shard by shard equal TP=1's
+    assert report["orbax_equal"] and report["orbax_q_proj_spec"] == [None, "tp"]
+
+
+def test_sizes_that_do_not_fit_raise_value_errors_naming_the_problem(report):
+    errors = report["errors"]
+    assert "tensor_parallel_size=3" in errors["kv_heads"] and "num_kv_heads=4" in errors["kv_heads"]
+    assert "tensor_parallel_size=8" in errors["devices"] and "4 cpu device" in errors["devices"]
+    assert "intermediate_size=170" in errors["ffn"]
+
+
+def test_cli_passes_tensor_parallel_size_to_the_engine(capsys):
+    from jaxmtp import cli
+
+    # this process has one CPU device: the engine's own error proves the flag reached it
+    code = cli.main(["generate", "hi", "--model", str(STORIES), "--tensor-parallel-size", "2", "--max-tokens", "2"])
+    assert code == 2
+    assert "tensor_parallel_size=2 is larger than the 1 cpu device(s)" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker()))
