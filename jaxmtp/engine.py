@@ -381,16 +381,17 @@ class LLMEngine:
     def _run(self, scheduled, shape: BatchShape):
         """The jitted step over a schedule padded to shape; the batch crosses to the
         device packed in one transfer. Returns the StepOutput, still on the device."""
-        batch = build_batch(
-            scheduled, shape, self.max_pages_per_seq, self.page_size,
-            self.cache.scratch_slot, self.config.num_speculative_tokens,
-        )
-        ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
-        static = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
-        self.last_batch = (self._carry, ints, floats, static)
+        self.last_batch = (self._carry, *self._device_batch(scheduled, shape))
         self.cache, out = jitted_step(self.params, self.cache, *self.last_batch, self.step_config)
         self._carry = out.carry
         return out
+
+    def _device_batch(self, scheduled, shape: BatchShape) -> tuple:
+        """The step's (ints, floats, static shapes) for a schedule padded to shape."""
+        k = self.config.num_speculative_tokens
+        batch = build_batch(scheduled, shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot, k)
+        ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
+        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Run (source, destination) page copies on the device, in order."""
@@ -502,13 +503,9 @@ class LLMEngine:
         return len(shapes)
 
     def lower_step(self, shape: BatchShape):
-        """The step lowered for one bucket shape (compile it to warm up or inspect)."""
-        ints, floats = jax.device_put(pack_batch(build_batch(
-            [], shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot,
-            self.config.num_speculative_tokens,
-        )), replicated(self.mesh))  # placed as _run places them: the same compiled step
-        static = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, self.config.num_speculative_tokens)
-        return jitted_step.lower(self.params, self.cache, self._carry, ints, floats, static, self.step_config)
+        """The step lowered for one bucket shape (compile it to warm up or inspect);
+        its batch is placed as _run places it, so it is the same compiled step."""
+        return jitted_step.lower(self.params, self.cache, self._carry, *self._device_batch([], shape), self.step_config)
 
     def cache_copies(self, shape: BatchShape) -> list[str]:
         """Lines of the compiled step's optimised HLO that copy a KV page array, for
