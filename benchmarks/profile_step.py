@@ -47,8 +47,8 @@ def kernel_table(trace_dir: Path, steps: int, top: int = 30) -> list[dict]:
 def main() -> None:
     import jax
 
-    from e2e import LLAMA3_8B, run_decode
-    from jaxmtp import LLM
+    from e2e import LLAMA3_8B
+    from jaxmtp import LLM, SamplingParams
     from jaxmtp.step import jitted_step
 
     parser = argparse.ArgumentParser()
@@ -69,7 +69,11 @@ def main() -> None:
                   max_num_seqs=args.batch, max_num_batched_tokens=max(512, args.batch * (k + 1)),
                   num_speculative_tokens=k)
         engine = llm.engine
-        run_decode(llm, prompts, 24)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        # step until the last step read back decoded every request: that step is replayed
+        while not all(len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs):
+            engine.step()
         replay = lambda: jitted_step(engine.params, engine.cache, *engine.last_batch, engine.step_config)  # noqa: E731
         for _ in range(3):
             engine.cache, out = replay()
@@ -90,6 +94,7 @@ def main() -> None:
         print(f"\nk={k}: replayed step {step_ms:.3f} ms; device time per step by kernel:")
         for row in table:
             print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  [{row['timeline']}] {row['name']}")
+        report["configs"][f"k={k}"]["replayed_step_requests"] = len(engine.last_schedule)
         del llm, engine
     Path(args.out, "profile.json").write_text(json.dumps(report, indent=1))
 

@@ -107,6 +107,11 @@ def unpack_batch(ints: jax.Array, floats: jax.Array, shapes: tuple[int, int, int
 class BatchShape:
     num_tokens: int  # T
     num_seqs: int  # B
+    # Every request greedy and none asking for top logprobs: the step is compiled without
+    # the sampling and top-logprob branches. As lax.conds they cost a device-to-host read
+    # of the predicate per step wherever XLA runs them from the host (the batch-1 step
+    # on the H200 did), which stalls the launch queue.
+    greedy: bool = True
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -124,14 +129,20 @@ class BucketPlan:
         self.token_sizes = powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_sizes = powers_of_two(1, max_num_seqs)
 
-    def shape_for(self, num_tokens: int, num_seqs: int) -> BatchShape:
+    def shape_for(self, num_tokens: int, num_seqs: int, greedy: bool = True) -> BatchShape:
         t = next(s for s in self.token_sizes if s >= num_tokens)
         b = next(s for s in self.seq_sizes if s >= num_seqs)
-        return BatchShape(t, b)
+        return BatchShape(t, b, greedy)
 
     def all_shapes(self) -> list[BatchShape]:
         # every request owns at least one row, so B never exceeds T
-        return [BatchShape(t, b) for t in self.token_sizes for b in self.seq_sizes if b <= t or b == self.seq_sizes[0]]
+        return [
+            BatchShape(t, b, greedy)
+            for t in self.token_sizes
+            for b in self.seq_sizes
+            if b <= t or b == self.seq_sizes[0]
+            for greedy in (True, False)
+        ]
 
 
 def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, scratch_slot: int, k: int) -> Batch:

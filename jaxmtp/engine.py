@@ -312,7 +312,8 @@ class LLMEngine:
     def _dispatch(self, scheduled: list[ScheduledRows]) -> InFlightStep:
         if self.draft_override is not None and self.config.async_scheduling:
             raise RuntimeError("draft_override replaces drafts on the host: it needs async_scheduling=False")
-        shape = self.buckets.shape_for(sum(len(s.token_ids) for s in scheduled), len(scheduled))
+        greedy = all(item.seq.params.temperature == 0 and item.seq.params.logprobs is None for item in scheduled)
+        shape = self.buckets.shape_for(sum(len(s.token_ids) for s in scheduled), len(scheduled), greedy)
         self._step_ids += 1
         output = self._run(scheduled, shape)
         preemptions = [item.seq.num_preemptions for item in scheduled]
@@ -391,7 +392,7 @@ class LLMEngine:
         k = self.config.num_speculative_tokens
         batch = build_batch(scheduled, shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot, k)
         ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
-        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k)
+        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k, shape.greedy)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Run (source, destination) page copies on the device, in order."""

@@ -72,10 +72,11 @@ def _sample_rows(logits, padded, sampling):
     return uniform < p_draft, plain, residual
 
 
-def verify_and_sample(logits, drafts, num_drafts, batch):
+def verify_and_sample(logits, drafts, num_drafts, batch, greedy_batch: bool = False):
     """logits [B, R, V] at the verify rows (R = k+1), drafts [B, k] proposed for rows
     1..k, num_drafts [B]. Returns (tokens [B, R], num_accepted [B]); the request's
-    output is tokens[:num_accepted + 1]."""
+    output is tokens[:num_accepted + 1]. greedy_batch (static): the host knows every
+    row is greedy, so the sampling branch is left out of the program."""
     b, r, v = logits.shape
     greedy = batch.temperature == 0.0
     # drafts padded to R: the draft checked at row j is drafts[j] (row j predicts it)
@@ -84,9 +85,12 @@ def verify_and_sample(logits, drafts, num_drafts, batch):
     # an all-greedy batch (the common serving case) skips the random draws and sorts
     all_greedy = lambda *_: (jnp.zeros((b, r), bool), argmax, argmax)  # noqa: E731
     sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.output_index)
-    stochastic_accept, plain, residual = jax.lax.cond(
-        jnp.all(greedy), all_greedy, _sample_rows, logits, padded, sampling
-    )
+    if greedy_batch:
+        stochastic_accept, plain, residual = all_greedy()
+    else:
+        stochastic_accept, plain, residual = jax.lax.cond(
+            jnp.all(greedy), all_greedy, _sample_rows, logits, padded, sampling
+        )
     accept = jnp.where(greedy[:, None], padded == argmax, stochastic_accept)
     accept &= jnp.arange(r)[None, :] < num_drafts[:, None]
     num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)

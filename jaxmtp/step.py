@@ -58,8 +58,10 @@ def step(
     config: StepConfig,
 ) -> tuple[KVCache, StepOutput]:
     """carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
-    batch.pack_batch; shapes = (T, B, pages per request, k) says how to unpack it."""
-    batch = apply_carry(unpack_batch(ints, floats, shapes), carry, cache.page_size)
+    batch.pack_batch; shapes = (T, B, pages per request, k, greedy) says how to unpack
+    it, and greedy (batch.BatchShape.greedy) that no row samples or asks for top logprobs."""
+    *dims, greedy = shapes
+    batch = apply_carry(unpack_batch(ints, floats, tuple(dims)), carry, cache.page_size)
     cfg = config.model
     k = config.num_speculative_tokens
     attention = attention_fn(config.attention_backend, cfg.head_dim, config.mesh)
@@ -70,8 +72,9 @@ def step(
     # the draft checked at verify row j is the input id of row j+1
     t = batch.input_ids.shape[0]
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
-    tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
-    logprobs, top_values, top_ids = chosen_logprobs(logits, tokens, config.num_top_logprobs, batch.num_logprobs)
+    tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch, greedy)
+    num_top = 0 if greedy else config.num_top_logprobs
+    logprobs, top_values, top_ids = chosen_logprobs(logits, tokens, num_top, batch.num_logprobs)
     b = batch.kv_len.shape[0]
     if k:
         drafts, cache, boundary = mtp.propose(

@@ -260,3 +260,22 @@ print("RESULT", shapes, num_compiles() - before)
     assert shapes == len(BucketPlan(16, 2).all_shapes())
     assert compiled_while_serving == 0
     assert len(list(tmp_path.iterdir())) >= shapes
+
+
+def test_greedy_batches_run_a_step_without_sampling_branches(rng):
+    """A batch whose requests are all greedy (and ask for no top logprobs) runs a step
+    compiled without the sampling and top-logprob conditionals; next to a sampled
+    request the same greedy request runs the general step and gets the same tokens."""
+    llm = make_llm(num_speculative_tokens=0)
+    engine = llm.engine
+    conditionals = {
+        greedy: engine.lower_step(BatchShape(8, 2, greedy)).compile().as_text().count(" conditional(")
+        for greedy in (True, False)
+    }
+    assert conditionals[True] == 0 and conditionals[False] > 0
+    prompt = random_prompts(rng, [9])[0]
+    alone = llm.generate([prompt], GREEDY, use_tqdm=False)
+    sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)  # outlives the greedy one
+    mixed = llm.generate([prompt, prompt], [GREEDY, sampled], use_tqdm=False)
+    assert texts(mixed)[0] == texts(alone)[0]
+    assert engine.last_batch[-1][-1] is False  # the steps ran the general program
