@@ -266,7 +266,10 @@ def test_timeout_answers_408_or_ends_the_stream_with_abort(server):
     assert server.wait_for_metric("jaxmtp_kv_pages_used", 0, timeout=3) == 0
 
 
-def test_metrics_count_tokens_speculation_and_latency(server):
+def test_metrics_count_tokens_speculation_and_latency(client, server):
+    # a request of its own, so that the speculative and finish-reason series exist
+    # whichever tests ran before
+    client.completions.create(prompt=PROMPTS[0], max_tokens=12, extra_body={"ignore_eos": True}, **GREEDY)
     text = httpx.get(server.url + "/metrics").text
     for name in (
         "jaxmtp_requests_running", "jaxmtp_requests_waiting", "jaxmtp_prompt_tokens_total",
