@@ -55,6 +55,24 @@ def _run(model, tp: int, **engine_kwargs) -> dict:
     }
 
 
+def _prefix_cache_run(tp: int, enable: bool) -> dict:
+    """Two requests one after the other sharing a 37-token prefix (two full pages), MTP
+    k=2: with the cache on, the second copies its boundary page (copy_pages on the
+    kv-head-sharded cache) and computes only its suffix."""
+    from jaxmtp import LLM, SamplingParams
+
+    llm = LLM(STORIES_MTP, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8,
+              num_speculative_tokens=2, enable_prefix_caching=enable)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    shared = _prompts()[1]
+    outs = [llm.generate([shared + tail], greedy, use_tqdm=False)[0] for tail in ([5, 9], [7])]
+    return {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "accepted_per_position": [o.spec_stats["accepted_per_position"] for o in outs],
+        "hits": llm.engine.stats.prefix_cache.hits,
+    }
+
+
 def _spec(array) -> list:
     """The array's PartitionSpec with trailing unsplit dims dropped (P(None) == P())."""
     spec = list(array.sharding.spec) + [None] * (array.ndim - len(array.sharding.spec))
@@ -112,6 +130,9 @@ def worker() -> dict:
                 report["runs"][f"{model.name} k={k} chunk={chunk} tp={tp}"] = run
                 if k and chunk == CHUNK_SIZES[0]:
                     report["layouts"][tp] = _layouts(llm)
+
+    report["prefix_cache"] = {f"tp={tp} cache={enable}": _prefix_cache_run(tp, enable)
+                              for tp, enable in ((1, False), (2, True))}
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -189,6 +210,13 @@ def test_outputs_equal_tp1_token_for_token(report, model, k, chunk):
     for tp in (2, 4):
         run = report["runs"][f"{model} k={k} chunk={chunk} tp={tp}"]
         assert run["top_ids"] == report["runs"][f"{model} k={k} chunk={chunk} tp=1"]["top_ids"]
+
+
+def test_prefix_cache_hit_under_tensor_parallelism_gives_the_uncached_outputs(report):
+    cached, plain = report["prefix_cache"]["tp=2 cache=True"], report["prefix_cache"]["tp=1 cache=False"]
+    assert cached["hits"] >= 16  # the second request reused at least one full page
+    assert cached["tokens"] == plain["tokens"]
+    assert cached["accepted_per_position"] == plain["accepted_per_position"]
 
 
 def test_qkv_bias_qk_norm_mtp_and_pallas_kernel_under_shard_map(report):
