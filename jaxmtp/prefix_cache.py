@@ -72,11 +72,15 @@ class PrefixCache:
     of those no sequence holds (evictable). The PageAllocator owns reference counts and
     parks a page here when its last holder lets go."""
 
-    def __init__(self, page_size: int, salt: int, with_draft_kv: bool, boundary: str = "exact"):
+    def __init__(self, page_size: int, salt: int, with_draft_kv: bool, boundary: str = "exact", num_draft_modules: int = 1):
         self.page_size = page_size
         self.salt = salt
         self.with_draft_kv = with_draft_kv  # the cache has MTP layers, so a page's following token matters
         self.boundary = boundary
+        # With M > 1 MTP modules a step rewrites up to M-1 rows before its first (module j
+        # reads the token j ahead): a page is final only once those are exact, and a hit
+        # ends in a private copy that holds them (docs/prefix-cache.md).
+        self.rewritten_rows = max(num_draft_modules - 1, 0) if with_draft_kv else 0
         self.table: dict[int, dict[int | None, CachedPage]] = {}  # hash -> following token -> entry
         self.by_page: dict[int, CachedPage] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
@@ -105,13 +109,19 @@ class PrefixCache:
                 return PrefixHit(pages, entry or next(iter(versions.values())))
             pages.append(entry)
             parent = entry
-        return PrefixHit(pages[:-1] if self.boundary == "drop" else pages, None)
+        if self.boundary == "drop":
+            return PrefixHit(pages[:-1], None)
+        if self.rewritten_rows and pages:  # the last matched page is copied, never shared
+            return PrefixHit(pages[:-1], pages[-1])
+        return PrefixHit(pages, None)
 
     def register(self, seq: Sequence) -> None:
         """Cache seq's full pages whose KV is final: every row computed, the token after
-        the page known (the draft KV at its last row was built from it)."""
+        the page known (the draft KV at its last row was built from it), and with M > 1
+        modules every module's rows exact (module j's row i, built from token i+j, is
+        exact once a step whose boundary token lies at or after i+j ran)."""
         size = self.page_size
-        num_final = min(seq.num_computed, seq.num_tokens - 1) // size
+        num_final = min(seq.num_computed - self.rewritten_rows, seq.num_tokens - 1) // size
         if num_final <= len(seq.cached_prefix):
             return
         token_ids = seq.token_ids

@@ -58,7 +58,8 @@ def step(
     config: StepConfig,
 ) -> tuple[KVCache, StepOutput]:
     """carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
-    batch.pack_batch; shapes = (T, B, pages per request, k) says how to unpack it."""
+    batch.pack_batch; shapes = (T, B, pages per request, k, M) says how to unpack it
+    (M: MTP modules the draft pass runs)."""
     batch = apply_carry(unpack_batch(ints, floats, shapes), carry, cache.page_size)
     cfg = config.model
     k = config.num_speculative_tokens
