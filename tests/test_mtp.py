@@ -141,6 +141,11 @@ def modules_model(tmp_path_factory):
     return make_modules_model(tmp_path_factory.mktemp("modules") / "stories260K-mtp3", 3)
 
 
+# One pool for the tests below, so that they share compiled steps: it holds two of the
+# chunk-invariance test's requests and makes four of the greedy test's preempt.
+MODULES_POOL = 14
+
+
 def test_chunk_invariance_with_several_modules(plain, modules_model, rng):
     """Three modules, k = 3. Module j's row i is exact when token i+j is a prompt token:
     those rows of every module, the first drafts and the per-position acceptance are the
@@ -148,16 +153,17 @@ def test_chunk_invariance_with_several_modules(plain, modules_model, rng):
     before chunk boundaries (and, through module 1's output, later modules' rows)."""
     k = m = 3
     prompts = sampled_prompts(plain, rng, [50, 33])
-    reference = make_llm(modules_model, num_speculative_tokens=k)
+    reference = make_llm(modules_model, num_speculative_tokens=k, num_pages=MODULES_POOL)
     ref_states = [prefill_state(reference, p, k) for p in prompts]
     ref_accept = acceptance_per_position(reference, prompts)
+    assert reference.engine.scheduler.num_preemptions == 0
     heads = ref_states[0][0].shape[2] // m
 
     def exact_rows(kv, j):  # module j's rows i with i + j <= L - 1
         return kv[:, : kv.shape[1] - j, (j - 1) * heads : j * heads]
 
     for chunk in CHUNKS[:-1]:
-        llm = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=chunk)
+        llm = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=chunk, num_pages=MODULES_POOL)
         for (ref_kv, ref_first), prompt in zip(ref_states, prompts):
             kv, first = prefill_state(llm, prompt, k)
             for j in range(1, m + 1):
@@ -166,7 +172,8 @@ def test_chunk_invariance_with_several_modules(plain, modules_model, rng):
             assert first == ref_first, f"chunk={chunk}"
         assert acceptance_per_position(llm, prompts) == ref_accept, f"chunk={chunk}"
 
-    ablation = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=7, mtp_boundary="sampled")
+    ablation = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=7, mtp_boundary="sampled",
+                        num_pages=MODULES_POOL)
     differs = 0
     for (ref_kv, _), prompt in zip(ref_states, prompts):
         kv, _ = prefill_state(ablation, prompt, k)
@@ -182,10 +189,10 @@ def test_chunk_invariance_with_several_modules(plain, modules_model, rng):
 def test_greedy_with_several_modules_equals_without(plain, modules_model, rng, k):
     """Three modules (k = 4 chains module 3 once more): mixed prompt lengths, chunked
     prefill and a pool small enough to preempt, with async and sync scheduling."""
-    prompts = sampled_prompts(plain, rng, [12, 30, 3, 25, 17])
+    prompts = sampled_prompts(plain, rng, [20, 45, 3, 40, 17])
     expected = token_ids(plain.generate(prompts, greedy(40), use_tqdm=False))
     for overlap in (True, False):
-        llm = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=7, page_size=4, num_pages=24,
+        llm = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=7, num_pages=MODULES_POOL,
                        async_scheduling=overlap)
         outs = llm.generate(prompts, greedy(40), use_tqdm=False)
         assert token_ids(outs) == expected, f"async={overlap}"
