@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import Mesh
 
 from jaxmtp.config import ModelConfig

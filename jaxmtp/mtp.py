@@ -19,8 +19,8 @@ what follows the boundary:
 
 A row that read a draft is provisional: the next step recomputes it with the true
 token. So module j also runs over up to j-1 rows before the request's first row
-(batch.with_rows_before): row first-(j-1) read token first, known the step before, and
-is exact; the later ones are recomputed. Module j reads h^{j-1} at those rows from the
+(batch.with_rows_before), first-(j-1)..first-1; row first-j read token `first`, the
+step before's boundary token, and stays. Module j reads h^{j-1} at its rows from the
 hidden pages (jaxmtp/cache.py), where module j-1 wrote it, this step or an earlier one.
 
 Drafts past M (k > M) chain module M one position further each time, on its own output
@@ -144,8 +144,9 @@ def propose(
         if j < m:
             beyond = beyond.at[:, j].set(jnp.where(reads_drafts, draft, beyond[:, j]))
 
-    # Chained steps reuse module M on one row per request, at the next position,
-    # feeding its own output hidden state and its own argmax token.
+    # Chained steps reuse module M (module, layer, x and draft are its own from the last
+    # pass above) on one row per request, at the next position, feeding its own output
+    # hidden state and its own argmax token.
     proposing = active & batch.has_output
     page_size = cache.page_size
     position = last

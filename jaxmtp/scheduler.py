@@ -140,7 +140,8 @@ class Scheduler:
             seq.pages += self.allocator.allocate(1)
             seq.num_computed += size - 1
             copy = (source.page, seq.pages[-1])
-        elif self.prefix_cache.rewritten_rows:
+        elif self.prefix_cache.num_following > 1:
+            # with several MTP modules the first step would rewrite rows of a shared page
             self.allocator.free(seq.pages)
             seq.pages, seq.cached_prefix, seq.num_computed = [], [], 0
         # Letting go before the copy runs is safe: the engine runs copies before the step,

@@ -337,6 +337,19 @@ def test_two_modules_hit_gives_the_no_cache_drafts_kv_and_acceptance(modules_mod
     longer = aligned + stopped.outputs[0].token_ids + random_prompts(rng, [27])[0]
     check(longer, PAGE - 1)
     check(longer, len(longer) // PAGE * PAGE - 1)
+
+    # A request that stops on a stop token while its next step is queued: that step still
+    # rewrites module 2's row before the page's end, from a token the host never reads.
+    # The page is cached only under the two tokens after it, so a request that continues
+    # otherwise never shares the row, even through a page another request cached after it.
+    aligned = random_prompts(rng, [2 * PAGE])[0]
+    after = run_alone(no_cache, aligned, 2)[0].outputs[0].token_ids
+    cached.generate([aligned], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[after[0]]), use_tqdm=False)
+    assert cached.engine.num_steps_in_flight == 1
+    cached.engine.step()  # reads the step queued for it
+    longer = aligned + [after[0], after[1] % 500 + 3] + random_prompts(rng, [26])[0]
+    check(longer, PAGE - 1)
+    check(longer, len(longer) // PAGE * PAGE - 1)
     assert_no_leaks(cached)
 
 
