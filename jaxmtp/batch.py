@@ -25,7 +25,9 @@ class Batch:
     sample_index: jax.Array  # [B, k+1] int32 rows whose logits are read (verify rows or the last prefill row)
     num_drafts: jax.Array  # [B] int32 draft tokens among the request's rows
     has_output: jax.Array  # [B] bool: the rows reach the end of the known tokens
-    next_chunk_token: jax.Array  # [B] int32 first token of the next prompt chunk
+    # [B, M] int32: the first M tokens after a prefill chunk, 0 past the known tokens (M: MTP
+    # modules the draft pass runs; module j reads the token j positions ahead)
+    next_chunk_token: jax.Array
     temperature: jax.Array  # [B] float32
     top_k: jax.Array  # [B] int32, <= 0 disables
     top_p: jax.Array  # [B] float32
@@ -50,10 +52,22 @@ INT_FIELDS = (
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
-def field_shapes(t: int, b: int, pages_per_seq: int, k: int) -> dict[str, tuple[int, ...]]:
-    per_request = {"query_start": (b + 1,), "page_table": (b, pages_per_seq), "sample_index": (b, k + 1)}
+def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int) -> dict[str, tuple[int, ...]]:
+    per_request = {
+        "query_start": (b + 1,), "page_table": (b, pages_per_seq), "sample_index": (b, k + 1), "next_chunk_token": (b, m),
+    }
     per_row = ("input_ids", "positions", "slot_mapping")
     return {f: per_request.get(f, (t,) if f in per_row else (b,)) for f in INT_FIELDS + FLOAT_FIELDS}
+
+
+def row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
+    """The request each of num_rows rows belongs to (padding rows: clamped to the last)."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.minimum(jnp.searchsorted(query_start[1:], rows, side="right"), query_start.shape[0] - 2)
+
+
+def slot_of(page_table: jax.Array, row_seq: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    return page_table[row_seq, positions // page_size] * page_size + positions % page_size
 
 
 def apply_carry(batch: Batch, carry: jax.Array, page_size: int) -> Batch:
@@ -62,14 +76,14 @@ def apply_carry(batch: Batch, carry: jax.Array, page_size: int) -> Batch:
     A carried request's rows are [last token] + drafts, shifted by the accepted count."""
     t, b = batch.input_ids.shape[0], batch.kv_len.shape[0]
     rows = jnp.arange(t, dtype=jnp.int32)
-    row_seq = jnp.minimum(jnp.searchsorted(batch.query_start[1:], rows, side="right"), b - 1)
+    row_seq = row_owner(batch.query_start, t)
     carried = batch.carry_index >= 0  # [B]
     entry = carry[jnp.maximum(batch.carry_index, 0)]  # [B, 2 + k]
     accepted = jnp.where(carried, entry[:, 0], 0)
     row_carried = carried[row_seq] & (rows < batch.query_start[b])
     offset = jnp.clip(rows - batch.query_start[row_seq], 0, carry.shape[1] - 2)
     positions = batch.positions + jnp.where(row_carried, accepted[row_seq], 0)
-    slots = batch.page_table[row_seq, positions // page_size] * page_size + positions % page_size
+    slots = slot_of(batch.page_table, row_seq, positions, page_size)
     return dataclasses.replace(
         batch,
         input_ids=jnp.where(row_carried, entry[row_seq, 1 + offset], batch.input_ids),
@@ -77,6 +91,36 @@ def apply_carry(batch: Batch, carry: jax.Array, page_size: int) -> Batch:
         slot_mapping=jnp.where(row_carried, slots, batch.slot_mapping),
         kv_len=batch.kv_len + accepted,
         output_index=batch.output_index + jnp.where(carried, accepted + 1, 0),
+    )
+
+
+def with_rows_before(batch: Batch, extra: int, page_size: int, scratch_slot: int) -> Batch:
+    """Device side: the batch's rows with up to `extra` rows before each request's first
+    row (fewer near position 0), for a draft module that rewrites rows of earlier steps.
+    T + B * extra rows (static); each request's extra rows come first, then its own, so
+    they stay the last rows of its unchanged kv_len, as attention takes them. The extra
+    rows' input ids belong to earlier steps and are not in the batch: 0. Padding rows
+    write the scratch slot."""
+    t, b = batch.input_ids.shape[0], batch.kv_len.shape[0]
+    lengths = batch.query_start[1:] - batch.query_start[:-1]
+    first = batch.positions[jnp.minimum(batch.query_start[:-1], t - 1)]
+    extras = jnp.where(lengths > 0, jnp.minimum(extra, first), 0)
+    query_start = jnp.concatenate([batch.query_start[:1], batch.query_start[0] + jnp.cumsum(lengths + extras)])
+    n = t + b * extra
+    rows = jnp.arange(n, dtype=jnp.int32)
+    row_seq = row_owner(query_start, n)
+    valid = (rows >= query_start[0]) & (rows < query_start[b])
+    offset = rows - query_start[row_seq] - extras[row_seq]  # < 0 on extra rows
+    positions = jnp.where(valid, first[row_seq] + offset, 0)
+    source = jnp.clip(batch.query_start[row_seq] + offset, 0, t - 1)
+    return dataclasses.replace(
+        batch,
+        input_ids=jnp.where(valid & (offset >= 0), batch.input_ids[source], 0),
+        positions=positions,
+        slot_mapping=jnp.where(valid, slot_of(batch.page_table, row_seq, positions, page_size), scratch_slot),
+        query_start=query_start.astype(jnp.int32),
+        # a request's rows keep their distance from its end
+        sample_index=batch.sample_index + (query_start[1:] - batch.query_start[1:])[:, None],
     )
 
 
@@ -88,9 +132,9 @@ def pack_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def unpack_batch(ints: jax.Array, floats: jax.Array, shapes: tuple[int, int, int, int]) -> Batch:
+def unpack_batch(ints: jax.Array, floats: jax.Array, shapes: tuple[int, int, int, int, int]) -> Batch:
     """Device side (inside the jitted step): the fields back from the two buffers.
-    shapes = (T, B, pages per request, k), static."""
+    shapes = (T, B, pages per request, k, M), static."""
     sizes = field_shapes(*shapes)
     fields, offsets = {}, {"int": 0, "float": 0}
     for name, shape in sizes.items():
@@ -145,8 +189,11 @@ class BucketPlan:
         ]
 
 
-def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, scratch_slot: int, k: int) -> Batch:
-    """Numpy arrays for one step; `scheduled` is a list of scheduler.ScheduledRows."""
+def build_batch(
+    scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, scratch_slot: int, k: int, m: int = 1
+) -> Batch:
+    """Numpy arrays for one step; `scheduled` is a list of scheduler.ScheduledRows; m: MTP
+    modules the draft pass runs (next_chunk_token's width)."""
     t, b = shape.num_tokens, shape.num_seqs
     input_ids = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
@@ -157,7 +204,7 @@ def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size:
     sample_index = np.zeros((b, k + 1), np.int32)
     num_drafts = np.zeros(b, np.int32)
     has_output = np.zeros(b, bool)
-    next_chunk_token = np.zeros(b, np.int32)
+    next_chunk_token = np.zeros((b, m), np.int32)
     temperature = np.zeros(b, np.float32)
     top_k = np.zeros(b, np.int32)
     top_p = np.ones(b, np.float32)
@@ -181,7 +228,7 @@ def build_batch(scheduled, shape: BatchShape, max_pages_per_seq: int, page_size:
         sample_index[i] = np.minimum(first_sampled + np.arange(k + 1), row + n - 1)
         num_drafts[i] = item.num_drafts
         has_output[i] = item.has_output
-        next_chunk_token[i] = item.next_chunk_token
+        next_chunk_token[i] = ((item.next_chunk_token, *item.later_chunk_tokens) + (0,) * m)[:m]
         params = seq.params
         temperature[i] = params.temperature
         top_k[i] = params.top_k

@@ -3,15 +3,18 @@ and the host-side page allocator."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import deque
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import pytree_dataclass
+from jaxmtp.sharding import cache_sharding, hidden_pages_sharding
 
 if TYPE_CHECKING:
     from jaxmtp.prefix_cache import PrefixCache
@@ -21,9 +24,14 @@ if TYPE_CHECKING:
 class KVCache:
     """Per-layer K and V pages, each [num_pages + 1, page_size, num_kv_heads, head_dim].
 
-    The main model's layers come first, then one layer per MTP module: draft KV lives
-    in the same page slots as the main model's, so one page table serves both and
-    preemption or prefix caching carry draft KV with no extra bookkeeping.
+    The main model's layers come first, then one layer per MTP module the draft pass
+    runs: draft KV lives in the same page slots as the main model's, so one page table
+    serves both and preemption or prefix caching carry draft KV with no extra bookkeeping.
+
+    With M > 1 modules, `hidden` holds the outputs of modules 1..M-1 ("hidden pages",
+    each [num_pages + 1, page_size, hidden_size]) in the same slots: module j reads
+    module j-1's output at its position, also at positions an earlier step computed
+    (jaxmtp/mtp.py).
 
     The last page belongs to no request: rows with nothing to write (padding, idle
     draft-chain rows) write there, so every scatter index is in bounds and no write
@@ -32,6 +40,7 @@ class KVCache:
 
     k: list[jax.Array]
     v: list[jax.Array]
+    hidden: list[jax.Array] = dataclasses.field(default_factory=list)
 
     @property
     def num_pages(self) -> int:
@@ -47,23 +56,36 @@ class KVCache:
         return scratch_slot(self.k[0])
 
 
+def read_hidden(pages: jax.Array, slots: jax.Array) -> jax.Array:
+    """The hidden states [rows, H] at these slots of one module's hidden pages."""
+    return pages.reshape(-1, pages.shape[-1])[slots]
+
+
+def write_hidden(pages: jax.Array, slots: jax.Array, x: jax.Array) -> jax.Array:
+    """Scatter hidden states [rows, H] into their slots (padding rows: the scratch page)."""
+    shape = pages.shape
+    return pages.reshape(-1, shape[-1]).at[slots].set(x.astype(pages.dtype), mode="promise_in_bounds").reshape(shape)
+
+
 def scratch_slot(pages: jax.Array) -> int:
     """A slot in the scratch page of one layer's pages: where rows with nothing to
     write write."""
     return (pages.shape[0] - 1) * pages.shape[1]
 
 
-def allocate_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_layers: int, sharding: jax.sharding.Sharding | None = None
-) -> KVCache:
-    """sharding (jaxmtp.sharding.cache_sharding under tensor parallelism) places each
-    device's kv heads directly on it."""
+def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_layers: int, mesh: Mesh | None = None) -> KVCache:
+    """num_mtp_layers: MTP modules the draft pass runs (M), with M - 1 hidden pages.
+    Under tensor parallelism (mesh) each device's kv heads are placed directly on it;
+    hidden pages are whole on every device, as the residual stream is."""
     shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
+    hidden_shape = (num_pages + 1, page_size, cfg.hidden_size)
+    kv_sharding, hidden_sharding = (None, None) if mesh is None else (cache_sharding(mesh), hidden_pages_sharding(mesh))
     n = cfg.num_layers + num_mtp_layers
     # zeros, not empty: a page read before it is written must hold finite values.
     return KVCache(
-        k=[jnp.zeros(shape, cfg.jnp_dtype, device=sharding) for _ in range(n)],
-        v=[jnp.zeros(shape, cfg.jnp_dtype, device=sharding) for _ in range(n)],
+        k=[jnp.zeros(shape, cfg.jnp_dtype, device=kv_sharding) for _ in range(n)],
+        v=[jnp.zeros(shape, cfg.jnp_dtype, device=kv_sharding) for _ in range(n)],
+        hidden=[jnp.zeros(hidden_shape, cfg.jnp_dtype, device=hidden_sharding) for _ in range(num_mtp_layers - 1)],
     )
 
 
@@ -74,12 +96,9 @@ PAGE_COPY_BATCH = 8
 
 @functools.partial(jax.jit, donate_argnums=0)
 def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy page src[i] to page dst[i] in every layer (main and MTP). Every source is read
-    before any destination is written; padding copies write the scratch page."""
-    return KVCache(
-        k=[x.at[dst].set(x[src], mode="promise_in_bounds") for x in cache.k],
-        v=[x.at[dst].set(x[src], mode="promise_in_bounds") for x in cache.v],
-    )
+    """Copy page src[i] to page dst[i] in every layer (main and MTP) and hidden page. Every
+    source is read before any destination is written; padding copies write the scratch page."""
+    return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="promise_in_bounds"), cache)
 
 
 class PageAllocator:

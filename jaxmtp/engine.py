@@ -25,7 +25,7 @@ from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES, PrefixCache, PrefixCach
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import ScheduledRows, Scheduler, SchedulerConfig
 from jaxmtp.sequence import Sequence, SpecStats
-from jaxmtp.sharding import cache_sharding, check_divisible, make_mesh, replicated
+from jaxmtp.sharding import check_divisible, make_mesh, replicated
 from jaxmtp.step import StepConfig, StepOutput, jitted_step
 from jaxmtp.tokenizer import Tokenizer
 
@@ -124,6 +124,16 @@ class LLMEngine:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(config, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
+        # M: the MTP modules the draft pass runs (module j drafts at depth j; past M, module M chains)
+        self.num_draft_modules = m = min(k, cfg.num_mtp_modules)
+        if config.enable_prefix_caching and m > 1 and (config.page_size < m or config.prefix_cache_boundary != "exact"):
+            # the rows a step rewrites before its first (up to M-1) must lie in the private
+            # copy-on-write page a cache hit ends with (docs/prefix-cache.md)
+            raise ValueError(
+                f"prefix caching with {m} MTP modules drafting needs page_size >= {m} and "
+                f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
+                f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
+            )
         resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
         self.mesh = make_mesh(config.tensor_parallel_size)
         check_divisible(cfg, config.tensor_parallel_size)
@@ -134,15 +144,14 @@ class LLMEngine:
         # room for k verify rows plus k-1 chained draft positions past the last token
         self.max_pages_per_seq = math.ceil((self.max_model_len + 2 * k) / self.page_size)
         num_pages = config.num_pages or config.max_num_seqs * self.max_pages_per_seq
-        num_mtp_layers = 1 if k else 0
         # committed to its devices, sharded as every cache the step returns, so the first
         # shape warmup() compiles is not compiled again for the first real request
-        self.cache = allocate_cache(cfg, num_pages, self.page_size, num_mtp_layers, cache_sharding(self.mesh))
+        self.cache = allocate_cache(cfg, num_pages, self.page_size, m, self.mesh)
         self.prefix_cache = None
         if config.enable_prefix_caching:
             # the salt: what besides the tokens decides a page's KV in this engine
             salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
-            self.prefix_cache = PrefixCache(self.page_size, salt, k > 0, config.prefix_cache_boundary)
+            self.prefix_cache = PrefixCache(self.page_size, salt, k > 0, config.prefix_cache_boundary, m)
         self.allocator = PageAllocator(num_pages, self.prefix_cache)
         chunk = config.prefill_chunk_size or config.max_num_batched_tokens
         if chunk < 1:
@@ -157,6 +166,7 @@ class LLMEngine:
                 page_size=self.page_size,
                 max_pages_per_seq=self.max_pages_per_seq,
                 num_speculative_tokens=k,
+                num_draft_modules=m,
             ),
             self.allocator,
             self.prefix_cache,
@@ -389,10 +399,10 @@ class LLMEngine:
 
     def _device_batch(self, scheduled, shape: BatchShape) -> tuple:
         """The step's (ints, floats, static shapes) for a schedule padded to shape."""
-        k = self.config.num_speculative_tokens
-        batch = build_batch(scheduled, shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot, k)
+        k, m = self.config.num_speculative_tokens, self.num_draft_modules
+        batch = build_batch(scheduled, shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot, k, m)
         ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
-        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k, shape.greedy)
+        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k, m, shape.greedy)
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Run (source, destination) page copies on the device, in order."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -71,7 +73,7 @@ def forward(
     k_layers, v_layers = list(cache.k), list(cache.v)
     for i, layer in enumerate(params.layers):
         x, k_layers[i], v_layers[i] = decoder_layer(layer, cfg, x, batch, k_layers[i], v_layers[i], attention)
-    return x, KVCache(k=k_layers, v=v_layers)
+    return x, dataclasses.replace(cache, k=k_layers, v=v_layers)
 
 
 def logits(head: jax.Array, norm: jax.Array, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

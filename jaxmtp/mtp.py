@@ -1,19 +1,33 @@
-"""DeepSeek-V3-style MTP draft module, and the draft pass that stays exact under chunked prefill.
+"""DeepSeek-V3-style MTP draft modules, and the draft pass that stays exact under chunked prefill.
 
-An MTP module at position i reads the main model's hidden state h_i and the embedding of
-token i+1, writes its own KV entry at position i and predicts token i+2. Inside one step
-the draft pass runs over every row of the batch with the ids shifted left by one within
-each request. The last valid row of a request (the boundary row) has no following row:
+Module j (1-based) at position i reads the previous module's output h^{j-1}_i (h^0: the
+main model's hidden state) and the embedding of token i+j, writes its own KV entry at
+position i and outputs h^j_i, whose logits predict token i+j+1. The draft pass runs
+modules 1..M (M = min(k, modules in the checkpoint)) over the step's rows; module j's
+first proposal d_j is its output at the request's boundary row (its last row with
+valid main KV, at position P).
 
-  - when the rows reach the end of the known tokens (has_output), token i+1 is the one
-    the main model just sampled or verified;
-  - otherwise the request is mid-prefill and token i+1 is the FIRST TOKEN OF THE NEXT
-    CHUNK, a known prompt token the scheduler puts in batch.next_chunk_token.
+A row reads a token of this step's rows while it lies at or before P; past P it reads
+what follows the boundary:
 
-    boundary = jnp.where(has_output, sampled, next_chunk_token)
+  - a mid-prefill request (rows short of the known tokens): the next prompt tokens,
+    which the scheduler puts in batch.next_chunk_token [B, M];
+  - a request whose rows reach the end of the known tokens (has_output): the token the
+    main model just sampled or verified, then the drafts d_1, d_2, ... of this step.
 
-`mtp_boundary="sampled"` reproduces the pre-fix behaviour (the sampled token everywhere)
-for ablations; nothing else differs.
+    boundary = jnp.where(has_output, sampled, next_chunk_token[:, 0])
+
+A row that read a draft is provisional: the next step recomputes it with the true
+token. So module j also runs over up to j-1 rows before the request's first row
+(batch.with_rows_before), first-(j-1)..first-1; row first-j read token `first`, the
+step before's boundary token, and stays. Module j reads h^{j-1} at its rows from the
+hidden pages (jaxmtp/cache.py), where module j-1 wrote it, this step or an earlier one.
+
+Drafts past M (k > M) chain module M one position further each time, on its own output
+hidden state and its previous draft; those rows are rewritten by the next step.
+
+`mtp_boundary="sampled"` reproduces the pre-fix behaviour (the sampled token, then the
+drafts, after every request's boundary) for ablations; nothing else differs.
 """
 
 from __future__ import annotations
@@ -24,8 +38,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.attention import AttentionFn
-from jaxmtp.batch import Batch
-from jaxmtp.cache import KVCache
+from jaxmtp.batch import Batch, row_owner, with_rows_before
+from jaxmtp.cache import KVCache, read_hidden, write_hidden
 from jaxmtp.config import MTP_LAYOUTS, ModelConfig
 from jaxmtp.model import decoder_layer, logits, rms_norm
 from jaxmtp.params import MTPParams, Params
@@ -63,6 +77,19 @@ def main_hidden_for_mtp(params: Params, cfg: ModelConfig, hidden: jax.Array) -> 
     return hidden
 
 
+def tokens_ahead(rows: Batch, ahead: int, last: jax.Array, beyond: jax.Array) -> jax.Array:
+    """The token `ahead` positions after each row: the input id of a later row of its
+    request while that lies at or before the request's boundary position `last` [B];
+    past it, beyond[b, ahead - (last - position) - 1]. Rows past the boundary (rejected
+    verify rows) clip the index: their KV lies behind the next step's kv_len."""
+    n = rows.input_ids.shape[0]
+    row_seq = row_owner(rows.query_start, n)
+    target = rows.positions + ahead
+    later_row = rows.input_ids[jnp.minimum(jnp.arange(n) + ahead, n - 1)]
+    after = beyond[row_seq, jnp.clip(target - last[row_seq] - 1, 0, ahead - 1)]
+    return jnp.where(target <= last[row_seq], later_row, after)
+
+
 def propose(
     params: Params,
     cfg: ModelConfig,
@@ -75,43 +102,55 @@ def propose(
     num_drafts: int,
     boundary_mode: str,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
-    """Draft pass over all rows, then num_drafts-1 chained steps of the module.
+    """The draft pass: modules 1..M over the rows, then num_drafts - M chained steps of
+    module M.
 
     hidden: main model output [T, H]; tokens/num_accepted: what verification emitted.
-    Returns drafts [B, num_drafts], the cache with draft KV written, and the boundary
-    tokens [B] the draft pass used (for tests and ablations)."""
-    t = hidden.shape[0]
+    Returns drafts [B, num_drafts], the cache with draft KV (and hidden pages) written,
+    and the boundary tokens [B] the draft pass used (for tests and ablations)."""
     b = batch.kv_len.shape[0]
-    module = params.mtp[0]
-    layer = cfg.num_layers  # the module's cache layer, after the main model's
+    m = min(num_drafts, len(params.mtp))
     active = batch.query_start[1:] > batch.query_start[:-1]
     seq_idx = jnp.arange(b)
 
     # the boundary row: the last row whose main-model KV is valid after this step
     boundary_row = batch.sample_index[seq_idx, num_accepted]
+    last = batch.positions[boundary_row]
     sampled = tokens[seq_idx, num_accepted]
-    if boundary_mode == "next_chunk":
-        boundary_token = jnp.where(batch.has_output, sampled, batch.next_chunk_token)
-    else:
-        boundary_token = sampled
-    next_ids = jnp.concatenate([batch.input_ids[1:], batch.input_ids[:1]])
-    next_ids = next_ids.at[jnp.where(active, boundary_row, t)].set(boundary_token, mode="drop")
+    # Requests whose tokens after the boundary are the sampled one, then this step's
+    # drafts (filled in below as each module makes its own); the others read prompt tokens.
+    reads_drafts = batch.has_output if boundary_mode == "next_chunk" else jnp.ones_like(batch.has_output)
+    beyond = batch.next_chunk_token.at[:, 0].set(jnp.where(reads_drafts, sampled, batch.next_chunk_token[:, 0]))
 
     prev = main_hidden_for_mtp(params, cfg, hidden)
-    k_layers, v_layers = list(cache.k), list(cache.v)
-    x, k_layers[layer], v_layers[layer] = module_forward(
-        module, params.embed, cfg, prev, next_ids, batch, k_layers[layer], v_layers[layer], attention
-    )
-    x = x[boundary_row]  # [B, H]
-    draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
-    drafts = [draft]
+    k_layers, v_layers, hidden_pages = list(cache.k), list(cache.v), list(cache.hidden)
+    drafts = []
+    for j in range(1, m + 1):
+        module, layer = params.mtp[j - 1], cfg.num_layers + j - 1  # its cache layer, after the main model's
+        if j == 1:
+            rows = batch
+        else:
+            rows = with_rows_before(batch, j - 1, cache.page_size, cache.scratch_slot)
+            prev = read_hidden(hidden_pages[j - 2], rows.slot_mapping)
+        x, k_layers[layer], v_layers[layer] = module_forward(
+            module, params.embed, cfg, prev, tokens_ahead(rows, j, last, beyond), rows,
+            k_layers[layer], v_layers[layer], attention,
+        )
+        if j < m:
+            hidden_pages[j - 1] = write_hidden(hidden_pages[j - 1], rows.slot_mapping, x)
+        x = x[rows.sample_index[seq_idx, num_accepted]]  # [B, H] at the boundary rows
+        draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
+        drafts.append(draft)
+        if j < m:
+            beyond = beyond.at[:, j].set(jnp.where(reads_drafts, draft, beyond[:, j]))
 
-    # Chained steps reuse the module on one row per request, at the next position,
-    # feeding its own output hidden state and its own argmax token.
+    # Chained steps reuse module M (module, layer, x and draft are its own from the last
+    # pass above) on one row per request, at the next position, feeding its own output
+    # hidden state and its own argmax token.
     proposing = active & batch.has_output
     page_size = cache.page_size
-    position = batch.positions[boundary_row]
-    for _ in range(1, num_drafts):
+    position = last
+    for _ in range(m, num_drafts):
         position = position + 1
         page = batch.page_table[seq_idx, position // page_size]
         chain = dataclasses.replace(
@@ -129,4 +168,5 @@ def propose(
         )
         draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
         drafts.append(draft)
-    return jnp.stack(drafts, axis=1), KVCache(k=k_layers, v=v_layers), boundary_token
+    cache = KVCache(k=k_layers, v=v_layers, hidden=hidden_pages)
+    return jnp.stack(drafts, axis=1), cache, beyond[:, 0]

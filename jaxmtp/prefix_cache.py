@@ -11,6 +11,10 @@ diverges exactly at the page's end) or nothing follows the page yet (the prompt 
 with it), the page is reused as a private copy whose last row is recomputed
 (copy-on-write): the hit stays within one token of the longest cached prefix. See
 docs/prefix-cache.md for the design and the measured alternatives.
+
+With M > 1 MTP modules drafting, module j's row i is built from token i+j: a page's
+version is the M tokens after it, and a step rewrites up to M-1 rows before its first,
+so every hit ends in a private copy (docs/prefix-cache.md, "Several MTP modules").
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ class CachedPage:
     page: int  # the KV page id
     hash: int  # page_hash over the page's tokens and its parent's hash
     tokens: tuple[int, ...]  # checked on lookup, with the parent: a hash collision is a miss, never a wrong hit
-    next_token: int | None  # the token after the page, which the draft KV at its last row was built from (None without MTP)
+    # the tokens after the page that its draft KV was built from (M of them; None without MTP)
+    following: tuple[int, ...] | None
     parent: CachedPage | None  # the previous page's entry (None for a sequence's first page)
 
 
@@ -68,16 +73,20 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """Cached full pages by hash and following token, and the least-recently-used order
+    """Cached full pages by hash and following tokens, and the least-recently-used order
     of those no sequence holds (evictable). The PageAllocator owns reference counts and
     parks a page here when its last holder lets go."""
 
-    def __init__(self, page_size: int, salt: int, with_draft_kv: bool, boundary: str = "exact"):
+    def __init__(self, page_size: int, salt: int, with_draft_kv: bool, boundary: str = "exact", num_draft_modules: int = 1):
         self.page_size = page_size
         self.salt = salt
-        self.with_draft_kv = with_draft_kv  # the cache has MTP layers, so a page's following token matters
+        self.with_draft_kv = with_draft_kv  # the cache has MTP layers, so a page's following tokens matter
         self.boundary = boundary
-        self.table: dict[int, dict[int | None, CachedPage]] = {}  # hash -> following token -> entry
+        # The tokens after a page its KV depends on: module j's row at the page's last
+        # position reads the token j ahead, so M with M MTP modules drafting (without MTP,
+        # 1: a page followed by nothing yet has its last row recomputed for the logits).
+        self.num_following = max(num_draft_modules, 1) if with_draft_kv else 1
+        self.table: dict[int, dict[tuple[int, ...] | None, CachedPage]] = {}  # hash -> following -> entry
         self.by_page: dict[int, CachedPage] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.stats = PrefixCacheStats()
@@ -93,38 +102,46 @@ class PrefixCache:
             versions = self._versions(parent, tuple(token_ids[start : start + size]))
             if not versions:
                 break
-            following = token_ids[start + size] if start + size < len(token_ids) else None
+            following = self._following(token_ids, start + size)
             entry = versions.get(following if self.with_draft_kv else None)
             if entry is None and following is not None and self.boundary == "stale":
                 entry = next(iter(versions.values()))  # the bug: its draft row was built from another token
             if entry is None or following is None:
-                # The page is right but for its last row: nothing follows it yet (the row is
-                # recomputed for the logits), or its draft row was built from another token.
+                # The page is right but for its last row(s): nothing follows it yet (the row is
+                # recomputed for the logits), or its draft rows were built from other tokens.
                 if self.boundary == "drop":  # vLLM: matched if a known token follows, then dropped
                     return PrefixHit(pages if following is not None else pages[:-1], None)
                 return PrefixHit(pages, entry or next(iter(versions.values())))
             pages.append(entry)
             parent = entry
-        return PrefixHit(pages[:-1] if self.boundary == "drop" else pages, None)
+        if self.boundary == "drop":
+            return PrefixHit(pages[:-1], None)
+        if self.num_following > 1 and pages:  # the last matched page is copied, never shared
+            return PrefixHit(pages[:-1], pages[-1])
+        return PrefixHit(pages, None)
 
     def register(self, seq: Sequence) -> None:
-        """Cache seq's full pages whose KV is final: every row computed, the token after
-        the page known (the draft KV at its last row was built from it)."""
-        size = self.page_size
-        num_final = min(seq.num_computed, seq.num_tokens - 1) // size
+        """Cache seq's full pages whose KV is final: every row computed, and the token after
+        the page known (the draft KV at its last row was built from it). With M > 1
+        modules, every module's rows exact (module j's row i, built from token i+j, is
+        exact once a step whose boundary lies at or after position i+j-1 has run), and the
+        M tokens after the page known: a step still queued may have rewritten its last
+        rows from tokens the host has not read yet."""
+        size, ahead = self.page_size, self.num_following
+        num_final = min(seq.num_computed - (ahead - 1), seq.num_tokens - ahead) // size
         if num_final <= len(seq.cached_prefix):
             return
         token_ids = seq.token_ids
         parent = seq.cached_prefix[-1] if seq.cached_prefix else None
         for j in range(len(seq.cached_prefix), num_final):
             tokens = tuple(token_ids[j * size : (j + 1) * size])
-            following = token_ids[(j + 1) * size] if self.with_draft_kv else None
+            after = self._following(token_ids, (j + 1) * size) if self.with_draft_kv else None
             digest = page_hash(parent.hash if parent else 0, tokens, self.salt)
             versions = self.table.setdefault(digest, {})
-            entry = versions.get(following)
+            entry = versions.get(after)
             if entry is None:
-                entry = CachedPage(seq.pages[j], digest, tokens, following, parent)
-                versions[following] = entry
+                entry = CachedPage(seq.pages[j], digest, tokens, after, parent)
+                versions[after] = entry
                 self.by_page[entry.page] = entry
             elif entry.tokens != tokens or entry.parent is not parent:
                 return  # a hash collision: this page and the rest of seq's pages stay uncached
@@ -132,8 +149,14 @@ class PrefixCache:
             seq.cached_prefix.append(entry)
             parent = entry
 
-    def _versions(self, parent: CachedPage | None, tokens: tuple[int, ...]) -> dict[int | None, CachedPage]:
-        """Cached entries with exactly these tokens after exactly this parent, by following token."""
+    def _following(self, token_ids: list[int], end: int) -> tuple[int, ...] | None:
+        """The version a page ending at `end` needs: the tokens after it that its KV
+        depends on, or None while they are not all known."""
+        after = tuple(token_ids[end : end + self.num_following])
+        return after if len(after) == self.num_following else None
+
+    def _versions(self, parent: CachedPage | None, tokens: tuple[int, ...]) -> dict[tuple[int, ...] | None, CachedPage]:
+        """Cached entries with exactly these tokens after exactly this parent, by following tokens."""
         versions = self.table.get(page_hash(parent.hash if parent else 0, tokens, self.salt), {})
         return {t: e for t, e in versions.items() if e.tokens == tokens and e.parent is parent}
 
@@ -159,7 +182,7 @@ class PrefixCache:
         page, _ = self.evictable.popitem(last=False)
         entry = self.by_page.pop(page)
         versions = self.table[entry.hash]
-        del versions[entry.next_token]
+        del versions[entry.following]
         if not versions:
             del self.table[entry.hash]
         self.stats.evictions += 1

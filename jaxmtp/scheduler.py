@@ -26,6 +26,9 @@ class ScheduledRows:
     # the request's index in the in-flight step whose output its rows continue, or -1;
     # such rows are placeholders until the device fills them (batch.apply_carry)
     carry_index: int = -1
+    # with M > 1 MTP modules, the M-1 tokens after next_chunk_token (module j reads the
+    # token j positions ahead), 0 past the known tokens
+    later_chunk_tokens: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,7 @@ class SchedulerConfig:
     page_size: int
     max_pages_per_seq: int
     num_speculative_tokens: int = 0
+    num_draft_modules: int = 0  # M: MTP modules the draft pass runs, min(k, modules in the checkpoint)
 
 
 class Scheduler:
@@ -119,7 +123,9 @@ class Scheduler:
         """Start seq after the longest cached prefix of its tokens, holding a reference on
         each reused page. A page that is right but for its last row (the MTP draft KV there
         was built from another next token, or the row is recomputed for the logits) is
-        reused as a private copy with that row recomputed; returns the copy to run."""
+        reused as a private copy with that row recomputed; returns the copy to run. With
+        M > 1 MTP modules every hit ends in such a copy, which holds the rows the first step
+        rewrites before its first row; without a free page for it, nothing is reused."""
         size = self.config.page_size
         hit = self.prefix_cache.lookup(seq.token_ids)
         seq.cached_prefix = list(hit.pages)
@@ -134,6 +140,10 @@ class Scheduler:
             seq.pages += self.allocator.allocate(1)
             seq.num_computed += size - 1
             copy = (source.page, seq.pages[-1])
+        elif self.prefix_cache.num_following > 1:
+            # with several MTP modules the first step would rewrite rows of a shared page
+            self.allocator.free(seq.pages)
+            seq.pages, seq.cached_prefix, seq.num_computed = [], [], 0
         # Letting go before the copy runs is safe: the engine runs copies before the step,
         # in order, each reading its sources before writing its destinations.
         self.allocator.free([source.page])
@@ -159,8 +169,12 @@ class Scheduler:
             return None
         end = seq.num_computed + size
         has_output = end == len(tokens)
+        # the tokens after a mid-prefill chunk that the draft pass reads (module j reads the
+        # token j positions ahead), 0 past the known tokens
+        ahead = max(self.config.num_draft_modules, 1)
+        after = [0] * ahead if has_output else (tokens[end : end + ahead] + [0] * ahead)[:ahead]
         return ScheduledRows(
-            seq, seq.num_computed, tokens[seq.num_computed : end], 0, has_output, 0 if has_output else tokens[end]
+            seq, seq.num_computed, tokens[seq.num_computed : end], 0, has_output, after[0], -1, tuple(after[1:])
         )
 
     def _reserve(self, seq: Sequence, num_rows: int, scheduled: list[ScheduledRows]) -> bool:

@@ -70,6 +70,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 
 CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")  # one layer's K or V pages
+HIDDEN_PAGE_AXES = ("pages", "page_slots", "embed")  # one MTP module's output hidden states, paged
 QUERY_AXES = ("tokens", "heads", "head_dim")  # attention's q rows and its output
 NEW_KV_AXES = ("tokens", "kv_heads", "head_dim")  # this step's K/V rows, before the write
 
@@ -126,6 +127,10 @@ def param_shardings(params, mesh: Mesh) -> object:
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
+
+
+def hidden_pages_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(HIDDEN_PAGE_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -58,8 +58,9 @@ def step(
     config: StepConfig,
 ) -> tuple[KVCache, StepOutput]:
     """carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
-    batch.pack_batch; shapes = (T, B, pages per request, k, greedy) says how to unpack
-    it, and greedy (batch.BatchShape.greedy) that no row samples or asks for top logprobs."""
+    batch.pack_batch; shapes = (T, B, pages per request, k, M, greedy) says how to unpack
+    it (M: MTP modules the draft pass runs), and greedy (batch.BatchShape.greedy) that no
+    row samples or asks for top logprobs."""
     *dims, greedy = shapes
     batch = apply_carry(unpack_batch(ints, floats, tuple(dims)), carry, cache.page_size)
     cfg = config.model

@@ -53,6 +53,28 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     return np.asarray(out)
 
 
+def make_modules_model(folder: Path, num_modules: int) -> Path:
+    """stories260K-mtp with num_modules MTP modules: its trained module, then copies of it
+    with every weight scaled by 1 + 5% noise (fixed seed). Module j reads module j-1's
+    output and the token j ahead, much as the trained module's own chain does, so deeper
+    drafts are accepted often enough to exercise verification."""
+    import dataclasses
+
+    import jax
+
+    from jaxmtp.config import load_config
+    from jaxmtp.loader import load_params, save_checkpoint
+
+    cfg = load_config(MTP_MODEL)
+    params = load_params(MTP_MODEL, cfg)
+    leaves, tree = jax.tree.flatten(params.mtp[0])
+    modules = [params.mtp[0]]
+    for j in range(1, num_modules):
+        keys = jax.random.split(jax.random.key(j), len(leaves))
+        modules.append(tree.unflatten([x * (1 + 0.05 * jax.random.normal(key, x.shape)) for x, key in zip(leaves, keys)]))
+    return save_checkpoint(folder, dataclasses.replace(params, mtp=modules), cfg, MTP_MODEL)
+
+
 FAMILIES = {
     "llama": dict(model_type="llama"),
     "llama3-rope-tied": dict(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import MTP_MODEL, STORIES
+from conftest import MTP_MODEL, STORIES, make_modules_model
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.engine import num_compiles
 from jaxmtp.sampling import verify_and_sample
@@ -79,18 +79,21 @@ def test_greedy_with_mtp_equals_without_under_preemption(plain, rng):
 
 def prefill_state(llm: LLM, prompt: list[int], k: int):
     """Run one request until its prefill emits; return the draft KV at every prompt
-    position, the first proposals and the request's sequence."""
+    position [2, L, MTP layers x kv heads, head_dim] (module j's heads after module
+    j-1's) and the first proposals."""
     engine = llm.engine
     engine.add_request("probe", prompt, greedy(64))
     seq = None
     while seq is None or not seq.output_token_ids:
         engine.step()
         seq = engine.requests["probe"].seqs[0]
-    layer = engine.model_config.num_layers
     slots = np.array([seq.pages[p // engine.page_size] * engine.page_size + p % engine.page_size for p in range(len(prompt))])
-    flat_k = np.asarray(engine.cache.k[layer]).reshape(-1, *engine.cache.k[layer].shape[2:])
-    flat_v = np.asarray(engine.cache.v[layer]).reshape(-1, *engine.cache.v[layer].shape[2:])
-    draft_kv = np.stack([flat_k[slots], flat_v[slots]])
+    per_layer = []
+    for layer in range(engine.model_config.num_layers, len(engine.cache.k)):
+        flat_k = np.asarray(engine.cache.k[layer]).reshape(-1, *engine.cache.k[layer].shape[2:])
+        flat_v = np.asarray(engine.cache.v[layer]).reshape(-1, *engine.cache.v[layer].shape[2:])
+        per_layer.append(np.stack([flat_k[slots], flat_v[slots]]))
+    draft_kv = np.concatenate(per_layer, axis=2)
     first = list(seq.drafts)
     engine.abort_request("probe")
     engine.step()
@@ -127,6 +130,76 @@ def test_chunk_invariance_and_the_sampled_ablation_breaks_it(plain, rng):
         assert set(np.flatnonzero(row_differs)) <= boundaries
         differs += row_differs.sum()
     assert differs > 0, "the ablation never differed: the test cannot tell the fix from the bug"
+
+
+# ----- N > 1 modules: module j drafts at depth j, exactly ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def modules_model(tmp_path_factory):
+    """stories260K-mtp with three MTP modules (conftest.make_modules_model)."""
+    return make_modules_model(tmp_path_factory.mktemp("modules") / "stories260K-mtp3", 3)
+
+
+# One pool for the tests below, so that they share compiled steps: it holds two of the
+# chunk-invariance test's requests and makes four of the greedy test's preempt.
+MODULES_POOL = 14
+
+
+def test_chunk_invariance_with_several_modules(plain, modules_model, rng):
+    """Three modules, k = 3. Module j's row i is exact when token i+j is a prompt token:
+    those rows of every module, the first drafts and the per-position acceptance are the
+    same for every chunk size. The sampled-boundary ablation changes module 1's rows
+    before chunk boundaries (and, through module 1's output, later modules' rows)."""
+    k = m = 3
+    prompts = sampled_prompts(plain, rng, [50, 33])
+    reference = make_llm(modules_model, num_speculative_tokens=k, num_pages=MODULES_POOL)
+    ref_states = [prefill_state(reference, p, k) for p in prompts]
+    ref_accept = acceptance_per_position(reference, prompts)
+    assert reference.engine.scheduler.num_preemptions == 0
+    heads = ref_states[0][0].shape[2] // m
+
+    def exact_rows(kv, j):  # module j's rows i with i + j <= L - 1
+        return kv[:, : kv.shape[1] - j, (j - 1) * heads : j * heads]
+
+    for chunk in CHUNKS[:-1]:
+        llm = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=chunk, num_pages=MODULES_POOL)
+        for (ref_kv, ref_first), prompt in zip(ref_states, prompts):
+            kv, first = prefill_state(llm, prompt, k)
+            for j in range(1, m + 1):
+                np.testing.assert_allclose(exact_rows(kv, j), exact_rows(ref_kv, j), rtol=1e-5, atol=1e-5,
+                                           err_msg=f"chunk={chunk} module {j}")
+            assert first == ref_first, f"chunk={chunk}"
+        assert acceptance_per_position(llm, prompts) == ref_accept, f"chunk={chunk}"
+
+    ablation = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=7, mtp_boundary="sampled",
+                        num_pages=MODULES_POOL)
+    differs = 0
+    for (ref_kv, _), prompt in zip(ref_states, prompts):
+        kv, _ = prefill_state(ablation, prompt, k)
+        for j in range(1, m + 1):
+            row_differs = np.abs(exact_rows(kv, j) - exact_rows(ref_kv, j)).max(axis=(0, 2, 3)) > 1e-4
+            if j == 1:
+                assert set(np.flatnonzero(row_differs)) <= set(range(6, len(prompt) - 1, 7))
+            differs += row_differs.sum()
+    assert differs > 0, "the ablation never differed: the test cannot tell the fix from the bug"
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_greedy_with_several_modules_equals_without(plain, modules_model, rng, k):
+    """Three modules (k = 4 chains module 3 once more): mixed prompt lengths, chunked
+    prefill and a pool small enough to preempt, with async and sync scheduling."""
+    prompts = sampled_prompts(plain, rng, [20, 45, 3, 40, 17])
+    expected = token_ids(plain.generate(prompts, greedy(40), use_tqdm=False))
+    for overlap in (True, False):
+        llm = make_llm(modules_model, num_speculative_tokens=k, prefill_chunk_size=7, num_pages=MODULES_POOL,
+                       async_scheduling=overlap)
+        outs = llm.generate(prompts, greedy(40), use_tqdm=False)
+        assert token_ids(outs) == expected, f"async={overlap}"
+        assert llm.engine.scheduler.num_preemptions > 0
+        accepted = np.sum([o.spec_stats["accepted_per_position"] for o in outs], axis=0)
+        assert len(accepted) == k and accepted[-1] > 0, accepted  # the deepest draft is accepted at times
+        assert_no_leaks(llm)
 
 
 # ----- invariant 4: mixed batch ----------------------------------------------------------

@@ -62,12 +62,18 @@ def _block_tensors(rng, prefix: str, bias: bool) -> dict[str, np.ndarray]:
     return t
 
 
+def _module_prefix(mtp_layout: str, n: int) -> str:
+    """Tensor name prefix of MTP module n (0-based) in a layout."""
+    return f"model.mtp_layers.{n}" if mtp_layout == "mimo" else f"model.layers.{LAYERS + n}"
+
+
 def make_checkpoint(
-    path: Path, layout: str, rng: np.random.Generator, config_extra: dict | None = None, agree: bool = False
+    path: Path, layout: str, rng: np.random.Generator, config_extra: dict | None = None, agree: bool = False,
+    num_modules: int = 1,
 ) -> Path:
     """agree=True: a main model that is nearly a bigram model (attention and MLP outputs
-    scaled down) and an MTP module that nearly passes the next token's embedding through
-    to the main head, so drafts are mostly accepted. Otherwise everything is random."""
+    scaled down) and MTP modules that nearly pass the token's embedding through to the
+    main head, so drafts are mostly accepted. Otherwise everything is random."""
     model_type, mtp_layout, own_head = LAYOUTS[layout]
     bias = model_type == "mimo"
 
@@ -81,34 +87,36 @@ def make_checkpoint(
     }
     for i in range(LAYERS):
         t.update(_block_tensors(rng, f"model.layers.{i}", bias))
-    proj = rng.normal(0.0, 1.0 / math.sqrt(2 * HIDDEN), (HIDDEN, 2 * HIDDEN))
-    if mtp_layout == "mimo":
-        p = "model.mtp_layers.0"
-        t[f"{p}.token_layernorm.weight"] = norm()
-        t[f"{p}.hidden_layernorm.weight"] = norm()
-        t[f"{p}.input_proj.weight"] = proj  # over concat(hidden, embedding)
-        t[f"{p}.final_layernorm.weight"] = norm()
-    else:
-        p = f"model.layers.{LAYERS}"
-        t[f"{p}.enorm.weight"] = norm()
-        t[f"{p}.hnorm.weight"] = norm()
-        t[f"{p}.eh_proj.weight"] = proj  # over concat(embedding, hidden)
-        t[f"{p}.shared_head.norm.weight"] = norm()
-        if own_head:
-            t[f"{p}.shared_head.head.weight"] = rng.normal(0.0, 1.0 / math.sqrt(HIDDEN), (VOCAB, HIDDEN))
-    t.update(_block_tensors(rng, p, bias))
-    if agree:
-        for block in [*(f"model.layers.{i}" for i in range(LAYERS)), p]:
-            t[f"{block}.self_attn.o_proj.weight"] *= AGREE_EPS
-            t[f"{block}.mlp.down_proj.weight"] *= AGREE_EPS
-        eye, small = np.eye(HIDDEN), AGREE_EPS * proj[:, :HIDDEN]
-        t[f"{p}.{'input_proj' if mtp_layout == 'mimo' else 'eh_proj'}.weight"] = (
-            np.concatenate([small, eye] if mtp_layout == "mimo" else [eye, small], axis=1)
-        )
-        t[f"{p}.{'token_layernorm' if mtp_layout == 'mimo' else 'enorm'}.weight"] = np.ones(HIDDEN)
-        t[f"{p}.{'final_layernorm' if mtp_layout == 'mimo' else 'shared_head.norm'}.weight"] = t["model.norm.weight"]
-        if own_head:
-            t[f"{p}.shared_head.head.weight"] = t["lm_head.weight"]
+        if agree:
+            t[f"model.layers.{i}.self_attn.o_proj.weight"] *= AGREE_EPS
+            t[f"model.layers.{i}.mlp.down_proj.weight"] *= AGREE_EPS
+    for n in range(num_modules):
+        p = _module_prefix(mtp_layout, n)
+        proj = rng.normal(0.0, 1.0 / math.sqrt(2 * HIDDEN), (HIDDEN, 2 * HIDDEN))
+        if mtp_layout == "mimo":
+            t[f"{p}.token_layernorm.weight"] = norm()
+            t[f"{p}.hidden_layernorm.weight"] = norm()
+            t[f"{p}.input_proj.weight"] = proj  # over concat(hidden, embedding)
+            t[f"{p}.final_layernorm.weight"] = norm()
+        else:
+            t[f"{p}.enorm.weight"] = norm()
+            t[f"{p}.hnorm.weight"] = norm()
+            t[f"{p}.eh_proj.weight"] = proj  # over concat(embedding, hidden)
+            t[f"{p}.shared_head.norm.weight"] = norm()
+            if own_head:
+                t[f"{p}.shared_head.head.weight"] = rng.normal(0.0, 1.0 / math.sqrt(HIDDEN), (VOCAB, HIDDEN))
+        t.update(_block_tensors(rng, p, bias))
+        if agree:  # module n+1 at position i passes token i+n+1 on: the bigram predicts token i+n+2
+            t[f"{p}.self_attn.o_proj.weight"] *= AGREE_EPS
+            t[f"{p}.mlp.down_proj.weight"] *= AGREE_EPS
+            eye, small = np.eye(HIDDEN), AGREE_EPS * proj[:, :HIDDEN]
+            t[f"{p}.{'input_proj' if mtp_layout == 'mimo' else 'eh_proj'}.weight"] = (
+                np.concatenate([small, eye] if mtp_layout == "mimo" else [eye, small], axis=1)
+            )
+            t[f"{p}.{'token_layernorm' if mtp_layout == 'mimo' else 'enorm'}.weight"] = np.ones(HIDDEN)
+            t[f"{p}.{'final_layernorm' if mtp_layout == 'mimo' else 'shared_head.norm'}.weight"] = t["model.norm.weight"]
+            if own_head:
+                t[f"{p}.shared_head.head.weight"] = t["lm_head.weight"]
 
     config = {
         "model_type": model_type,
@@ -124,7 +132,7 @@ def make_checkpoint(
         "rms_norm_eps": EPS,
         "rope_theta": THETA,
         "tie_word_embeddings": False,
-        "num_nextn_predict_layers": 1,
+        "num_nextn_predict_layers": num_modules,
         "torch_dtype": "float32",
     }
     if model_type == "mimo":
@@ -155,7 +163,8 @@ def _rope(x, positions):
 
 
 def _block(w, p, x):
-    """Pre-norm Llama/Qwen2 block with causal GQA attention over all rows of x."""
+    """Pre-norm Llama/Qwen2 block with causal GQA attention over all rows of x. Returns
+    the output and the block's K (after RoPE) and V rows [n, KV_HEADS, HEAD_DIM]."""
     n = x.shape[0]
     h = _rms(x, w[f"{p}.input_layernorm.weight"])
     q = h @ w[f"{p}.self_attn.q_proj.weight"].T
@@ -170,63 +179,82 @@ def _block(w, p, x):
     k = _rope(k.reshape(n, KV_HEADS, HEAD_DIM), pos)
     v = v.reshape(n, KV_HEADS, HEAD_DIM)
     group = HEADS // KV_HEADS
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # q head j reads kv head j // group
-    scores = np.einsum("thd,shd->hts", q, k) / math.sqrt(HEAD_DIM)
+    kq, vq = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # q head j reads kv head j // group
+    scores = np.einsum("thd,shd->hts", q, kq) / math.sqrt(HEAD_DIM)
     scores = np.where(np.tril(np.ones((n, n), bool))[None], scores, -np.inf)
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    out = np.einsum("hts,shd->thd", probs, v).reshape(n, HEADS * HEAD_DIM)
+    out = np.einsum("hts,shd->thd", probs, vq).reshape(n, HEADS * HEAD_DIM)
     x = x + out @ w[f"{p}.self_attn.o_proj.weight"].T
     h = _rms(x, w[f"{p}.post_attention_layernorm.weight"])
     gate = h @ w[f"{p}.mlp.gate_proj.weight"].T
     up = h @ w[f"{p}.mlp.up_proj.weight"].T
-    return x + (gate / (1.0 + np.exp(-gate)) * up) @ w[f"{p}.mlp.down_proj.weight"].T
+    return x + (gate / (1.0 + np.exp(-gate)) * up) @ w[f"{p}.mlp.down_proj.weight"].T, k, v
 
 
-def reference(folder: Path, layout: str, ids: list[int], chain: list[int] = (), *, swap_order=False, flip_norm=False):
-    """(main logits [L, V], draft logits [L-1+len(chain), V]) in float64.
-
-    Draft row i < L-1 reads (h_i, token_{i+1}) and predicts token_{i+2}. Each chained
-    row then reads the module's own output of the row before (before its final norm)
-    and the next chain token, one position further on. swap_order and flip_norm
-    deliberately get the layout wrong, to show the comparison can fail."""
+def _reference_run(folder: Path, layout: str, ids, chain, modules: int, swap_order: bool, flip_norm: bool):
+    """Main logits [L, V], and per module n = 1..modules its (draft logits, K, V) over its rows."""
     w = {k: v.astype(np.float64) for k, v in load_file(str(folder / "model.safetensors")).items()}
     _, mtp_layout, own_head = LAYOUTS[layout]
     ids = np.asarray(ids)
     x = w["model.embed_tokens.weight"][ids]
     for i in range(LAYERS):
-        x = _block(w, f"model.layers.{i}", x)
+        x, _, _ = _block(w, f"model.layers.{i}", x)
     pre, post = x, _rms(x, w["model.norm.weight"])
     main_logits = post @ w["lm_head.weight"].T
 
     if mtp_layout == "mimo":
-        p = "model.mtp_layers.0"
         token_norm, hidden_norm, proj, final = "token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm"
-        hidden_first, after_norm, head = True, False, w["lm_head.weight"]
+        hidden_first, after_norm = True, False
     else:
-        p = f"model.layers.{LAYERS}"
         token_norm, hidden_norm, proj, final = "enorm", "hnorm", "eh_proj", "shared_head.norm"
         hidden_first, after_norm = False, True
-        head = w[f"{p}.shared_head.head.weight"] if own_head else w["lm_head.weight"]
     hidden_first ^= swap_order
     after_norm ^= flip_norm
 
-    def module_input(hidden, tokens):
+    def module_input(p, hidden, tokens):
         e = _rms(w["model.embed_tokens.weight"][tokens], w[f"{p}.{token_norm}.weight"])
         h = _rms(hidden, w[f"{p}.{hidden_norm}.weight"])
         return np.concatenate([h, e] if hidden_first else [e, h], axis=-1) @ w[f"{p}.{proj}.weight"].T
 
-    rows = module_input((post if after_norm else pre)[:-1], ids[1:])
-    out = _block(w, p, rows)
-    for token in chain:  # causal: earlier rows' outputs do not change
-        rows = np.concatenate([rows, module_input(out[-1:], np.asarray([token]))])
-        out = _block(w, p, rows)
-    draft_logits = _rms(out, w[f"{p}.{final}.weight"]) @ head.T
-    return main_logits, draft_logits
+    out, per_module = post if after_norm else pre, []
+    for n in range(1, modules + 1):
+        p = _module_prefix(mtp_layout, n - 1)
+        rows = module_input(p, out[: len(ids) - n], ids[n:])  # row i reads token i+n
+        out, k, v = _block(w, p, rows)
+        if n == modules:
+            for token in chain:  # causal: earlier rows' outputs do not change
+                rows = np.concatenate([rows, module_input(p, out[-1:], np.asarray([token]))])
+                out, k, v = _block(w, p, rows)
+        own = mtp_layout == "deepseek" and own_head
+        head = w[f"{p}.shared_head.head.weight"] if own else w["lm_head.weight"]
+        per_module.append((_rms(out, w[f"{p}.{final}.weight"]) @ head.T, k, v))
+    return main_logits, per_module
 
 
-def build(tmp_path: Path, layout: str, rng, agree: bool = False, **config_extra) -> Path:
-    return make_checkpoint(tmp_path / layout, layout, rng, config_extra, agree)
+def reference(
+    folder: Path, layout: str, ids: list[int], chain: list[int] = (), *, modules=1, swap_order=False, flip_norm=False
+):
+    """(main logits [L, V], draft logits of module `modules` [L-modules+len(chain), V]) in float64.
+
+    Module 1's row i < L-1 reads (h_i, token_{i+1}) and predicts token_{i+2}; module n's
+    row i reads module n-1's output at row i (before its final norm) and token_{i+n}, and
+    predicts token_{i+n+1}, for every i with i+n < L. Each chained row then reads the last
+    module's own output of the row before and the next chain token, one position further
+    on. swap_order and flip_norm deliberately get the layout wrong, to show the comparison
+    can fail."""
+    main_logits, per_module = _reference_run(folder, layout, ids, chain, modules, swap_order, flip_norm)
+    return main_logits, per_module[-1][0]
+
+
+def reference_draft_kv(folder: Path, layout: str, ids: list[int], chain: list[int], modules: int) -> list:
+    """Per module n = 1..modules, its K and V rows [2, L-n (+ len(chain) for the last), KV_HEADS, HEAD_DIM]."""
+    _, per_module = _reference_run(folder, layout, ids, chain, modules, False, False)
+    return [np.stack([k, v]) for _, k, v in per_module]
+
+
+def build(tmp_path: Path, layout: str, rng, agree: bool = False, num_modules: int = 1, **config_extra) -> Path:
+    return make_checkpoint(tmp_path / layout, layout, rng, config_extra, agree, num_modules)
 
 
 # ----- the engine's own functions ---------------------------------------------------------
@@ -351,6 +379,55 @@ def test_speculative_greedy_equals_plain_greedy(tmp_path, rng, layout, agree):
     if agree:  # typically 80-100 % accepted; near-ties in the bigram can cost a few
         accepted, drafted = (sum(o.spec_stats[key] for o in spec) for key in ("accepted", "drafted"))
         assert accepted >= drafted // 4, [o.spec_stats for o in spec]
+
+
+def prefill_drafts(folder: Path, prompt: list[int], k: int, chunk: int | None):
+    """Prefill one prompt in chunks of `chunk` (None: whole) on the engine and read, before
+    any later step, the sampled token, the first k drafts and each MTP layer's K/V
+    [2, rows, KV_HEADS, HEAD_DIM] at positions 0.. (the last drafting module's layer
+    also at the chained positions after the prompt)."""
+    llm = LLM(folder, num_speculative_tokens=k, prefill_chunk_size=chunk, max_num_seqs=1,
+              max_num_batched_tokens=32, async_scheduling=False)
+    engine = llm.engine
+    engine.add_request("probe", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    seq = None
+    while seq is None or not seq.output_token_ids:
+        engine.step()
+        seq = engine.requests["probe"].seqs[0]
+    m = engine.num_draft_modules
+    kv = []
+    for n in range(1, m + 1):
+        rows = len(prompt) + (k - m if n == m else 0)
+        slots = [seq.pages[i // engine.page_size] * engine.page_size + i % engine.page_size for i in range(rows)]
+        kv.append(np.stack([np.asarray(x[LAYERS + n - 1]).reshape(-1, KV_HEADS, HEAD_DIM)[slots]
+                            for x in (engine.cache.k, engine.cache.v)]))
+    return seq.output_token_ids[0], list(seq.drafts), kv
+
+
+@pytest.mark.parametrize("num_modules", [2, 3])
+@pytest.mark.parametrize("layout", ["mimo", "deepseek-own-head"])
+def test_n_modules_draft_as_the_numpy_reference_for_any_chunk_size(tmp_path, rng, layout, num_modules):
+    """With N modules, depth j drafts with module j at the prompt's last position, on
+    module j-1's output and draft j-1 (depth N+1 chains module N one position on); every
+    module's draft KV at every prompt position matches the reference run over the prompt,
+    the sampled token and the drafts, whatever the prefill chunk size."""
+    folder = build(tmp_path, layout, rng, num_modules=num_modules)
+    prompt = _prompt(rng, 21)  # two KV pages of 16
+    for k in (num_modules, num_modules + 1):
+        for chunk in (1, 3, None):
+            sampled, drafts, kv = prefill_drafts(folder, prompt, k, chunk)
+            known = prompt + [sampled] + drafts[: num_modules - 1]  # module j reads the token j ahead
+            for j in range(1, num_modules + 1):
+                _, logits = reference(folder, layout, known[: len(prompt) + j], modules=j)
+                assert _is_argmax(logits[-1], drafts[j - 1]), (k, chunk, j, drafts, logits[-1].argmax())
+            chain = drafts[num_modules - 1 : k - 1]
+            if chain:
+                _, logits = reference(folder, layout, known, chain, modules=num_modules)
+                assert _is_argmax(logits[-1], drafts[-1]), (k, chunk, drafts, logits[-1].argmax())
+            ref_kv = reference_draft_kv(folder, layout, known, chain, num_modules)
+            for j, (got, want) in enumerate(zip(kv, ref_kv), 1):
+                np.testing.assert_allclose(got, want[:, : got.shape[1]], rtol=1e-4, atol=1e-4,
+                                           err_msg=f"k={k} chunk={chunk} module {j}")
 
 
 @pytest.mark.parametrize(

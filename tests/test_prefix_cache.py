@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from conftest import ROOT, STORIES
+from conftest import ROOT, STORIES, make_modules_model
 from jaxmtp import LLM, SamplingParams, prefix_cache
 from jaxmtp.cache import PageAllocator
 from jaxmtp.engine import num_compiles
@@ -26,7 +26,7 @@ _request_ids = itertools.count()
 
 
 def make_llm(model=MTP_MODEL, **kwargs) -> LLM:
-    defaults = dict(ENGINE, enable_prefix_caching=True, num_speculative_tokens=2 if model == MTP_MODEL else 0)
+    defaults = dict(ENGINE, enable_prefix_caching=True, num_speculative_tokens=0 if model == STORIES else 2)
     return LLM(model, **{**defaults, **kwargs})
 
 
@@ -77,9 +77,12 @@ def run_alone(llm: LLM, prompt: list[int], max_tokens: int):
 
 
 def draft_kv(engine, pages: list[int], length: int) -> np.ndarray:
-    layer = engine.model_config.num_layers  # the MTP module's cache layer
+    """K and V of every MTP layer (after the main model's) at positions 0..length-1:
+    [2, length, MTP layers x kv heads, head_dim], module j's heads after module j-1's."""
     slots = np.array([pages[p // PAGE] * PAGE + p % PAGE for p in range(length)])
-    k, v = (np.asarray(x[layer]).reshape(-1, *x[layer].shape[2:])[slots] for x in (engine.cache.k, engine.cache.v))
+    layers = range(engine.model_config.num_layers, len(engine.cache.k))
+    k, v = (np.concatenate([np.asarray(x[i]).reshape(-1, *x[i].shape[2:])[slots] for i in layers], axis=1)
+            for x in (engine.cache.k, engine.cache.v))
     return np.stack([k, v])
 
 
@@ -263,6 +266,122 @@ def test_a_page_matches_only_after_the_parent_it_was_cached_with(monkeypatch):
     cache.register(other)
     assert [e.tokens for e in cache.lookup(y + t + [5]).pages] == [tuple(y)]
     assert [e.tokens for e in cache.lookup(x + t + [5]).pages] == []
+
+
+# ----- two MTP modules: a step rewrites the row before its first --------------------------
+
+
+@pytest.fixture(scope="module")
+def modules_model(tmp_path_factory):
+    """stories260K-mtp with two MTP modules (conftest.make_modules_model)."""
+    return make_modules_model(tmp_path_factory.mktemp("modules") / "stories260K-mtp2", 2)
+
+
+def record_drafts(engine) -> list:
+    """Wrap engine.step to record, after each step read, the proposals of every request
+    that has output: (tokens so far, drafts)."""
+    history, step = [], engine.step
+
+    def recording():
+        steps = engine.stats.steps
+        outputs = step()
+        if engine.stats.steps != steps:
+            history.extend((len(r.seq.output_token_ids), tuple(r.seq.drafts)) for r in engine.last_schedule
+                           if r.seq.output_token_ids)
+        return outputs
+
+    engine.step = recording
+    return history
+
+
+def test_two_modules_hit_gives_the_no_cache_drafts_kv_and_acceptance(modules_model, rng):
+    """With two modules a step rewrites module 2's row before its first row, so every hit
+    ends in a private copy of its last page with that page's last row recomputed, never
+    in a shared page: one token short of the longest cached prefix in whole pages. A
+    request then gets exactly its no-cache drafts at every step, every module's exact
+    draft KV and its per-position acceptance: second prompts sharing a prefix that ends
+    one before, on and one past a page boundary, and the first prompt again after each
+    (cached whole, and its pages untouched by the second's hit)."""
+    m = 2
+    no_cache = make_llm(modules_model, enable_prefix_caching=False)
+    cached = make_llm(modules_model)
+    expected_history, history = record_drafts(no_cache.engine), record_drafts(cached.engine)
+
+    def check(prompt, reused):
+        expected_history.clear()
+        ref_out, _, ref_kv = run_alone(no_cache, prompt, 24)
+        hits = cached.engine.stats.prefix_cache.hits
+        history.clear()
+        out, computed, kv = run_alone(cached, prompt, 24)
+        assert (computed, cached.engine.stats.prefix_cache.hits - hits) == (len(prompt) - reused, reused)
+        assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids
+        assert history == expected_history
+        assert out.spec_stats["accepted_per_position"] == ref_out.spec_stats["accepted_per_position"]
+        heads = kv.shape[2] // m
+        for j in range(1, m + 1):  # module j's row i is exact once token i+j is a prompt token
+            rows, layer = slice(0, len(prompt) - j), slice((j - 1) * heads, j * heads)
+            np.testing.assert_allclose(kv[:, rows, layer], ref_kv[:, rows, layer], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"module {j}")
+
+    first = random_prompts(rng, [70])[0]
+    run_alone(cached, first, 24)
+    for shared in (3 * PAGE - 1, 3 * PAGE, 3 * PAGE + 1):
+        check(diverging(rng, first, shared, 70), shared // PAGE * PAGE - 1)
+        check(first, len(first) // PAGE * PAGE - 1)
+
+    # A request that stops with its boundary on a page's last row leaves module 2's row
+    # there built from a draft: that page is not cached, so a later request finds its own
+    # copy of it inside its prefix (here after repeating the same prompt).
+    aligned = random_prompts(rng, [2 * PAGE])[0]
+    stopped, _, _ = run_alone(cached, aligned, 1)
+    longer = aligned + stopped.outputs[0].token_ids + random_prompts(rng, [27])[0]
+    check(longer, PAGE - 1)
+    check(longer, len(longer) // PAGE * PAGE - 1)
+
+    # A request that stops on a stop token while its next step is queued: that step still
+    # rewrites module 2's row before the page's end, from a token the host never reads.
+    # The page is cached only under the two tokens after it, so a request that continues
+    # otherwise never shares the row, even through a page another request cached after it.
+    aligned = random_prompts(rng, [2 * PAGE])[0]
+    after = run_alone(no_cache, aligned, 2)[0].outputs[0].token_ids
+    cached.generate([aligned], SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[after[0]]), use_tqdm=False)
+    assert cached.engine.num_steps_in_flight == 1
+    cached.engine.step()  # reads the step queued for it
+    longer = aligned + [after[0], after[1] % 500 + 3] + random_prompts(rng, [26])[0]
+    check(longer, PAGE - 1)
+    check(longer, len(longer) // PAGE * PAGE - 1)
+    assert_no_leaks(cached)
+
+
+def test_two_modules_under_eviction_and_preemption_keep_outputs(modules_model, rng):
+    """Prompts sharing prefixes fill the 24-page pool, so cached pages are evicted; a
+    request preempted mid-decode resumes after its own cached pages, through a private
+    copy of the last one. Greedy outputs stay those without a cache."""
+    bases = random_prompts(rng, [50, 50])
+    prompts = [p for base in bases for p in (base, diverging(rng, base, 37, 50), diverging(rng, base, 2 * PAGE, 50))]
+    expected = token_ids(make_llm(modules_model, enable_prefix_caching=False).generate(prompts, greedy(40), use_tqdm=False))
+    llm = make_llm(modules_model)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, greedy(40))
+    while not engine.requests or len(engine.requests["0"].seqs[0].output_token_ids) < 10:
+        engine.step()
+    engine.scheduler.preempt(engine.requests["0"].seqs[0])
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert [results[str(i)] for i in range(len(prompts))] == expected
+    stats = engine.stats.prefix_cache
+    assert stats.evictions > 0 and stats.hits > 0
+    assert_no_leaks(llm)
+
+
+def test_two_modules_need_pages_of_two_rows_and_the_exact_boundary(modules_model):
+    with pytest.raises(ValueError, match="page_size >= 2 .* got page_size=1"):
+        make_llm(modules_model, page_size=1)
+    with pytest.raises(ValueError, match="prefix_cache_boundary='exact', .* prefix_cache_boundary='drop'"):
+        make_llm(modules_model, prefix_cache_boundary="drop")
+    make_llm(modules_model, num_speculative_tokens=1, page_size=1, prefix_cache_boundary="drop")  # one module drafts
 
 
 # ----- options and compilation --------------------------------------------------------------
