@@ -178,11 +178,16 @@ class Scheduler:
         )
 
     def _reserve(self, seq: Sequence, num_rows: int, scheduled: list[ScheduledRows]) -> bool:
-        """Give seq the pages its rows need, preempting the newest other running
-        requests if necessary. False when seq itself had to be preempted."""
+        """Give seq the pages its rows need, preempting the newest running requests that
+        arrived after it if necessary. False when seq itself had to be preempted.
+
+        Only newer requests are victims, so the oldest request always progresses: a newer
+        one that could take an older one's pages would otherwise preempt it, for example
+        while the older one waits for an in-flight step that finishes it, and two
+        recomputing requests could take turns preempting each other forever."""
         need = self.pages_needed(seq, num_rows)
         while need > self.allocator.num_free:
-            victims = [s for s in self.running if s is not seq and all(item.seq is not s for item in scheduled)]
+            victims = [s for s in self.running if s.arrival > seq.arrival and all(item.seq is not s for item in scheduled)]
             if not victims:
                 self.preempt(seq)
                 return False
