@@ -120,3 +120,19 @@ def make_hf_model(path: Path, family: str, seed: int, dtype: str = "float32", **
 @pytest.fixture
 def rng() -> np.random.Generator:
     return fresh_rng()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. The suite compiles thousands
+    of steps in one process, and each XLA CPU executable keeps memory mappings: left
+    alone they reach the kernel's limit (vm.max_map_count, 65530) and the next
+    compilation aborts the process. Tests share compiled steps within a module."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
