@@ -109,8 +109,7 @@ class Scheduler:
         copy = self._reuse_cached_prefix(seq) if self.prefix_cache else None
         rows = self._rows_for(seq, budget)
         if rows is None or self.pages_needed(seq, len(rows.token_ids)) > self.allocator.num_free:
-            self.allocator.free(seq.pages)
-            seq.pages, seq.cached_prefix, seq.num_computed = [], [], 0
+            self._unshare_prefix(seq)
             return None
         if self.prefix_cache:
             self.prefix_cache.stats.queries += seq.num_tokens
@@ -142,12 +141,16 @@ class Scheduler:
             copy = (source.page, seq.pages[-1])
         elif self.prefix_cache.num_following > 1:
             # with several MTP modules the first step would rewrite rows of a shared page
-            self.allocator.free(seq.pages)
-            seq.pages, seq.cached_prefix, seq.num_computed = [], [], 0
+            self._unshare_prefix(seq)
         # Letting go before the copy runs is safe: the engine runs copies before the step,
         # in order, each reading its sources before writing its destinations.
         self.allocator.free([source.page])
         return copy
+
+    def _unshare_prefix(self, seq: Sequence) -> None:
+        """Undo _reuse_cached_prefix: seq, not yet admitted, holds no page again."""
+        self.allocator.free(seq.pages)
+        seq.pages, seq.cached_prefix, seq.num_computed = [], [], 0
 
     def _rows_for(self, seq: Sequence, budget: int) -> ScheduledRows | None:
         tokens = seq.token_ids
