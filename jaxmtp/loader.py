@@ -35,6 +35,19 @@ class TensorRef:
     row_offset: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class StackedRef:
+    """Tensors the checkpoint stores apart and the engine keeps as one, stacked on
+    axis 1 (gate and up: LayerParams.gate_up_proj)."""
+
+    parts: tuple[TensorRef, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0].shape
+        return (first[0], len(self.parts)) + first[1:]
+
+
 class TensorSource:
     """Every tensor of a safetensors folder (single file or sharded index), opened lazily."""
 
@@ -74,9 +87,12 @@ class TensorSource:
             shape = (rows[1] - rows[0],) + shape[1:]
         return TensorRef(name, shape, transpose, rows[0] if rows else 0)
 
-    def read(self, ref: TensorRef, index: tuple[slice, ...], dtype) -> np.ndarray:
+    def read(self, ref: TensorRef | StackedRef, index: tuple[slice, ...], dtype) -> np.ndarray:
         """The block `index` (slices over ref.shape, as jax.make_array_from_callback
         asks for one device's shard) of a tensor, read from disk."""
+        if isinstance(ref, StackedRef):
+            rows, which, *rest = index
+            return np.stack([self.read(part, (rows, *rest), dtype) for part in ref.parts[which]], axis=1)
         bounds = [(s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, ref.shape)]
         bounds[0] = (bounds[0][0] + ref.row_offset, bounds[0][1] + ref.row_offset)
         stored = [slice(lo, hi) for lo, hi in (bounds[::-1] if ref.transpose else bounds)]
@@ -97,8 +113,7 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, norm_names=("i
         v_proj=src.ref(f"{attn}.v_proj.weight", transpose=True),
         o_proj=src.ref(f"{attn}.o_proj.weight", transpose=True),
         post_norm=src.ref(f"{prefix}.{norm_names[1]}.weight"),
-        gate_proj=src.ref(f"{mlp}.gate_proj.weight", transpose=True),
-        up_proj=src.ref(f"{mlp}.up_proj.weight", transpose=True),
+        gate_up_proj=StackedRef(tuple(src.ref(f"{mlp}.{name}.weight", transpose=True) for name in ("gate_proj", "up_proj"))),
         down_proj=src.ref(f"{mlp}.down_proj.weight", transpose=True),
         q_bias=optional(f"{attn}.q_proj.bias", cfg.qkv_bias),
         k_bias=optional(f"{attn}.k_proj.bias", cfg.qkv_bias),
@@ -222,8 +237,8 @@ def _block_tensors(prefix: str, p: LayerParams) -> dict:
         "self_attn.v_proj.weight": (p.v_proj, True),
         "self_attn.o_proj.weight": (p.o_proj, True),
         "post_attention_layernorm.weight": (p.post_norm, False),
-        "mlp.gate_proj.weight": (p.gate_proj, True),
-        "mlp.up_proj.weight": (p.up_proj, True),
+        "mlp.gate_proj.weight": (p.gate_up_proj[:, 0], True),
+        "mlp.up_proj.weight": (p.gate_up_proj[:, 1], True),
         "mlp.down_proj.weight": (p.down_proj, True),
         "self_attn.q_proj.bias": (p.q_bias, False),
         "self_attn.k_proj.bias": (p.k_bias, False),

@@ -60,7 +60,8 @@ def decoder_layer(
     )
     x = x + out.reshape(t, cfg.q_size) @ p.o_proj
     h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ p.gate_proj) * (h @ p.up_proj)) @ p.down_proj
+    gate_up = jnp.einsum("th,hci->tci", h, p.gate_up_proj)
+    x = x + (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ p.down_proj
     return x, k_pages, v_pages
 
 

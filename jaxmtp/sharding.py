@@ -30,6 +30,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "heads": TP,
     "kv_heads": TP,
     "ffn": TP,
+    "gate_or_up": None,  # gate_up_proj's stacking axis: each device has both halves
     "vocab": TP,
     "embed": None,  # the residual stream stays whole on every device
     "head_dim": None,
@@ -57,8 +58,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "v_bias": ("kv_heads",),
     "q_norm": ("head_dim",),  # one [D] weight shared by every head
     "k_norm": ("head_dim",),
-    "gate_proj": ("embed", "ffn"),
-    "up_proj": ("embed", "ffn"),
+    "gate_up_proj": ("embed", "gate_or_up", "ffn"),
     "down_proj": ("ffn", "embed"),
     # MTP module: its block is a LayerParams and shards like a decoder layer. The two
     # [H, H] input projections stay whole: split, they would add an all-reduce of the

@@ -46,7 +46,7 @@ def test_dummy_load_format_needs_only_config(tmp_path):
     (tmp_path / "config.json").write_text((STORIES / "config.json").read_text())
     llm = LLM(tmp_path, load_format="dummy", max_num_seqs=2, max_num_batched_tokens=32)
     shapes = {p.shape for p in jax.tree.leaves(llm.engine.params)}
-    assert (512, 64) in shapes and (64, 172) in shapes
+    assert (512, 64) in shapes and (64, 2, 172) in shapes
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 

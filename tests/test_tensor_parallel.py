@@ -227,7 +227,7 @@ def test_qkv_bias_qk_norm_mtp_and_pallas_kernel_under_shard_map(report):
 EXPECTED_SPEC = {
     "embed": ["tp"], "final_norm": [], "input_norm": [], "post_norm": [],
     "q_proj": [None, "tp"], "k_proj": [None, "tp"], "v_proj": [None, "tp"], "o_proj": ["tp"],
-    "gate_proj": [None, "tp"], "up_proj": [None, "tp"], "down_proj": ["tp"],
+    "gate_up_proj": [None, None, "tp"], "down_proj": ["tp"],
     "token_norm": [], "hidden_norm": [], "proj_token": [], "proj_hidden": [],
 }
 
@@ -236,7 +236,7 @@ EXPECTED_SPEC = {
 def test_every_weight_and_cache_array_is_sharded_by_the_rules(report, tp):
     layouts = report["layouts"][str(tp)]
     names = [n for n in layouts if not n.startswith("cache")]
-    assert len(names) == 1 + 5 * 9 + 1 + (4 + 9 + 1)  # embed, 5 layers, final norm, the MTP module
+    assert len(names) == 1 + 5 * 8 + 1 + (4 + 8 + 1)  # embed, 5 layers, final norm, the MTP module
     assert any(".mtp[0].block.q_proj" in n for n in names)
     for name, layout in layouts.items():
         field = "cache" if name.startswith("cache") else name.rsplit(".", 1)[-1]
