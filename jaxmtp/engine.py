@@ -193,13 +193,25 @@ class LLMEngine:
         self.last_schedule = []
         self.last_batch = None
         self.last_step_output = None
-        # Benchmarks replace the MTP proposals here (oracle drafts: seq -> k tokens) to
-        # measure the verify path at a chosen acceptance; None keeps the module's.
-        self.draft_override = None
+        self._oracle_tokens = None
         self._in_flight: deque[InFlightStep] = deque()
         self._step_ids = 0
         # per request of the last dispatched step: accepted count, last token, drafts
         self._carry = jax.device_put(np.zeros((self.buckets.seq_sizes[-1], k + 2), np.int32), replicated(self.mesh))
+
+    @property
+    def oracle_tokens(self) -> jax.Array | None:
+        """Benchmarks set an [R, L] table of token ids here, row r the output of an earlier
+        plain greedy run for the request whose SamplingParams.seed is r: the step then
+        drafts the row's next tokens in place of the MTP module's (step.oracle_drafts),
+        on the device, so async scheduling works. None (the default): the module's drafts."""
+        return self._oracle_tokens
+
+    @oracle_tokens.setter
+    def oracle_tokens(self, table) -> None:
+        if table is not None:
+            table = jax.device_put(np.asarray(table, np.int32), replicated(self.mesh))
+        self._oracle_tokens = table
 
     # ----- requests -------------------------------------------------------------------
 
@@ -320,8 +332,6 @@ class LLMEngine:
         return outputs
 
     def _dispatch(self, scheduled: list[ScheduledRows]) -> InFlightStep:
-        if self.draft_override is not None and self.config.async_scheduling:
-            raise RuntimeError("draft_override replaces drafts on the host: it needs async_scheduling=False")
         greedy = all(item.seq.params.temperature == 0 and item.seq.params.logprobs is None for item in scheduled)
         shape = self.buckets.shape_for(sum(len(s.token_ids) for s in scheduled), len(scheduled), greedy)
         self._step_ids += 1
@@ -369,8 +379,6 @@ class LLMEngine:
             except Exception as err:  # e.g. detokenising: fail this request, not the whole step
                 self._fail_request(self.requests[seq.request_id], err)
             seq.drafts = [int(t) for t in out.drafts[i]]
-            if self.draft_override is not None:
-                seq.drafts = self.draft_override(seq)
             following = continued.get(id(seq))
             if following is not None:  # what the device filled in from the carry
                 following.start += accepted
@@ -398,11 +406,12 @@ class LLMEngine:
         return out
 
     def _device_batch(self, scheduled, shape: BatchShape) -> tuple:
-        """The step's (ints, floats, static shapes) for a schedule padded to shape."""
+        """The step's (ints, floats, oracle tokens, static shapes) for a schedule padded to shape."""
         k, m = self.config.num_speculative_tokens, self.num_draft_modules
         batch = build_batch(scheduled, shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot, k, m)
         ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
-        return ints, floats, (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k, m, shape.greedy)
+        shapes = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k, m, shape.greedy)
+        return ints, floats, self.oracle_tokens, shapes
 
     def _copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Run (source, destination) page copies on the device, in order."""

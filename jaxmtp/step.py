@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxmtp import model, mtp
 from jaxmtp.attention import attention_fn
-from jaxmtp.batch import apply_carry, unpack_batch
+from jaxmtp.batch import Batch, apply_carry, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
@@ -43,7 +43,7 @@ class StepOutput:
     logprobs: jax.Array  # [B, k+1] log-probability of each emitted token
     top_logprobs: jax.Array | None  # [B, k+1, n]
     top_token_ids: jax.Array | None  # [B, k+1, n]
-    drafts: jax.Array  # [B, k] next proposals (k = 0: empty)
+    drafts: jax.Array  # [B, k] next proposals (k = 0: empty; oracle_drafts when an oracle is given)
     boundary_token: jax.Array  # [B] token the draft pass used at each request's boundary row
     carry: jax.Array  # [S, 2 + k] per request: accepted count, last emitted token, next drafts (S: max B)
 
@@ -54,13 +54,15 @@ def step(
     carry: jax.Array,
     ints: jax.Array,
     floats: jax.Array,
+    oracle_tokens: jax.Array | None,
     shapes: tuple,
     config: StepConfig,
 ) -> tuple[KVCache, StepOutput]:
     """carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
-    batch.pack_batch; shapes = (T, B, pages per request, k, M, greedy) says how to unpack
-    it (M: MTP modules the draft pass runs), and greedy (batch.BatchShape.greedy) that no
-    row samples or asks for top logprobs."""
+    batch.pack_batch; oracle_tokens: None, or a benchmark's table whose tokens replace
+    the MTP drafts (oracle_drafts); shapes = (T, B, pages per request, k, M, greedy) says
+    how to unpack the batch (M: MTP modules the draft pass runs), and greedy
+    (batch.BatchShape.greedy) that no row samples or asks for top logprobs."""
     *dims, greedy = shapes
     batch = apply_carry(unpack_batch(ints, floats, tuple(dims)), carry, cache.page_size)
     cfg = config.model
@@ -81,12 +83,32 @@ def step(
         drafts, cache, boundary = mtp.propose(
             params, cfg, hidden, batch, tokens, num_accepted, cache, attention, k, config.mtp_boundary
         )
+        if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
+            drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)
     else:
         drafts, boundary = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
     last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)
     new_carry = jnp.concatenate([num_accepted[:, None], last, drafts], axis=1).astype(jnp.int32)
     new_carry = jnp.zeros_like(carry).at[:b].set(new_carry)
     return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry)
+
+
+def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, drafts: jax.Array) -> jax.Array:
+    """Benchmark hook: the drafts [B, k] replaced by the next k tokens of each request's
+    row of table [R, L], the output of an earlier plain greedy run, so that every draft
+    verification checks is accepted (the speedup's ceiling at the same step cost: the
+    MTP modules still ran). Requests without output this step (mid-prefill chunks,
+    padding) keep the module's drafts: nothing verifies them.
+
+    A request's row is its sampling seed: greedy requests, the only ones a plain run's
+    tokens are an oracle for, ignore the seed, and the batch already carries it, so a
+    benchmark-only field need not run through SamplingParams, Sequence and the packed
+    batch. Indices are clamped into the table; past a row's end any token will do."""
+    rows, length = table.shape
+    row = jnp.minimum(batch.seed, rows - 1).astype(jnp.int32)
+    emitted = batch.output_index + num_accepted + 1  # tokens the request has after this step
+    index = jnp.minimum(emitted[:, None] + jnp.arange(drafts.shape[1]), length - 1)
+    return jnp.where(batch.has_output[:, None], table[row[:, None], index], drafts)
 
 
 jitted_step = jax.jit(step, static_argnames=("config", "shapes"), donate_argnames=("cache",))

@@ -361,3 +361,38 @@ def test_no_recompilation_after_warmup_with_mtp(plain, rng):
     llm.generate(prompts, params, use_tqdm=False)
     assert num_compiles() == before
     assert_no_leaks(llm)
+
+
+# ----- oracle drafts: the benchmarks' acceptance-1 ceiling -------------------------------
+
+
+def drafts_accepted(outputs) -> tuple[int, int]:
+    """(accepted, drafted) over every request's verify steps."""
+    return sum(o.spec_stats["accepted"] for o in outputs), sum(o.spec_stats["drafted"] for o in outputs)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_oracle_drafts_on_the_device_are_all_accepted(plain, rng, k):
+    """engine.oracle_tokens (a plain greedy run's tokens; a request's row is its seed)
+    replaces the MTP drafts inside the step, so it works with async scheduling (carried
+    rows read them from the carry) as with sync: the plain tokens, every draft accepted.
+    Without it the drafts are the module's again, which this model gets wrong at times."""
+    prompts = sampled_prompts(plain, rng, [5, 30, 17])
+    n = 24
+    # k tokens further than the spec run: the drafts of its last step lie inside the table
+    expected = token_ids(plain.generate(prompts, greedy(n + k), use_tqdm=False))
+    table = expected[::-1]  # rows in another order than the requests, to check the seed picks the row
+    params = [greedy(n, seed=len(prompts) - 1 - i) for i in range(len(prompts))]
+    for overlap in (True, False):
+        llm = make_llm(num_speculative_tokens=k, prefill_chunk_size=7, async_scheduling=overlap)
+        llm.engine.oracle_tokens = table
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert token_ids(outs) == [t[:n] for t in expected], f"async={overlap}"
+        accepted, drafted = drafts_accepted(outs)
+        assert drafted > 0 and accepted == drafted, f"async={overlap}"
+        assert_no_leaks(llm)
+    llm.engine.oracle_tokens = None
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert token_ids(outs) == [t[:n] for t in expected]
+    accepted, drafted = drafts_accepted(outs)
+    assert accepted < drafted
