@@ -202,6 +202,8 @@ def test_page_size_one_and_padding_only_tail():
 def test_default_config_shapes():
     decode = default_config(num_rows=128, num_seqs=128, group=4, num_kv_heads=8, max_context=4096)
     assert decode.block_q * 4 == 16 and decode.num_splits == 1
+    # 32 sequences x 8 kv heads already outnumber the H200's 132 multiprocessors
+    assert default_config(num_rows=32, num_seqs=32, group=4, num_kv_heads=8, max_context=4096).num_splits == 1
     small_decode = default_config(num_rows=8, num_seqs=8, group=4, num_kv_heads=8, max_context=4096)
     assert small_decode.num_splits > 1
     # Verify rows (k+1 = 2) share decode's tile and splits.
