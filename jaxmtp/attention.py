@@ -34,19 +34,21 @@ def resolve_backend(name: str, head_dim: int) -> str:
     return name
 
 
-def attention_fn(backend: str, head_dim: int, mesh: Mesh | None = None) -> AttentionFn:
+def attention_fn(backend: str, head_dim: int, mesh: Mesh | None = None, kernel_config=None) -> AttentionFn:
     """(q, k, v, k_pages, v_pages, slot_mapping, kv_lens, page_table, query_start,
     sliding_window=None) -> (out, k_pages, v_pages): writes this step's K/V rows into
     their page slots, then attends. "auto" is the Pallas kernel on GPU where it supports
     the head size, else the jnp reference. With a mesh, the write and the attention run
-    per device over its shard of the heads and the cache (no mesh: plain, one device)."""
+    per device over its shard of the heads and the cache (no mesh: plain, one device).
+    kernel_config (a kernels.KernelConfig, for tuning) overrides the Pallas kernel's
+    tiling; None lets it choose from the shapes."""
     backend = resolve_backend(backend, head_dim)
     if backend == "reference":
         impl = ragged_paged_attention_reference
     else:
         from kernels import ragged_paged_attention  # Pallas: imported only where used
 
-        impl = functools.partial(ragged_paged_attention, interpret=backend == "pallas_interpret")
+        impl = functools.partial(ragged_paged_attention, interpret=backend == "pallas_interpret", config=kernel_config)
 
     def write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, kv_lens, page_table, query_start, sliding_window=None):
         k_pages, v_pages = write_kv(k_pages, v_pages, slot_mapping, k, v)
