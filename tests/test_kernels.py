@@ -211,3 +211,45 @@ def test_default_config_shapes():
     assert verify.block_q == small_decode.block_q and verify.num_splits == small_decode.num_splits
     prefill = default_config(num_rows=2048, num_seqs=1, group=4, num_kv_heads=8, max_context=4096)
     assert prefill.block_q * 4 == 256 and prefill.num_warps == 8
+
+
+@pytest.mark.parametrize("extra", [1, 2])
+def test_rows_before_each_request_as_a_draft_module_lays_them_out(extra):
+    """MTP module j > 1 recomputes up to j-1 rows before each request's first row
+    (jaxmtp.batch.with_rows_before): the kernel takes that layout as it comes, every row
+    at the position with_rows_before gave it (its kv_len minus its rows after it)."""
+    import dataclasses
+
+    from jaxmtp.batch import Batch, field_shapes, with_rows_before
+
+    rng, seed = _new_rng()
+    page_size, k, pad_rows = 4, 2, 3
+    # (first position, rows): verify rows, a chunk mid-prompt, a prompt's first chunk,
+    # a one-row decode at position 1 (fewer rows before it than asked), a padding request
+    spans = [(int(rng.integers(5, 20)), k + 1), (int(rng.integers(8, 20)), 5), (0, 4), (1, 1), (0, 0)]
+    rows = np.array([n for _, n in spans])
+    t, b = int(rows.sum()) + pad_rows, len(spans)
+    query_start = np.concatenate([[0], np.cumsum(rows)]).astype(np.int32)
+    positions = np.zeros(t, np.int32)
+    for s, (first, n) in enumerate(spans):
+        positions[query_start[s]: query_start[s + 1]] = first + np.arange(n)
+    fields = {name: np.zeros(shape, np.int32) for name, shape in field_shapes(t, b, 8, k, 1).items()}
+    batch = Batch(**fields)
+    batch = dataclasses.replace(
+        batch, query_start=jnp.asarray(query_start), positions=jnp.asarray(positions),
+        kv_len=jnp.asarray([first + n if n else 0 for first, n in spans], jnp.int32),
+    )
+    before = with_rows_before(batch, extra, page_size, scratch_slot=0)
+    new_start = np.asarray(before.query_start)
+    new_rows = np.diff(new_start)
+    expected = [n + min(extra, first) if n else 0 for first, n in spans]
+    assert new_rows.tolist() == expected, f"seed={seed}"
+    kv_len = np.asarray(before.kv_len)
+    for s in range(b):
+        got = np.asarray(before.positions)[new_start[s]: new_start[s + 1]]
+        assert got.tolist() == (kv_len[s] - new_rows[s] + np.arange(new_rows[s])).tolist(), f"seed={seed}"
+    total_rows = before.input_ids.shape[0]
+    args = make_case(rng, list(zip(new_rows.tolist(), kv_len.tolist())), num_q_heads=4, num_kv_heads=2,
+                     head_dim=16, page_size=page_size, dtype=jnp.float32,
+                     pad_rows=total_rows - int(new_rows.sum()))
+    check_kernel(args, seed)

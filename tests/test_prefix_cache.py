@@ -376,6 +376,36 @@ def test_two_modules_under_eviction_and_preemption_keep_outputs(modules_model, r
     assert_no_leaks(llm)
 
 
+def test_two_modules_hit_without_a_page_for_its_copy_reuses_nothing(modules_model, rng):
+    """With two modules every hit ends in a private copy of its last page; when no page is
+    free for that copy the request takes no cached page at all (sharing the last page would
+    let its first step rewrite a row other requests read): it computes its prompt from the
+    start, in pages taken from the cache, with its no-cache output."""
+    first = random_prompts(rng, [3 * PAGE + 5])[0]
+    second = first[: 3 * PAGE] + random_prompts(rng, [20])[0][1:]
+    expected = token_ids(make_llm(modules_model, enable_prefix_caching=False).generate([second], greedy(12), use_tqdm=False))
+    llm = make_llm(modules_model)
+    engine, allocator = llm.engine, llm.engine.allocator
+    run_alone(llm, first, 4)  # its three whole pages are cached, then parked
+    held = allocator.allocate(len(allocator.free_pages))  # only parked pages are left
+    unshared = []
+    unshare = engine.scheduler._unshare_prefix
+    engine.scheduler._unshare_prefix = lambda seq: (unshared.append(allocator.num_free), unshare(seq))
+    hits = engine.stats.prefix_cache.hits
+    engine.add_request("second", second, greedy(12))
+    engine.step()
+    seq = engine.requests["second"].seqs[0]
+    assert unshared == [0]  # undone inside the lookup: no page was free for the copy
+    assert seq.cached_prefix == [] and engine.stats.prefix_cache.hits == hits
+    assert seq.num_computed == ENGINE["max_num_batched_tokens"]  # its first chunk, from position 0
+    allocator.free(held)
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert results["second"] == expected[0]
+    assert_no_leaks(llm)
+
+
 def test_two_modules_need_pages_of_two_rows_and_the_exact_boundary(modules_model):
     with pytest.raises(ValueError, match="page_size >= 2 .* got page_size=1"):
         make_llm(modules_model, page_size=1)
