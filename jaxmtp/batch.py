@@ -228,7 +228,7 @@ def build_batch(
         sample_index[i] = np.minimum(first_sampled + np.arange(k + 1), row + n - 1)
         num_drafts[i] = item.num_drafts
         has_output[i] = item.has_output
-        next_chunk_token[i] = ((item.next_chunk_token, *item.later_chunk_tokens) + (0,) * m)[:m]
+        next_chunk_token[i] = (item.next_chunk_tokens + (0,) * m)[:m]
         params = seq.params
         temperature[i] = params.temperature
         top_k[i] = params.top_k

@@ -137,7 +137,7 @@ class LLMEngine:
         resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
         self.mesh = make_mesh(config.tensor_parallel_size)
         check_divisible(cfg, config.tensor_parallel_size)
-        self.params = load_params(model_dir, cfg, config.load_format, config.seed, with_mtp=k > 0, mesh=self.mesh)
+        self.params = load_params(model_dir, cfg, config.load_format, config.seed, num_mtp_modules=m, mesh=self.mesh)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = config.page_size

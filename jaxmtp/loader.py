@@ -151,16 +151,17 @@ def _mtp_module_refs(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
     )
 
 
-def load_hf_params(model_dir: Path, cfg: ModelConfig, mesh: Mesh, with_mtp: bool = True) -> Params:
+def load_hf_params(model_dir: Path, cfg: ModelConfig, mesh: Mesh, num_mtp_modules: int) -> Params:
     """Each device reads only its own shard of each tensor from disk: no device, and no
-    host buffer, ever holds the whole model."""
+    host buffer, ever holds the whole model. Only the first num_mtp_modules MTP modules
+    are read."""
     src = TensorSource(model_dir)
     refs = Params(
         embed=src.ref("model.embed_tokens.weight"),
         layers=[_block_refs(src, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)],
         final_norm=src.ref("model.norm.weight"),
         lm_head=None if cfg.tie_word_embeddings else src.ref("lm_head.weight", transpose=True),
-        mtp=[_mtp_module_refs(src, cfg, n) for n in range(cfg.num_mtp_modules if with_mtp else 0)],
+        mtp=[_mtp_module_refs(src, cfg, n) for n in range(num_mtp_modules)],
     )
     return jax.tree.map(
         lambda ref, sharding: jax.make_array_from_callback(
@@ -210,24 +211,28 @@ def restore_checkpoint(model_dir: Path, cfg: ModelConfig, mesh: Mesh) -> Params:
 
 
 def load_params(
-    model_dir: str | Path, cfg: ModelConfig, load_format: str = "auto", seed: int = 0, with_mtp: bool = True,
-    mesh: Mesh | None = None,
+    model_dir: str | Path, cfg: ModelConfig, load_format: str = "auto", seed: int = 0,
+    num_mtp_modules: int | None = None, mesh: Mesh | None = None,
 ) -> Params:
-    """Parameters placed by the sharding rules over mesh (default: one device).
-    with_mtp=False leaves the MTP modules out (no speculation): checkpoints often
-    declare num_nextn_predict_layers but ship without the module's tensors."""
+    """Parameters placed by the sharding rules over mesh (default: one device), with the
+    first num_mtp_modules MTP modules (None: all the config declares). The engine asks
+    for the modules its drafting runs: none without speculation (checkpoints often
+    declare num_nextn_predict_layers but ship without the modules' tensors), and
+    min(k, N) for k speculative tokens."""
     model_dir = Path(model_dir)
     mesh = mesh or make_mesh(1)
-    num_mtp = cfg.num_mtp_modules if with_mtp else 0
+    num_mtp = cfg.num_mtp_modules if num_mtp_modules is None else num_mtp_modules
+    if num_mtp > cfg.num_mtp_modules:
+        raise ValueError(f"asked for {num_mtp} MTP modules; {model_dir!s} declares {cfg.num_mtp_modules}")
     if load_format == "dummy":
         shardings = param_shardings(param_shapes(cfg, num_mtp), mesh)
         return random_params(cfg, jax.random.key(seed), num_mtp, shardings)
     if load_format not in ("auto", "safetensors", "orbax"):
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto', 'safetensors', 'orbax' or 'dummy'")
     if load_format == "orbax" or (load_format == "auto" and (model_dir / ORBAX_DIR).is_dir()):
-        params = restore_checkpoint(model_dir, cfg, mesh)
-        return params if with_mtp else Params(params.embed, params.layers, params.final_norm, params.lm_head)
-    return load_hf_params(model_dir, cfg, mesh, with_mtp)
+        params = restore_checkpoint(model_dir, cfg, mesh)  # all modules; the unused ones are dropped
+        return dataclasses.replace(params, mtp=params.mtp[:num_mtp])
+    return load_hf_params(model_dir, cfg, mesh, num_mtp)
 
 def _block_tensors(prefix: str, p: LayerParams) -> dict:
     names = {

@@ -22,13 +22,12 @@ class ScheduledRows:
     token_ids: list[int]  # the rows' input ids: a prompt chunk, or [last token] + drafts
     num_drafts: int
     has_output: bool  # the rows reach the end of the known tokens, so this step samples
-    next_chunk_token: int  # first token of the next chunk when not has_output (else unused)
+    # when not has_output, the M tokens after the chunk that the draft pass reads (module j
+    # reads the token j positions ahead; M: MTP modules drafting), 0 past the known tokens
+    next_chunk_tokens: tuple[int, ...] = ()
     # the request's index in the in-flight step whose output its rows continue, or -1;
     # such rows are placeholders until the device fills them (batch.apply_carry)
     carry_index: int = -1
-    # with M > 1 MTP modules, the M-1 tokens after next_chunk_token (module j reads the
-    # token j positions ahead), 0 past the known tokens
-    later_chunk_tokens: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,24 +160,20 @@ class Scheduler:
             # a request that may reach max_tokens in flight waits for its result instead
             if len(seq.output_token_ids) + most >= seq.params.max_tokens or num_rows > budget:
                 return None
-            return ScheduledRows(seq, seq.num_computed, [0] * num_rows, num_rows - 1, True, 0, index)
+            return ScheduledRows(seq, seq.num_computed, [0] * num_rows, num_rows - 1, True, carry_index=index)
         if not seq.in_prefill:  # decode: the last token plus the drafts to verify
             rows = tokens[seq.num_computed :] + seq.drafts
             if len(rows) > budget:
                 return None
-            return ScheduledRows(seq, seq.num_computed, rows, len(seq.drafts), True, 0)
+            return ScheduledRows(seq, seq.num_computed, rows, len(seq.drafts), True)
         size = min(remaining, self.config.prefill_chunk_size, budget)
         if size <= 0:
             return None
         end = seq.num_computed + size
         has_output = end == len(tokens)
-        # the tokens after a mid-prefill chunk that the draft pass reads (module j reads the
-        # token j positions ahead), 0 past the known tokens
         ahead = max(self.config.num_draft_modules, 1)
-        after = [0] * ahead if has_output else (tokens[end : end + ahead] + [0] * ahead)[:ahead]
-        return ScheduledRows(
-            seq, seq.num_computed, tokens[seq.num_computed : end], 0, has_output, after[0], -1, tuple(after[1:])
-        )
+        after = () if has_output else tuple((tokens[end : end + ahead] + [0] * ahead)[:ahead])
+        return ScheduledRows(seq, seq.num_computed, tokens[seq.num_computed : end], 0, has_output, after)
 
     def _reserve(self, seq: Sequence, num_rows: int, scheduled: list[ScheduledRows]) -> bool:
         """Give seq the pages its rows need, preempting the newest running requests that

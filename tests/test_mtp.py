@@ -207,6 +207,19 @@ def test_greedy_with_several_modules_equals_without(plain, modules_model, rng, k
         assert_no_leaks(llm)
 
 
+def test_only_the_modules_drafting_runs_are_loaded(modules_model):
+    """k speculative tokens draft with min(k, N) modules; the others stay on disk."""
+    from jaxmtp.config import load_config
+    from jaxmtp.loader import load_params
+
+    for k, m in ((1, 1), (2, 2), (4, 3)):
+        engine = make_llm(modules_model, num_speculative_tokens=k).engine
+        assert len(engine.params.mtp) == engine.num_draft_modules == m
+        assert len(engine.cache.k) == engine.model_config.num_layers + m
+    with pytest.raises(ValueError, match="asked for 4 MTP modules; .* declares 3"):
+        load_params(modules_model, load_config(modules_model), num_mtp_modules=4)
+
+
 # ----- invariant 4: mixed batch ----------------------------------------------------------
 
 
@@ -266,7 +279,7 @@ def test_preempted_request_recomputes_through_its_generated_tokens(plain, rng):
             seq = rows.seq
             end = rows.start + len(rows.token_ids)
             if seq.num_preemptions and not rows.has_output and end > len(seq.prompt_token_ids):
-                assert rows.next_chunk_token == seq.token_ids[end]
+                assert rows.next_chunk_tokens[0] == seq.token_ids[end]
                 assert engine.last_step_output.boundary_token[i] == seq.token_ids[end]
                 boundary_checks += 1
     assert boundary_checks > 0, "no recompute chunk ended inside generated text"

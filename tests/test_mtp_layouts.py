@@ -279,7 +279,7 @@ def engine_draft_logits(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]
     try:
         seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
         batch = build_batch(
-            [ScheduledRows(seq, 0, list(ids), 0, True, 0)], BatchShape(len(ids), 1),
+            [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(len(ids), 1),
             engine.max_pages_per_seq, engine.page_size, cache.scratch_slot, 0,
         )
         hidden, cache = model.forward(params, cfg, batch, cache, attention)
