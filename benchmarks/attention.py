@@ -46,6 +46,7 @@ from kernels import (  # noqa: E402
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from timing import median_time  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -55,17 +56,6 @@ START = time.monotonic()
 
 def elapsed() -> float:
     return time.monotonic() - START
-
-
-def median_time(program, *args, warmup=2, runs=7) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(program(*args))
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(program(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 # ---------------------------------------------------------------- floors

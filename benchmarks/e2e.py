@@ -116,26 +116,16 @@ def measure_floors(tiny: bool):
     import jax.numpy as jnp
     import numpy as np
 
+    from timing import median_time
+
     n = 512 if tiny else 8192
     x = jnp.asarray(np.random.default_rng().standard_normal((1 << (20 if tiny else 28),), np.float32))
     x = x.astype(jnp.bfloat16)
     copy = jax.jit(lambda a: a * 1)  # elementwise read + write, what JAX can do
-    copy(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        copy(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    jax_copy = 2 * x.nbytes / np.median(times)
+    jax_copy = 2 * x.nbytes / median_time(copy, x, warmup=1, runs=10)
     a = jnp.asarray(np.random.default_rng().standard_normal((n, n), np.float32)).astype(jnp.bfloat16)
     mm = jax.jit(lambda p, q: p @ q)
-    mm(a, a).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        mm(a, a).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return {"jax_copy_bytes_per_s": jax_copy, "matmul_flops_per_s": 2 * n**3 / np.median(times)}
+    return {"jax_copy_bytes_per_s": jax_copy, "matmul_flops_per_s": 2 * n**3 / median_time(mm, a, a, warmup=1, runs=10)}
 
 
 def torch_copy_bandwidth():

@@ -74,7 +74,7 @@ def main() -> None:
         # step until the last step read back decoded every request: that step is replayed
         while not all(len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs):
             engine.step()
-        replay = lambda: jitted_step(engine.params, engine.cache, *engine.last_batch, engine.step_config)  # noqa: E731
+        replay = lambda e=engine: jitted_step(e.params, e.cache, *e.last_batch, e.step_config)  # noqa: E731
         for _ in range(3):
             engine.cache, out = replay()
         jax.block_until_ready(out.tokens)

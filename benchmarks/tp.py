@@ -54,6 +54,7 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import e2e  # noqa: E402  (its 8B config and decode timing helpers; it puts ROOT on sys.path)
+from timing import median_time  # noqa: E402
 
 TP_SIZES = (1, 2)
 VOCAB_REPLICATED = "2-vocab-replicated"  # the runs' key of TP=2 with embedding and LM head whole
@@ -197,7 +198,6 @@ def time_collective(mesh, op: str, shape: tuple, dtype: str, dim: int, chain: in
     kernel (then each difference would also count a kernel launch)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
 
     n = mesh.shape["tp"]
@@ -223,17 +223,9 @@ def time_collective(mesh, op: str, shape: tuple, dtype: str, dim: int, chain: in
         spec = PartitionSpec("tp")
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
 
-    x = jax.device_put(jnp.zeros((n * local[0], *local[1:]), dtype), NamedSharding(mesh, PartitionSpec("tp")))
-    times = {}
-    for with_collective in (True, False):
-        f = chained(with_collective)
-        f(x).block_until_ready()
-        runs = []
-        for _ in range(10):
-            t = time.perf_counter()
-            f(x).block_until_ready()
-            runs.append(time.perf_counter() - t)
-        times[with_collective] = float(np.median(runs))
+    values = jax.random.normal(jax.random.key(0), (n * local[0], *local[1:])).astype(dtype)
+    x = jax.device_put(values, NamedSharding(mesh, PartitionSpec("tp")))
+    times = {with_collective: median_time(chained(with_collective), x, warmup=1, runs=10) for with_collective in (True, False)}
     return max(0.0, times[True] - times[False]) / chain
 
 
