@@ -207,7 +207,16 @@ def restore_checkpoint(model_dir: Path, cfg: ModelConfig, mesh: Mesh) -> Params:
         lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
         shapes, param_shardings(shapes, mesh),
     )
-    return _orbax().StandardCheckpointer().restore(Path(model_dir).absolute() / ORBAX_DIR, target)
+    try:
+        return _orbax().StandardCheckpointer().restore(Path(model_dir).absolute() / ORBAX_DIR, target)
+    except ValueError as err:
+        if "up_proj" in str(err) and "gate_up_proj" in str(err):
+            raise ValueError(
+                f"{model_dir!s} is an engine checkpoint with gate_proj and up_proj stored apart, from before "
+                "the engine stacked them into gate_up_proj (2026-11-30): export it to a Hugging Face folder "
+                "(jaxmtp.loader.export_hf_checkpoint) with the engine that wrote it, and load that folder"
+            ) from err
+        raise
 
 
 def load_params(

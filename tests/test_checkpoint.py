@@ -73,3 +73,25 @@ def test_trained_head_exports_to_the_deepseek_hf_layout(tmp_path):
     assert LLM(out, max_num_seqs=2).generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == a.outputs[0].token_ids
     with pytest.raises(ValueError, match="missing tensor 'model.layers.5"):
         LLM(out, num_speculative_tokens=1)
+
+
+def test_checkpoint_with_gate_and_up_apart_is_named(tmp_path):
+    """An engine checkpoint from before gate_up_proj (gate_proj and up_proj stored apart)."""
+    import shutil
+
+    import orbax.checkpoint as ocp
+
+    mtp_model = STORIES.parent / "stories260K-mtp"
+    tree = ocp.StandardCheckpointer().restore(mtp_model.absolute() / "params")
+    for layer in tree["layers"] + [module["block"] for module in tree["mtp"]]:
+        gate_up = layer.pop("gate_up_proj")
+        layer["gate_proj"], layer["up_proj"] = gate_up[:, 0], gate_up[:, 1]
+    old = tmp_path / "old"
+    old.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(mtp_model / name, old / name)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save((old / "params").absolute(), tree)
+    checkpointer.wait_until_finished()
+    with pytest.raises(ValueError, match="gate_proj and up_proj stored apart"):
+        LLM(old, max_num_seqs=1)
