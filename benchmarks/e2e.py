@@ -433,6 +433,9 @@ def scenario_prefill(bench: Bench) -> None:
                   flops / bench.results["matmul_flops_per_s"] / ttft, note="share of the FLOP floor")
 
 
+ONLINE_BUDGET_S = 240
+
+
 def scenario_online(bench: Bench) -> None:
     """Poisson arrivals of requests with fixed-seed prompt and output lengths; the
     engine's shapes are compiled first (in parallel, into the compilation cache)."""
@@ -441,6 +444,10 @@ def scenario_online(bench: Bench) -> None:
     from jaxmtp import SamplingParams
 
     s = bench.sizes
+    # its warm-up compiles every shape (about 130 s cold on the H200), then about a minute of traffic
+    if not bench.args.tiny and bench.budget_left() < ONLINE_BUDGET_S:
+        bench.results.setdefault("skipped_over_budget", []).append("online")
+        return
     llm = bench.engine(max_num_seqs=s.online_seqs, max_num_batched_tokens=s.online_batched,
                        num_pages=s.online_seqs * (s.online_prompt[1] + s.online_output[1]) // 16 + 64)
     engine = llm.engine
