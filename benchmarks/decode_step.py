@@ -90,6 +90,8 @@ def time_step(params, cfg, batch, cache, kernel_config, backend, profile):
 
     from jaxmtp import model
     from jaxmtp.attention import attention_fn
+    from profile_step import profile_kernels
+    from timing import replay_time
 
     attention = attention_fn(backend, cfg.head_dim, kernel_config=kernel_config)
 
@@ -98,27 +100,16 @@ def time_step(params, cfg, batch, cache, kernel_config, backend, profile):
         return cache, jnp.argmax(model.logits(params.head(), params.final_norm, cfg, hidden), axis=-1)
 
     compiled = jax.jit(step, donate_argnums=1).lower(params, cache, batch).compile()
-    for _ in range(3):
+
+    def run_once():
+        nonlocal cache
         cache, tokens = compiled(params, cache, batch)
-    jax.block_until_ready(tokens)
-    times = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(20):
-            cache, tokens = compiled(params, cache, batch)
-        jax.block_until_ready(tokens)
-        times.append((time.perf_counter() - t) / 20)
+        return tokens
+
+    times = [replay_time(run_once, 20, warmup=3 if i == 0 else 0) for i in range(5)]
     result = {"step_ms": 1e3 * float(np.median(times)), "spread_ms": [1e3 * min(times), 1e3 * max(times)]}
     if profile:
-        from profile_step import kernel_table
-
-        trace = Path(tempfile.mkdtemp())
-        jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
-        for _ in range(10):
-            cache, tokens = compiled(params, cache, batch)
-        jax.block_until_ready(tokens)
-        jax.profiler.stop_trace()
-        result["kernels"] = kernel_table(trace, 10)
+        result["kernels"] = profile_kernels(run_once, 10)
     return result, cache
 
 

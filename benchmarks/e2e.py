@@ -210,19 +210,14 @@ def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True, replayed=Non
 def device_step_time(engine, repeats: int = 50) -> float:
     """The engine's last decode step replayed back to back (queued, one wait at the end):
     device time without the host's scheduling, batch building and read-back."""
-    import jax
-
     from jaxmtp.step import jitted_step
+    from timing import replay_time
 
-    def replay(n):
-        for _ in range(n):
-            engine.cache, out = jitted_step(engine.params, engine.cache, *engine.last_batch, engine.step_config)
-        jax.block_until_ready(out.tokens)
+    def replay():
+        engine.cache, out = jitted_step(engine.params, engine.cache, *engine.last_batch, engine.step_config)
+        return out.tokens
 
-    replay(5)
-    t = time.perf_counter()
-    replay(repeats)
-    return (time.perf_counter() - t) / repeats
+    return replay_time(replay, repeats, warmup=5)
 
 
 def robust_greedy_weights(params):

@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,10 +43,25 @@ def kernel_table(trace_dir: Path, steps: int, top: int = 30) -> list[dict]:
             for (line, name), us in total.most_common(top)]
 
 
+def profile_kernels(step, steps: int) -> list[dict]:
+    """kernel_table of a profiler trace over `steps` calls of step() (see
+    timing.replay_time for what step is)."""
+    import jax
+
+    trace = Path(tempfile.mkdtemp())
+    jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
+    for _ in range(steps):
+        out = step()
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    return kernel_table(trace, steps)
+
+
 def main() -> None:
     import jax
 
     from e2e import LLAMA3_8B
+    from timing import replay_time
     from jaxmtp import LLM, SamplingParams
     from jaxmtp.step import jitted_step
 
@@ -74,22 +88,13 @@ def main() -> None:
         # step until the last step read back decoded every request: that step is replayed
         while not all(len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs):
             engine.step()
-        replay = lambda e=engine: jitted_step(e.params, e.cache, *e.last_batch, e.step_config)  # noqa: E731
-        for _ in range(3):
-            engine.cache, out = replay()
-        jax.block_until_ready(out.tokens)
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            engine.cache, out = replay()
-        jax.block_until_ready(out.tokens)
-        step_ms = (time.perf_counter() - t) / args.steps * 1e3
-        trace = Path(tempfile.mkdtemp())
-        jax.profiler.start_trace(str(trace), create_perfetto_trace=True)
-        for _ in range(args.steps):
-            engine.cache, out = replay()
-        jax.block_until_ready(out.tokens)
-        jax.profiler.stop_trace()
-        table = kernel_table(trace, args.steps)
+
+        def replay(e=engine):
+            e.cache, out = jitted_step(e.params, e.cache, *e.last_batch, e.step_config)
+            return out.tokens
+
+        step_ms = replay_time(replay, args.steps) * 1e3
+        table = profile_kernels(replay, args.steps)
         report["configs"][f"k={k}"] = {"replayed_step_ms": step_ms, "kernels": table}
         print(f"\nk={k}: replayed step {step_ms:.3f} ms; device time per step by kernel:")
         for row in table:

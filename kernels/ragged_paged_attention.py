@@ -39,13 +39,13 @@ _TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCo
 
 _LOG2E = math.log2(math.e)
 # The KV range is split across programs only when the grid has fewer programs than the
-# H200 has multiprocessors (132); the split then aims at about two decode programs per
+# H200 has multiprocessors; the split then aims at about two decode programs per
 # multiprocessor, or one wave of prefill tiles (which fill an SM alone). Measured on the
 # 8B step (2026-11-30): batch 32 (256 decode programs) ran 2.3% faster unsplit than in
 # two splits plus their merge; batch 8 (64) 5% faster in five splits than unsplit.
-_SPLIT_BELOW_PROGRAMS = 132
-_TARGET_DECODE_PROGRAMS = 264
-_TARGET_PREFILL_PROGRAMS = 132
+_NUM_SMS = 132
+_TARGET_DECODE_PROGRAMS = 2 * _NUM_SMS
+_TARGET_PREFILL_PROGRAMS = _NUM_SMS
 # Shared memory for the pipelined K/V tiles (the H200 allows 227 KiB per block; the
 # rest is left for Triton's own scratch).
 _SHARED_MEMORY_BUDGET = 200 * 1024
@@ -106,7 +106,7 @@ def default_config(
     programs = max(_cdiv(num_rows, block_q), min(num_seqs, num_rows)) * num_kv_heads
     target = _TARGET_DECODE_PROGRAMS if decode_like else _TARGET_PREFILL_PROGRAMS
     kv_steps = max(1, _cdiv(max_context, block_kv))
-    num_splits = 1 if programs >= _SPLIT_BELOW_PROGRAMS else min(_cdiv(target, programs), kv_steps)
+    num_splits = 1 if programs >= _NUM_SMS else min(_cdiv(target, programs), kv_steps)
     return KernelConfig(block_q, block_kv, num_splits, 4 if decode_like else 8, num_stages)
 
 
