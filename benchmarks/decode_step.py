@@ -6,7 +6,7 @@ tilings: which kernel tiling is fastest inside the real step (one H200, a few mi
 
 Llama-3-8B shape (benchmarks/e2e.py), random weights, a random-filled KV cache. Each
 shape BxC is B requests decoding at context C, padded as the engine pads a batch (at
-least 8 rows, padding rows writing the scratch page). The timed function is the main
+least 8 rows, padding rows' writes dropped). The timed function is the main
 model's forward, final norm, LM head and argmax: the decode work without sampling or
 MTP. Every tiling is the kernel's default for the shape with the named fields replaced
 (kernels.KernelConfig), and is reported as its step time over the default's, measured
@@ -35,12 +35,13 @@ MIN_ROWS = 8  # the engine's smallest token bucket
 
 def decode_batch(batch: int, context: int):
     """B requests with `context` tokens each, the last one this step's row; returns the
-    Batch and the number of cache pages it needs (the scratch page not counted)."""
+    Batch and the number of cache pages it needs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from jaxmtp.batch import Batch
+    from jaxmtp.cache import dropped_index
 
     rows = max(batch, MIN_ROWS)
     pages_per_seq = -(-context // PAGE_SIZE)
@@ -48,7 +49,7 @@ def decode_batch(batch: int, context: int):
     page_table = np.arange(num_pages, dtype=np.int32).reshape(batch, pages_per_seq)
     positions = np.zeros(rows, np.int32)
     positions[:batch] = context - 1
-    slots = np.full(rows, num_pages * PAGE_SIZE, np.int32)  # the scratch page
+    slots = dropped_index(num_pages * PAGE_SIZE, np.arange(rows, dtype=np.int32))  # padding: dropped
     slots[:batch] = page_table[:, -1] * PAGE_SIZE + (context - 1) % PAGE_SIZE
     ids = np.random.default_rng().integers(3, 1000, rows, dtype=np.int32)
     per_request = np.zeros(batch, np.int32)

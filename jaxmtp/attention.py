@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxmtp.cache import scratch_slot
+from jaxmtp.cache import dropped_index, write_slots
 from jaxmtp.sharding import shard_over_heads
 from kernels.reference import ragged_paged_attention_reference
 
@@ -59,16 +59,13 @@ def attention_fn(backend: str, head_dim: int, mesh: Mesh | None = None, kernel_c
 
 
 def write_kv(k_pages, v_pages, slot_mapping, k, v):
-    """Scatter this step's K/V rows into their page slots; padding rows write to the
-    cache's scratch page. With the cache donated XLA updates in place."""
+    """Scatter this step's K/V rows into their page slots (cache.write_slots: padding
+    rows' writes are dropped). With the cache donated XLA updates in place."""
     if slot_mapping.shape[0] == 1:
         # XLA rewrites a one-row scatter as a bounds-checked dynamic-update-slice, and
-        # the check's select copies the whole layer; a second row to the scratch slot
-        # keeps it a scatter, updated in place.
-        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), scratch_slot(k_pages), slot_mapping.dtype)])
+        # the check's select copies the whole layer; a second, dropped row keeps it a
+        # scatter, updated in place.
+        num_slots = k_pages.shape[0] * k_pages.shape[1]
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), dropped_index(num_slots, 1), slot_mapping.dtype)])
         k, v = jnp.concatenate([k, k]), jnp.concatenate([v, v])
-    shape = k_pages.shape
-    flat = (-1,) + shape[2:]
-    k_pages = k_pages.reshape(flat).at[slot_mapping].set(k.astype(k_pages.dtype), mode="promise_in_bounds").reshape(shape)
-    v_pages = v_pages.reshape(flat).at[slot_mapping].set(v.astype(v_pages.dtype), mode="promise_in_bounds").reshape(shape)
-    return k_pages, v_pages
+    return write_slots(k_pages, slot_mapping, k), write_slots(v_pages, slot_mapping, v)

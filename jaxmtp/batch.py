@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp.cache import dropped_index
 from jaxmtp.params import pytree_dataclass
 
 
@@ -17,7 +18,7 @@ class Batch:
     # rows: T flattened ragged tokens (padded)
     input_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32
-    slot_mapping: jax.Array  # [T] int32; padding rows point at the cache's scratch page
+    slot_mapping: jax.Array  # [T] int32; padding rows point past the cache (cache.dropped_index)
     # requests: B (padded; padding requests own no rows and have kv_len 0)
     query_start: jax.Array  # [B+1] int32
     kv_len: jax.Array  # [B] int32, KV length once this step's rows are written
@@ -94,13 +95,13 @@ def apply_carry(batch: Batch, carry: jax.Array, page_size: int) -> Batch:
     )
 
 
-def with_rows_before(batch: Batch, extra: int, page_size: int, scratch_slot: int) -> Batch:
+def with_rows_before(batch: Batch, extra: int, page_size: int, num_slots: int) -> Batch:
     """Device side: the batch's rows with up to `extra` rows before each request's first
     row (fewer near position 0), for a draft module that rewrites rows of earlier steps.
     T + B * extra rows (static); each request's extra rows come first, then its own, so
     they stay the last rows of its unchanged kv_len, as attention takes them. The extra
-    rows' input ids belong to earlier steps and are not in the batch: 0. Padding rows
-    write the scratch slot."""
+    rows' input ids belong to earlier steps and are not in the batch: 0. Padding rows'
+    writes are dropped (num_slots: the cache's slots)."""
     t, b = batch.input_ids.shape[0], batch.kv_len.shape[0]
     lengths = batch.query_start[1:] - batch.query_start[:-1]
     first = batch.positions[jnp.minimum(batch.query_start[:-1], t - 1)]
@@ -117,7 +118,7 @@ def with_rows_before(batch: Batch, extra: int, page_size: int, scratch_slot: int
         batch,
         input_ids=jnp.where(valid & (offset >= 0), batch.input_ids[source], 0),
         positions=positions,
-        slot_mapping=jnp.where(valid, slot_of(batch.page_table, row_seq, positions, page_size), scratch_slot),
+        slot_mapping=jnp.where(valid, slot_of(batch.page_table, row_seq, positions, page_size), dropped_index(num_slots, rows)),
         query_start=query_start.astype(jnp.int32),
         # a request's rows keep their distance from its end
         sample_index=batch.sample_index + (query_start[1:] - batch.query_start[1:])[:, None],
@@ -190,14 +191,15 @@ class BucketPlan:
 
 
 def build_batch(
-    scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, scratch_slot: int, k: int, m: int = 1
+    scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, num_slots: int, k: int, m: int = 1
 ) -> Batch:
-    """Numpy arrays for one step; `scheduled` is a list of scheduler.ScheduledRows; m: MTP
-    modules the draft pass runs (next_chunk_token's width)."""
+    """Numpy arrays for one step; `scheduled` is a list of scheduler.ScheduledRows;
+    num_slots: the cache's slots (padding rows write past them, dropped); m: MTP modules
+    the draft pass runs (next_chunk_token's width)."""
     t, b = shape.num_tokens, shape.num_seqs
     input_ids = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)
-    slot_mapping = np.full(t, scratch_slot, np.int32)  # padding rows write to the scratch page
+    slot_mapping = dropped_index(num_slots, np.arange(t, dtype=np.int32))  # padding rows: dropped
     query_start = np.zeros(b + 1, np.int32)
     kv_len = np.zeros(b, np.int32)
     page_table = np.zeros((b, max_pages_per_seq), np.int32)

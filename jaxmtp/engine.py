@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxmtp.attention import resolve_backend
 from jaxmtp.batch import BatchShape, BucketPlan, build_batch, pack_batch
-from jaxmtp.cache import PAGE_COPY_BATCH, PageAllocator, allocate_cache, copy_pages
+from jaxmtp.cache import PAGE_COPY_BATCH, PageAllocator, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.config import load_config
 from jaxmtp.loader import load_params
 from jaxmtp.mtp import BOUNDARY_MODES
@@ -408,7 +408,7 @@ class LLMEngine:
     def _device_batch(self, scheduled, shape: BatchShape) -> tuple:
         """The step's (ints, floats, oracle tokens, static shapes) for a schedule padded to shape."""
         k, m = self.config.num_speculative_tokens, self.num_draft_modules
-        batch = build_batch(scheduled, shape, self.max_pages_per_seq, self.page_size, self.cache.scratch_slot, k, m)
+        batch = build_batch(scheduled, shape, self.max_pages_per_seq, self.page_size, self.cache.num_slots, k, m)
         ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
         shapes = (shape.num_tokens, shape.num_seqs, self.max_pages_per_seq, k, m, shape.greedy)
         return ints, floats, self.oracle_tokens, shapes
@@ -417,10 +417,7 @@ class LLMEngine:
         """Run (source, destination) page copies on the device, in order."""
         for i in range(0, len(copies), PAGE_COPY_BATCH):
             group = copies[i : i + PAGE_COPY_BATCH]
-            src = np.zeros(PAGE_COPY_BATCH, np.int32)
-            dst = np.full(PAGE_COPY_BATCH, self.cache.num_pages, np.int32)  # padding: the scratch page
-            src[: len(group)], dst[: len(group)] = zip(*group)
-            self.cache = copy_pages(self.cache, src, dst)
+            self.cache = copy_pages(self.cache, *page_copy_arrays(group, self.cache.num_pages))
 
     def _append_tokens(self, seq: Sequence, out, i: int, count: int) -> None:
         params = seq.params
@@ -517,9 +514,9 @@ class LLMEngine:
             with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
                 list(pool.map(lambda shape: self.lower_step(shape).compile(), shapes))
         for shape in shapes:
-            jax.block_until_ready(self._run([], shape))  # an empty batch: every write to the scratch page
-        if self.prefix_cache:
-            self._copy_pages([(0, self.cache.num_pages)])  # a copy to the scratch page: compiles, changes nothing
+            jax.block_until_ready(self._run([], shape))  # an empty batch: every write dropped
+        if self.prefix_cache:  # compiles the page copy; all padding, it changes nothing
+            self.cache = copy_pages(self.cache, *page_copy_arrays([], self.cache.num_pages))
         return len(shapes)
 
     def lower_step(self, shape: BatchShape):

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from jaxmtp.attention import AttentionFn
 from jaxmtp.batch import Batch, row_owner, with_rows_before
-from jaxmtp.cache import KVCache, read_hidden, write_hidden
+from jaxmtp.cache import KVCache, dropped_index, read_hidden, write_slots
 from jaxmtp.config import MTP_LAYOUTS, ModelConfig
 from jaxmtp.model import decoder_layer, logits, rms_norm
 from jaxmtp.params import MTPParams, Params
@@ -130,14 +130,14 @@ def propose(
         if j == 1:
             rows = batch
         else:
-            rows = with_rows_before(batch, j - 1, cache.page_size, cache.scratch_slot)
+            rows = with_rows_before(batch, j - 1, cache.page_size, cache.num_slots)
             prev = read_hidden(hidden_pages[j - 2], rows.slot_mapping)
         x, k_layers[layer], v_layers[layer] = module_forward(
             module, params.embed, cfg, prev, tokens_ahead(rows, j, last, beyond), rows,
             k_layers[layer], v_layers[layer], attention,
         )
         if j < m:
-            hidden_pages[j - 1] = write_hidden(hidden_pages[j - 1], rows.slot_mapping, x)
+            hidden_pages[j - 1] = write_slots(hidden_pages[j - 1], rows.slot_mapping, x)
         x = x[rows.sample_index[seq_idx, num_accepted]]  # [B, H] at the boundary rows
         draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
         drafts.append(draft)
@@ -157,10 +157,10 @@ def propose(
             batch,
             input_ids=draft,
             positions=position,
-            slot_mapping=jnp.where(proposing, page * page_size + position % page_size, cache.scratch_slot),
+            slot_mapping=jnp.where(proposing, page * page_size + position % page_size, dropped_index(cache.num_slots, seq_idx)),
             query_start=jnp.arange(b + 1, dtype=jnp.int32),
             # idle requests still own their one row; kv_len 1 keeps it a valid
-            # (ignored) attention row for the kernel, and its KV goes to the scratch page
+            # (ignored) attention row for the kernel, and its KV write is dropped
             kv_len=jnp.where(proposing, position + 1, 1),
         )
         x, k_layers[layer], v_layers[layer] = module_forward(

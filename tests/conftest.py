@@ -45,7 +45,7 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
     batch = build_batch(
         [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(len(ids), 1),
-        engine.max_pages_per_seq, engine.page_size, engine.cache.num_pages * engine.page_size, 0,
+        engine.max_pages_per_seq, engine.page_size, engine.cache.num_slots, 0,
     )
     hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, attention_fn("reference", engine.model_config.head_dim))
     out = model.logits(engine.params.head(), engine.params.final_norm, engine.model_config, hidden)

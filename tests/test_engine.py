@@ -231,14 +231,57 @@ def test_async_step_returns_a_step_late_while_the_next_runs():
 def test_compiled_step_updates_the_donated_cache_in_place():
     """No copy of a KV page array in the optimised HLO: the donated cache is aliased
     to the output and written by in-place scatters, the draft chain's one-row
-    scatters included (batch shapes with one request)."""
+    scatters included (batch shapes with one request). Every scatter declares unique
+    indices (padding rows write distinct dropped slots), which XLA's GPU emitter turns
+    into plain stores instead of atomic read-modify-writes."""
     llm = LLM(MTP_MODEL, num_speculative_tokens=2, page_size=16, max_num_seqs=4, max_num_batched_tokens=32)
     engine = llm.engine
     for shape in (BatchShape(8, 1), BatchShape(32, 4)):
         assert engine.cache_copies(shape) == []
-    text = engine.lower_step(BatchShape(8, 1)).compile().as_text()
+    lowered = engine.lower_step(BatchShape(8, 1))
+    scatters = [line for line in lowered.as_text().splitlines() if '"stablehlo.scatter"' in line]
+    assert len(scatters) >= 2 * len(engine.cache.k)
+    assert all("unique_indices = true" in line for line in scatters)
+    text = lowered.compile().as_text()
     aliased = text.splitlines()[0].count("-alias)")  # the HloModule line lists input/output aliases
     assert aliased == 2 * len(engine.cache.k)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_kv_write_fills_the_rows_slots_and_drops_the_padding_rows(rng, rows):
+    """write_kv against NumPy: real rows land in their slots, padding rows (distinct
+    slots past the end) change nothing; one row takes the two-row scatter path."""
+    import jax
+
+    from jaxmtp.attention import write_kv
+    from jaxmtp.cache import dropped_index
+
+    pages, page_size, heads, dim = 6, 4, 2, 8
+    num_slots = pages * page_size
+    k_pages, v_pages = (rng.standard_normal((pages, page_size, heads, dim)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((rows, heads, dim)).astype(np.float32) for _ in range(2))
+    real = (rows + 1) // 2
+    slots = dropped_index(num_slots, np.arange(rows, dtype=np.int32))
+    slots[:real] = rng.choice(num_slots, real, replace=False)
+    new_k, new_v = jax.jit(write_kv)(k_pages, v_pages, slots, k, v)
+    for new, old, x in ((new_k, k_pages, k), (new_v, v_pages, v)):
+        expected = old.reshape(num_slots, heads, dim).copy()
+        expected[slots[:real]] = x[:real]
+        assert np.array_equal(np.asarray(new).reshape(num_slots, heads, dim), expected)
+
+
+def test_page_copies_read_every_source_first_and_drop_the_padding(rng):
+    from jaxmtp.cache import KVCache, copy_pages, page_copy_arrays
+
+    pages = rng.standard_normal((2, 7, 4, 2, 8)).astype(np.float32)
+    cache = KVCache(k=[pages[0]], v=[pages[1]])
+    copies = [(1, 3), (3, 5), (6, 0)]  # page 5 gets page 3 as it was before the call
+    out = copy_pages(cache, *page_copy_arrays(copies, 7))
+    for new, old in ((out.k[0], pages[0]), (out.v[0], pages[1])):
+        expected = old.copy()
+        for src, dst in copies:
+            expected[dst] = old[src]
+        assert np.array_equal(np.asarray(new), expected)
 
 
 def test_parallel_warmup_fills_the_compilation_cache_so_serving_compiles_nothing(tmp_path):

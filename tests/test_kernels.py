@@ -239,7 +239,7 @@ def test_rows_before_each_request_as_a_draft_module_lays_them_out(extra):
         batch, query_start=jnp.asarray(query_start), positions=jnp.asarray(positions),
         kv_len=jnp.asarray([first + n if n else 0 for first, n in spans], jnp.int32),
     )
-    before = with_rows_before(batch, extra, page_size, scratch_slot=0)
+    before = with_rows_before(batch, extra, page_size, num_slots=64 * page_size)
     new_start = np.asarray(before.query_start)
     new_rows = np.diff(new_start)
     expected = [n + min(extra, first) if n else 0 for first, n in spans]

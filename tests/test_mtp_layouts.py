@@ -280,7 +280,7 @@ def engine_draft_logits(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]
         seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
         batch = build_batch(
             [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(len(ids), 1),
-            engine.max_pages_per_seq, engine.page_size, cache.scratch_slot, 0,
+            engine.max_pages_per_seq, engine.page_size, cache.num_slots, 0,
         )
         hidden, cache = model.forward(params, cfg, batch, cache, attention)
         main = model.logits(params.head(), params.final_norm, cfg, hidden)
