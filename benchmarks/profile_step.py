@@ -86,7 +86,7 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         # step until the last step read back decoded every request: that step is replayed
-        while not all(len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs):
+        while not engine.requests or not all(len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs):
             engine.step()
 
         def replay(e=engine):

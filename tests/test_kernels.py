@@ -206,6 +206,8 @@ def test_default_config_shapes():
     assert default_config(num_rows=32, num_seqs=32, group=4, num_kv_heads=8, max_context=4096).num_splits == 1
     small_decode = default_config(num_rows=8, num_seqs=8, group=4, num_kv_heads=8, max_context=4096)
     assert small_decode.num_splits > 1
+    # batch 1 would want 33 splits; the merge reads every split, live or idle
+    assert 1 < default_config(num_rows=8, num_seqs=1, group=4, num_kv_heads=8, max_context=4096).num_splits <= 8
     # Verify rows (k+1 = 2) share decode's tile and splits.
     verify = default_config(num_rows=16, num_seqs=8, group=4, num_kv_heads=8, max_context=4096)
     assert verify.block_q == small_decode.block_q and verify.num_splits == small_decode.num_splits
