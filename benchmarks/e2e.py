@@ -305,7 +305,7 @@ def scenario_b1(bench: Bench) -> None:
     bench.row(f"b1 decode (prompt {s.prompt}, {s.new_tokens} tokens), async scheduling", step_s * 1e3,
               "ms/token", floor / step_s, peer=ratio(1 / step_s, peer),
               target=">= 0.85 of floor; >= 10x transformers dynamic cache",
-              note=f"vs transformers static cache (torch.compile) {ratio(1 / step_s, bench.results['peer'].get('b1_static'))}x")
+              note=versus("transformers static cache (torch.compile)", 1 / step_s, bench.results["peer"].get("b1_static")))
     sync_s, _, sync_tokens, _ = run_decode(plain, prompt, s.new_tokens, overlap=False)
     bench.row("b1 decode, sync scheduling (read each step before the next)", sync_s * 1e3, "ms/token",
               floor / sync_s, note=f"same tokens as async: {sync_tokens == tokens}")
@@ -364,8 +364,8 @@ def scenario_mtp32(bench: Bench) -> None:
     bench.row(f"b{batch} decode (prompt {s.prompt}), async", tps, "tokens/s",
               bench.floor_s(batch, s.prompt + new // 2) / step_s, peer=ratio(tps, peer.get("b32_static")),
               target=">= 0.75 of floor; >= 2.5x transformers static cache",
-              note=f"{step_s * 1e3:.2f} ms/step; sync {sync_tps:.0f} tokens/s; vs transformers dynamic cache "
-                   f"{ratio(tps, peer.get('b32_dynamic'))}x")
+              note="; ".join(filter(None, [f"{step_s * 1e3:.2f} ms/step; sync {sync_tps:.0f} tokens/s",
+                                           versus("transformers dynamic cache", tps, peer.get("b32_dynamic"))])))
     for k in bench.args.mtp32_k:
         if bench.budget_left() < 90:
             break
@@ -628,6 +628,12 @@ def gpu_checks(results) -> None:
 
 def ratio(ours, peer):
     return round(ours / peer, 3) if isinstance(peer, (int, float)) and peer else None
+
+
+def versus(label: str, ours, peer) -> str:
+    """'vs <label> <ratio>x', or nothing where the peer did not run."""
+    r = ratio(ours, peer)
+    return "" if r is None else f"vs {label} {r}x"
 
 
 def markdown(results) -> str:

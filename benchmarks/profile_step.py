@@ -1,9 +1,10 @@
 """Where a decode step's device time goes: a JAX profiler trace of the jitted step,
 replayed back to back, summarised per GPU kernel (one H200, about two minutes).
 
-    python benchmarks/profile_step.py [--k 0,1] [--batch 1] [--context 512] [--out DIR]
+    python benchmarks/profile_step.py [--k 0,1] [--batch 1] [--context 512] [--out DIR] [--tiny]
 
-Uses the Llama-3-8B-shaped dummy model of benchmarks/e2e.py. Writes profile.json
+Uses the Llama-3-8B-shaped dummy model of benchmarks/e2e.py (--tiny: its tiny model on
+the CPU, a smoke test whose table lists no GPU kernels). Writes profile.json
 (top kernels per configuration: total microseconds per step and calls per step) and
 prints the tables.
 """
@@ -60,7 +61,7 @@ def profile_kernels(step, steps: int) -> list[dict]:
 def main() -> None:
     import jax
 
-    from e2e import LLAMA3_8B
+    from e2e import LLAMA3_8B, TINY
     from timing import replay_time
     from jaxmtp import LLM, SamplingParams
     from jaxmtp.step import jitted_step
@@ -71,11 +72,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny model")
     args = parser.parse_args()
     folder = tempfile.mkdtemp()
-    Path(folder, "config.json").write_text(json.dumps(LLAMA3_8B))
+    config = TINY if args.tiny else LLAMA3_8B
+    Path(folder, "config.json").write_text(json.dumps(config))
     rng = __import__("numpy").random.default_rng(0)
-    prompts = [rng.integers(3, 128000, size=args.context).tolist() for _ in range(args.batch)]
+    prompts = [rng.integers(3, config["vocab_size"], size=args.context).tolist() for _ in range(args.batch)]
     report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "batch": args.batch,
               "context": args.context, "configs": {}}
     for k in map(int, args.k.split(",")):

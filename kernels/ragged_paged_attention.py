@@ -49,8 +49,9 @@ _TARGET_PREFILL_PROGRAMS = _NUM_SMS
 # At most this many splits: the split count comes from the page table's width (the
 # longest context the engine allows), not the live context, and the merge reads every
 # split's partial rows whether it had work or not. In the engine at batch 1 (page table
-# 4096 tokens wide, context 512) 32 splits spent about 9 us a layer on idle programs and
-# their merge over 8.
+# 4096 tokens wide, context 512) the attention and its merge took 16.8 us a layer in 32
+# splits, 9.5 us in 8; at context 4096, 8 splits were still the fastest of 8/16/32
+# (2026-11-30, docs/benchmarks/profiles).
 _MAX_SPLITS = 8
 # Shared memory for the pipelined K/V tiles (the H200 allows 227 KiB per block; the
 # rest is left for Triton's own scratch).

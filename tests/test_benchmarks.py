@@ -1,0 +1,47 @@
+"""The benchmark scripts' CPU smoke modes (--tiny): the H200 figures in docs/benchmarks
+come from these scripts, so they must keep running as the engine changes under them."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def run_script(name: str, *args: str) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_e2e_decode_and_mtp_rows_with_outputs_equal_to_plain(tmp_path):
+    run_script("e2e.py", "--tiny", "--scenarios", "b1,mtp", "--out", str(tmp_path), "--tag", "_smoke")
+    results = json.loads((tmp_path / "e2e_smoke.json").read_text())
+    rows = {row["scenario"]: row for row in results["rows"]}
+    assert any(name.startswith("b1 decode") for name in rows)
+    assert all(math.isfinite(row["value"]) and row["value"] > 0 for row in rows.values())
+    mtp = [row for name, row in rows.items() if "MTP" in name]
+    assert len(mtp) == 6 and all("output equal to plain: True" in row["note"] for row in mtp)
+    oracle = [row for row in mtp if "oracle" in row["scenario"]]
+    assert all("acceptance length" in row["note"] for row in oracle)
+    assert results["hlo_cache_copies_b1_plain"] == 0
+    # no peer ran: no ratio to it, and no placeholder for one in the table
+    assert "None" not in (tmp_path / "e2e_smoke.md").read_text()
+
+
+def test_decode_step_times_each_tiling_against_the_default(tmp_path):
+    run_script("decode_step.py", "--tiny", "--shapes", "1x48,8x64", "--tilings", "num_splits=1", "--out", str(tmp_path))
+    runs = json.loads((tmp_path / "decode_step.json").read_text())["runs"]
+    assert [(r["batch"], r["overrides"]) for r in runs] == [(1, {}), (1, {"num_splits": 1}), (8, {}), (8, {"num_splits": 1})]
+    assert all(r["step_ms"] > 0 and r["tiling"]["num_splits"] >= 1 for r in runs)
+    assert [r["vs_default"] for r in runs[::2]] == [1.0, 1.0]
+
+
+def test_profile_step_replays_the_engines_step(tmp_path):
+    run_script("profile_step.py", "--tiny", "--k", "0,1", "--context", "40", "--steps", "3", "--out", str(tmp_path))
+    configs = json.loads((tmp_path / "profile.json").read_text())["configs"]
+    assert set(configs) == {"k=0", "k=1"}
+    assert all(c["replayed_step_ms"] > 0 and c["replayed_step_requests"] == 1 for c in configs.values())
