@@ -77,7 +77,7 @@ def write_slots(pages: jax.Array, slots: jax.Array, x: jax.Array) -> jax.Array:
 
 def read_hidden(pages: jax.Array, slots: jax.Array) -> jax.Array:
     """The hidden states [rows, H] at these slots of one module's hidden pages; a
-    discarded row's slot is clamped to the last one (its value is never used)."""
+    dropped row's slot is clamped to the last one (its value is never used)."""
     return pages.reshape(-1, pages.shape[-1]).at[slots].get(mode="clip")
 
 
