@@ -25,8 +25,10 @@ def test_e2e_decode_and_mtp_rows_with_outputs_equal_to_plain(tmp_path):
     assert all(math.isfinite(row["value"]) and row["value"] > 0 for row in rows.values())
     mtp = [row for name, row in rows.items() if "MTP" in name]
     assert len(mtp) == 6 and all("output equal to plain: True" in row["note"] for row in mtp)
-    oracle = [row for row in mtp if "oracle" in row["scenario"]]
-    assert all("acceptance length" in row["note"] for row in oracle)
+    oracle = {int(row["scenario"].split("k=")[1][0]): row for row in mtp if "oracle" in row["scenario"]}
+    assert sorted(oracle) == [1, 2, 3]
+    # drafts taken from the plain run are all accepted: k + 1 tokens a step
+    assert all(f"acceptance length {k + 1}.00" in row["note"] for k, row in oracle.items())
     assert results["hlo_cache_copies_b1_plain"] == 0
     # no peer ran: no ratio to it, and no placeholder for one in the table
     assert "None" not in (tmp_path / "e2e_smoke.md").read_text()
