@@ -207,17 +207,24 @@ def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True, replayed=Non
     return elapsed / steps, tokens_timed / elapsed, tokens, ordered
 
 
-def device_step_time(engine, repeats: int = 50) -> float:
-    """The engine's last decode step replayed back to back (queued, one wait at the end):
-    device time without the host's scheduling, batch building and read-back."""
+def last_step_replay(engine):
+    """A function that runs the engine's last read-back step again on its batch (the
+    cache donated and kept) and returns the tokens to wait on: timing.replay_time's step."""
     from jaxmtp.step import jitted_step
-    from timing import replay_time
 
     def replay():
         engine.cache, out = jitted_step(engine.params, engine.cache, *engine.last_batch, engine.step_config)
         return out.tokens
 
-    return replay_time(replay, repeats, warmup=5)
+    return replay
+
+
+def device_step_time(engine, repeats: int = 50) -> float:
+    """The engine's last decode step replayed back to back (queued, one wait at the end):
+    device time without the host's scheduling, batch building and read-back."""
+    from timing import replay_time
+
+    return replay_time(last_step_replay(engine), repeats, warmup=5)
 
 
 def robust_greedy_weights(params):

@@ -61,10 +61,9 @@ def profile_kernels(step, steps: int) -> list[dict]:
 def main() -> None:
     import jax
 
-    from e2e import LLAMA3_8B, TINY
+    from e2e import LLAMA3_8B, TINY, last_step_replay
     from timing import replay_time
     from jaxmtp import LLM, SamplingParams
-    from jaxmtp.step import jitted_step
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--k", default="0,1")
@@ -89,13 +88,11 @@ def main() -> None:
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         # step until the last step read back decoded every request: that step is replayed
-        while not engine.requests or not all(len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs):
+        while not engine.requests or not all(
+            len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs
+        ):
             engine.step()
-
-        def replay(e=engine):
-            e.cache, out = jitted_step(e.params, e.cache, *e.last_batch, e.step_config)
-            return out.tokens
-
+        replay = last_step_replay(engine)
         step_ms = replay_time(replay, args.steps) * 1e3
         table = profile_kernels(replay, args.steps)
         report["configs"][f"k={k}"] = {"replayed_step_ms": step_ms, "kernels": table}
