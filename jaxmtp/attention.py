@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp.cache import dropped_index, write_slots
+from jaxmtp.engine_config import ATTENTION_BACKENDS
 from jaxmtp.sharding import shard_over_heads
 from kernels.reference import ragged_paged_attention_reference
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
-BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
 
 def pallas_supports(head_dim: int) -> bool:
@@ -25,8 +25,8 @@ def pallas_supports(head_dim: int) -> bool:
 
 
 def resolve_backend(name: str, head_dim: int) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" and pallas_supports(head_dim) else "reference"
     if name.startswith("pallas") and not pallas_supports(head_dim):

@@ -18,10 +18,10 @@ from jaxmtp.attention import resolve_backend
 from jaxmtp.batch import BatchShape, BucketPlan, build_batch, pack_batch
 from jaxmtp.cache import PAGE_COPY_BATCH, PageAllocator, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.config import load_config
+from jaxmtp.engine_config import EngineConfig
 from jaxmtp.loader import load_params
-from jaxmtp.mtp import BOUNDARY_MODES
 from jaxmtp.outputs import CompletionOutput, RequestOutput
-from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES, PrefixCache, PrefixCacheStats, model_salt
+from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import ScheduledRows, Scheduler, SchedulerConfig
 from jaxmtp.sequence import Sequence, SpecStats
@@ -43,28 +43,6 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 def num_compiles() -> int:
     """XLA compilations in this process so far (all functions)."""
     return _compile_events["count"]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    dtype: str | None = None
-    page_size: int = 16
-    num_pages: int | None = None  # default: enough for max_num_seqs requests of max_model_len
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    prefill_chunk_size: int | None = None  # default: max_num_batched_tokens
-    num_speculative_tokens: int = 0
-    mtp_boundary: str = "next_chunk"
-    enable_prefix_caching: bool = False  # reuse cached KV pages of earlier requests' prefixes
-    prefix_cache_boundary: str = "exact"  # see jaxmtp/prefix_cache.py; "drop" and "stale" are ablations
-    attention_backend: str = "auto"
-    tensor_parallel_size: int = 1  # devices that split heads, ffn and vocabulary (jaxmtp/sharding.py)
-    load_format: str = "auto"
-    max_logprobs: int = 20
-    seed: int = 0
-    # dispatch step N+1 before reading step N (host work overlaps the device's)
-    async_scheduling: bool = True
 
 
 @dataclasses.dataclass
@@ -105,25 +83,12 @@ class LLMEngine:
             raise FileNotFoundError(f"model folder {model_dir!s} does not exist")
         self.model_dir = model_dir
         self.model_config = cfg = load_config(model_dir, config.dtype)
-        if config.mtp_boundary not in BOUNDARY_MODES:
-            raise ValueError(f"mtp_boundary must be one of {BOUNDARY_MODES}, got {config.mtp_boundary!r}")
-        if config.prefix_cache_boundary not in PREFIX_CACHE_BOUNDARIES:
-            raise ValueError(
-                f"prefix_cache_boundary must be one of {PREFIX_CACHE_BOUNDARIES}, got {config.prefix_cache_boundary!r}"
-            )
-        if not isinstance(config.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {config.enable_prefix_caching!r}")
         k = config.num_speculative_tokens
-        if not 0 <= k <= 4:
-            raise ValueError(f"num_speculative_tokens must be in 0..4, got {k}")
         if k and not cfg.num_mtp_modules:
             raise ValueError(
                 f"num_speculative_tokens={k} needs MTP weights, and {model_dir!s} has none "
                 "(no num_nextn_predict_layers in config.json)"
             )
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(config, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
         # M: the MTP modules the draft pass runs (module j drafts at depth j; past M, module M chains)
         self.num_draft_modules = m = min(k, cfg.num_mtp_modules)
         if config.enable_prefix_caching and m > 1 and (config.page_size < m or config.prefix_cache_boundary != "exact"):
@@ -153,11 +118,7 @@ class LLMEngine:
             salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
             self.prefix_cache = PrefixCache(self.page_size, salt, k > 0, config.prefix_cache_boundary, m)
         self.allocator = PageAllocator(num_pages, self.prefix_cache)
-        chunk = config.prefill_chunk_size or config.max_num_batched_tokens
-        if chunk < 1:
-            raise ValueError(f"prefill_chunk_size must be >= 1, got {chunk}")
-        if config.max_num_batched_tokens < k + 1:
-            raise ValueError(f"max_num_batched_tokens must hold a verify step of {k + 1} rows")
+        chunk = config.chunk_size
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

@@ -44,9 +44,6 @@ from jaxmtp.config import MTP_LAYOUTS, ModelConfig
 from jaxmtp.model import decoder_layer, logits, rms_norm
 from jaxmtp.params import MTPParams, Params
 
-BOUNDARY_MODES = ("next_chunk", "sampled")
-
-
 def module_forward(
     module: MTPParams,
     embed: jax.Array,

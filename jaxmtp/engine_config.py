@@ -1,0 +1,87 @@
+"""EngineConfig: every engine option, its default, its allowed values and its help text,
+written once. The CLI (jaxmtp/args.py) derives its options from these fields, and the
+config checks itself before any weights load (EngineConfig.validate)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES
+
+MTP_BOUNDARIES = ("next_chunk", "sampled")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
+DTYPES = ("float32", "bfloat16")
+MAX_SPECULATIVE_TOKENS = 4
+
+
+def option(default, help: str, choices: tuple | None = None, cli: bool = True):
+    """A field with the metadata the CLI reads: its help text, its choices, and whether
+    it is a command-line option at all."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    dtype: str | None = option(None, "weights' and activations' dtype (default: the checkpoint's)", DTYPES)
+    page_size: int = option(16, "tokens per KV cache page")
+    num_pages: int | None = option(None, "KV pages in the pool (default: max_num_seqs requests of max_model_len)")
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
+    max_num_seqs: int = option(16, "requests computed in one step")
+    max_num_batched_tokens: int = option(256, "rows (tokens) computed in one step")
+    prefill_chunk_size: int | None = option(None, "prompt tokens of one request per step (default: max_num_batched_tokens)")
+    num_speculative_tokens: int = option(0, f"MTP draft tokens per step, 0..{MAX_SPECULATIVE_TOKENS} (needs MTP weights)")
+    mtp_boundary: str = option(
+        "next_chunk",
+        "the token the MTP module reads after a non-final prefill chunk: the next prompt token (next_chunk), "
+        "or the main model's sample, as the pre-fix engines did (sampled, for ablations)",
+        MTP_BOUNDARIES,
+    )
+    enable_prefix_caching: bool = option(False, "reuse the KV pages of earlier requests' shared prefixes")
+    prefix_cache_boundary: str = option(
+        "exact",
+        "the MTP draft row at the end of the last reused page: exact, or the ablations drop (vLLM) and stale "
+        "(docs/prefix-cache.md)",
+        PREFIX_CACHE_BOUNDARIES,
+    )
+    attention_backend: str = option("auto", "auto: the Pallas kernel on GPUs, the jnp reference elsewhere", ATTENTION_BACKENDS)
+    tensor_parallel_size: int = option(1, "local devices that split heads, MLP and vocabulary (docs/tensor-parallel.md)")
+    load_format: str = option("auto", "how to read the weights (dummy: random weights of the config's shapes)", LOAD_FORMATS)
+    max_logprobs: int = option(20, "most top logprobs a request may ask for")
+    seed: int = option(0, "seed of dummy weights and of requests that set none")
+    async_scheduling: bool = option(
+        True, "schedule and dispatch step N+1 before reading step N, so host work overlaps the device's"
+    )
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def chunk_size(self) -> int:
+        return self.prefill_chunk_size or self.max_num_batched_tokens
+
+    def validate(self) -> None:
+        """Everything that can be checked without the model; a ValueError names the option."""
+        for f in dataclasses.fields(self):
+            value, choices = getattr(self, f.name), f.metadata["choices"]
+            if choices is not None and value is not None and value not in choices:
+                raise ValueError(f"{f.name} must be one of {choices}, got {value!r}")
+            kind = f.type.split(" ")[0]
+            if kind == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
+            if kind == "int" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{f.name} must be an integer, got {value!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_pages",
+                     "max_model_len", "prefill_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        k = self.num_speculative_tokens
+        if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")
+        if self.max_num_batched_tokens < k + 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must hold a verify step of {k + 1} rows"
+            )
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
