@@ -21,6 +21,7 @@ from jaxmtp.allocator import PageAllocator
 from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
+from jaxmtp.hub import resolve_model
 from jaxmtp.output_processor import OutputProcessor, Request
 from jaxmtp.outputs import RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -63,10 +64,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: str | Path, **kwargs):
         self.config = config = EngineConfig(**kwargs)
-        model_dir = Path(model)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model folder {model_dir!s} does not exist")
-        self.model_dir = model_dir
+        self.model_dir = model_dir = resolve_model(model, config.revision)
         self.model_config = cfg = load_config(model_dir, config.dtype)
         k = config.num_speculative_tokens
         if k and not cfg.num_mtp_modules:
@@ -89,15 +87,14 @@ class LLMEngine:
         self.page_size = config.page_size
         # room for k verify rows plus k-1 chained draft positions past the last token
         self.max_pages_per_seq = -(-(self.max_model_len + 2 * k) // self.page_size)
-        num_pages = config.num_pages or config.max_num_seqs * self.max_pages_per_seq
-        self.runner = ModelRunner(model_dir, config, cfg, m, num_pages, self.max_pages_per_seq)
+        self.runner = ModelRunner(model_dir, config, cfg, m, self.max_pages_per_seq)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.prefix_cache = None
         # the salt: what besides the tokens decides a page's KV in this engine
         self._salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.page_size, k > 0, config.prefix_cache_boundary, m)
-        self.allocator = PageAllocator(num_pages, self.page_size, self.prefix_cache)
+        self.allocator = PageAllocator(self.runner.num_pages, self.page_size, self.prefix_cache)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

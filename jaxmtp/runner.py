@@ -16,6 +16,7 @@ from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.loader import load_params
+from jaxmtp.memory import plan_kv_pool
 from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.sharding import check_divisible, make_mesh, replicated
 from jaxmtp.step import StepConfig, StepOutput, jitted_step
@@ -47,8 +48,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(
-        self, model_dir, config: EngineConfig, model_config: ModelConfig, num_draft_modules: int,
-        num_pages: int, max_pages_per_seq: int,
+        self, model_dir, config: EngineConfig, model_config: ModelConfig, num_draft_modules: int, max_pages_per_seq: int
     ):
         self.config = config
         self.model_config = model_config
@@ -58,7 +58,16 @@ class ModelRunner:
         self.params = load_params(
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules, mesh=self.mesh
         )
-        self.num_pages, self.page_size, self.max_pages_per_seq = num_pages, config.page_size, max_pages_per_seq
+        self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
+        # sized after the weights are placed, from the memory they leave
+        self.kv_pool = plan_kv_pool(
+            model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
+            max_pages_per_seq=max_pages_per_seq, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens,
+            num_pages=config.num_pages, gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes, devices=list(self.mesh.devices.flat),
+        )
+        self.num_pages = self.kv_pool.num_pages
         self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
         self.step_config = StepConfig(
             model=model_config,
