@@ -22,7 +22,6 @@ class Request:
     prompt: str | None
     seqs: list[Sequence]
     error: str | None = None  # why the engine failed it (finish_reason "error")
-    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -100,7 +99,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             spec_stats=first.spec_stats.as_dict() if self.with_spec_stats else None,
-            num_cached_tokens=request.num_cached_tokens,
+            num_cached_tokens=first.num_cached_tokens,
             error=request.error,
         )
 

@@ -25,7 +25,8 @@ import hashlib
 # How a lookup treats the last row of the last reused page (see the module docstring):
 #   exact: reuse the version followed by the request's next token, else copy-on-write
 #   drop:  reuse only pages followed by a known token, then drop the last one (vLLM)
-#   stale: reuse any version, whatever token followed it (the bug; for ablations)
+#   stale: reuse any version, whatever token followed it (what engines that key pages by
+#          their tokens alone do; for ablations)
 PREFIX_CACHE_BOUNDARIES = ("exact", "drop", "stale")
 
 
@@ -100,7 +101,7 @@ class PrefixCache:
             following = self._following(token_ids, start + size)
             entry = versions.get(following if self.with_draft_kv else None)
             if entry is None and following is not None and self.boundary == "stale":
-                entry = next(iter(versions.values()))  # the bug: its draft row was built from another token
+                entry = next(iter(versions.values()))  # the ablation: its draft row was built from another token
             if entry is None or following is None:
                 # The page is right but for its last row(s): nothing follows it yet (the row is
                 # recomputed for the logits), or its draft rows were built from other tokens.

@@ -157,6 +157,8 @@ class Scheduler:
             self._unshare_prefix(seq)
             return None
         if self.prefix_cache:
+            if not seq.num_preemptions:  # a recompute's hits are not the prompt's
+                seq.num_cached_tokens = seq.num_computed
             self.prefix_cache.stats.queries += seq.num_tokens
             self.prefix_cache.stats.hits += seq.num_computed
             if copy:

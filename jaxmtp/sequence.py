@@ -77,6 +77,7 @@ class Sequence:
     # prefix-cache entries of the leading full pages (reused or registered), in order
     cached_prefix: list[CachedPage] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is written (and valid)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     drafts: list[int] = dataclasses.field(default_factory=list)  # proposals to verify next step
     # While a dispatched step that emits tokens for this sequence has not been read;
     # num_computed then assumes none of its drafts is accepted.

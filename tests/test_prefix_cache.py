@@ -102,6 +102,7 @@ def test_second_request_computes_only_its_suffix(no_cache, rng, offset):
     assert token_ids([out1, out2]) == token_ids(no_cache.generate([first, second], greedy(20), use_tqdm=False))
     stats = llm.engine.stats.prefix_cache
     assert (stats.queries, stats.hits) == (len(first) + len(second), reused)
+    assert (out1.num_cached_tokens, out2.num_cached_tokens) == (0, reused)
     assert stats.hit_rate == reused / (len(first) + len(second))
     assert_no_leaks(llm)
 
