@@ -13,16 +13,25 @@ from jaxmtp.engine import LLMEngine
 from jaxmtp.outputs import RequestOutput
 from jaxmtp.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dicts as vLLM's: {"prompt": text} or {"prompt_token_ids": ids}
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
-    return prompts
+    return [_from_dict(p) if isinstance(p, dict) else p for p in prompts]
+
+
+def _from_dict(prompt: dict) -> str | list[int]:
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"prompt fields {unknown} are not supported (supported: prompt, prompt_token_ids)")
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict holds exactly one of prompt and prompt_token_ids")
+    return prompt.get("prompt", prompt.get("prompt_token_ids"))
 
 
 class LLM:
@@ -32,6 +41,10 @@ class LLM:
         self.engine = LLMEngine(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's jaxmtp.tokenizer.Tokenizer (None for a model without tokenizer.json)."""
+        return self.tokenizer
 
     def generate(
         self,
@@ -86,7 +99,7 @@ class LLM:
         (sampling_params.output_kind, RequestOutputKind.DELTA). The engine runs here;
         the server runs its own engine loop instead."""
         request_id = f"stream-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, sampling_params)
+        self.engine.add_request(request_id, _as_prompt_list(prompt)[0], sampling_params)
         finished = False
         try:
             while not finished:

@@ -15,6 +15,26 @@ DTYPES = ("float32", "bfloat16")
 MAX_SPECULATIVE_TOKENS = 4
 
 
+SPECULATIVE_METHODS = ("mtp",)
+
+
+def speculative_tokens_of(config: EngineConfig) -> int:
+    """num_speculative_tokens from speculative_config; what it does not implement is an error."""
+    spec = config.speculative_config
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {spec!r}")
+    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(f"speculative_config keys {unknown} are not supported (supported: method, num_speculative_tokens)")
+    if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported (supported: {SPECULATIVE_METHODS})")
+    if config.num_speculative_tokens and config.num_speculative_tokens != spec.get("num_speculative_tokens"):
+        raise ValueError("num_speculative_tokens and speculative_config disagree; give one of them")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config needs num_speculative_tokens")
+    return spec["num_speculative_tokens"]
+
+
 def option(default, help: str, choices: tuple | None = None, cli: bool = True):
     """A field with the metadata the CLI reads: its help text, its choices, and whether
     it is a command-line option at all."""
@@ -38,6 +58,8 @@ class EngineConfig:
     max_num_batched_tokens: int = option(256, "rows (tokens) computed in one step")
     prefill_chunk_size: int | None = option(None, "prompt tokens of one request per step (default: max_num_batched_tokens)")
     num_speculative_tokens: int = option(0, f"MTP draft tokens per step, 0..{MAX_SPECULATIVE_TOKENS} (needs MTP weights)")
+    speculative_config: dict | None = option(
+        None, 'vLLM\'s form of num_speculative_tokens: {"method": "mtp", "num_speculative_tokens": k}', cli=False)
     mtp_boundary: str = option(
         "next_chunk",
         "the token the MTP module reads after a non-final prefill chunk: the next prompt token (next_chunk), "
@@ -62,6 +84,8 @@ class EngineConfig:
     )
 
     def __post_init__(self):
+        if self.speculative_config is not None:
+            object.__setattr__(self, "num_speculative_tokens", speculative_tokens_of(self))
         self.validate()
 
     @property
