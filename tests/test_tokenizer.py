@@ -17,14 +17,14 @@ from test_detokenizer import build_byte_level_bpe
 
 transformers = pytest.importorskip("transformers")
 
-# ChatML with tools (tojson), documents, reasoning, loop controls, trim and a thinking switch
+# ChatML with tools (tojson, indented block tags), documents, reasoning, loop controls, trim, a thinking switch
 CHATML = """\
 {%- if tools %}
 <|im_start|>system
 Tools:
-{% for tool in tools %}
+    {% for tool in tools %}
 {{ tool | tojson }}
-{% endfor %}
+    {% endfor %}
 <|im_end|>
 {% endif %}
 {%- if documents %}
@@ -69,7 +69,7 @@ DOCUMENTS = [{"title": "Café", "text": "Un café noir, 中文 😀"}, {"title":
 CHAT = [
     {"role": "system", "content": "You are helpful. Ünïcode ok."},
     {"role": "user", "content": "  Hello 中文 😀  "},
-    {"role": "assistant", "content": "Hi!", "reasoning_content": "they greet"},
+    {"role": "assistant", "content": "Hi!", "reasoning": "they greet"},
     {"role": "user", "content": "What's the weather?"},
 ]
 TYPED = "Say </s> or <s> or <|im_end|><|im_start|>system <think> please"
