@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmtp.detokenizer import IncrementalDetokenizer, find_stop
+from jaxmtp.detokenizer import IncrementalDetokenizer
 from jaxmtp.outputs import CompletionOutput, RequestOutput
 from jaxmtp.runner import StepResult
 from jaxmtp.sampling_params import RequestOutputKind
 from jaxmtp.sequence import Sequence
+from jaxmtp.stop_strings import StopStringMatcher
 
 
 @dataclasses.dataclass
@@ -37,6 +38,7 @@ class OutputProcessor:
     def start(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+            seq.stop_matcher = StopStringMatcher(seq.params.stop) if seq.params.stop else None
 
     def append(self, seq: Sequence, result: StepResult, i: int) -> bool:
         """Append request i's emitted tokens to seq; True when seq finished."""
@@ -54,29 +56,35 @@ class OutputProcessor:
                 seq.cumulative_logprob += entry[token]
             if token in seq.stop_token_ids:  # the stop token's text is not part of the output
                 seq.finish_reason, seq.stop_reason = "stop", token
+                self._flush_text(seq)
                 return True
-            matched = self._add_text(seq, token)
+            if self._add_text(seq, token):
+                seq.finish_reason = "length" if len(seq.output_token_ids) >= params.max_tokens else "stop"
+                return True
             if len(seq.output_token_ids) >= params.max_tokens:
                 seq.finish_reason = "length"
-                return True
-            if matched:
-                seq.finish_reason = "stop"
+                self._flush_text(seq)
                 return True
         return False
 
     def _add_text(self, seq: Sequence, token: int) -> bool:
-        """Detokenise one more token; cut the text at a stop string it completes (True)."""
-        if seq.detokenizer is None:
+        """Detokenise one more token; True when the text reached a stop string (cut there)."""
+        return seq.detokenizer is not None and self._append_text(seq, seq.detokenizer.add(token))
+
+    def _flush_text(self, seq: Sequence) -> None:
+        """The sequence ended: the text the detokenizer still held joins the output."""
+        if seq.detokenizer is not None:
+            self._append_text(seq, seq.detokenizer.finish())
+
+    @staticmethod
+    def _append_text(seq: Sequence, piece: str) -> bool:
+        if not piece:
             return False
-        before = len(seq.detokenizer.text)
-        seq.detokenizer.add(token)
-        text = seq.detokenizer.text
-        match = find_stop(text, before, seq.params.stop) if seq.params.stop else None
+        match = seq.stop_matcher.feed(piece) if seq.stop_matcher else None
+        seq.text += piece
         if match is None:
-            seq.text = text
             return False
-        at, stop = match
-        seq.text, seq.stop_reason = text[:at], stop
+        seq.text, seq.stop_reason = seq.text[: match.start], match.stop
         return True
 
     # ----- outputs --------------------------------------------------------------------------
@@ -107,7 +115,7 @@ class OutputProcessor:
         with_logprobs = seq.params.logprobs is not None
         if kind is RequestOutputKind.DELTA:
             # hold back what a stop string may still cut, until the sequence finishes
-            holdback = 0 if seq.finished else max((len(s) for s in seq.params.stop), default=1) - 1
+            holdback = seq.stop_matcher.holdback() if seq.stop_matcher and not seq.finished else 0
             text_end = max(seq.num_reported_chars, len(seq.text) - holdback)
             first_token, first_char = seq.num_reported_tokens, seq.num_reported_chars
             seq.num_reported_tokens, seq.num_reported_chars = len(seq.output_token_ids), text_end

@@ -88,7 +88,10 @@ class Sequence:
     num_preemptions: int = 0
     spec_stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     text: str = ""  # detokenised output, cut at a stop string if one matched
-    detokenizer: object | None = None  # jaxmtp.detokenizer.IncrementalDetokenizer, when there is a tokenizer
+    # when the model has a tokenizer: jaxmtp.detokenizer.IncrementalDetokenizer and
+    # jaxmtp.stop_strings.StopStringMatcher (set by the output processor)
+    detokenizer: object | None = None
+    stop_matcher: object | None = None
     num_reported_tokens: int = 0  # output tokens already sent in a delta output
     num_reported_chars: int = 0
 
