@@ -32,10 +32,9 @@ from jaxmtp.tokenizer import Tokenizer
 # Longest run of unfinished tokens held back (see the module docstring); a UTF-8
 # character spans at most 4 byte tokens, so this holds several characters of a run.
 MAX_HELD_TOKENS = 16
-# The window is cut back to a short context once it is this long, so each add()
-# decodes at most about WINDOW_TOKENS + MAX_HELD_TOKENS ids.
-WINDOW_TOKENS = 8
-# Longest context taken when the window's tail is all byte pieces or skipped tokens.
+# Longest context kept when the window's tail is all byte pieces or skipped tokens;
+# each add() decodes at most MAX_CONTEXT_TOKENS + MAX_HELD_TOKENS + 1 ids (decoding
+# costs about 1 us per id, so the window is cut back at every emission).
 MAX_CONTEXT_TOKENS = 8
 
 
@@ -51,6 +50,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # tokens a context cannot start with: byte pieces, and special tokens the decoder skips
+        self._no_context_ids = tokenizer.byte_piece_ids | (tokenizer.special_token_ids if skip_special_tokens else frozenset())
         # the window: `_ids[:_emitted_ids]` is context whose text was emitted (or is the
         # prompt's), and decodes to `_emitted_chars` characters; the rest is held
         context = list(prompt_ids[self._context_start(prompt_ids) :])
@@ -72,6 +73,16 @@ class IncrementalDetokenizer:
         ids = self._ids
         ids.append(token_id)
         window_text = self._decode(ids)
+        if token_id not in self._no_context_ids and not window_text.endswith("\ufffd"):
+            # the usual case, _emit's work inlined: the text is final, and the token alone
+            # is the next context
+            piece = window_text[self._emitted_chars :]
+            if piece:
+                self._pieces.append(piece)
+            del ids[:-1]
+            self._emitted_ids = 1
+            self._emitted_chars = self._tokenizer.token_text_length(token_id, self.skip_special_tokens)
+            return piece
         if self._unfinished(ids, window_text) and len(ids) - self._emitted_ids <= MAX_HELD_TOKENS:
             return ""
         return self._emit(window_text)
@@ -87,12 +98,12 @@ class IncrementalDetokenizer:
         if piece:
             self._pieces.append(piece)
         ids = self._ids
-        if len(ids) > WINDOW_TOKENS:
-            del ids[: self._context_start(ids)]
-            self._emitted_chars = len(self._decode(ids))
-        else:
-            self._emitted_chars = len(window_text)
+        del ids[: self._context_start(ids)]
         self._emitted_ids = len(ids)
+        if len(ids) == 1:  # the usual context: one ordinary token
+            self._emitted_chars = self._tokenizer.token_text_length(ids[0], self.skip_special_tokens)
+        else:
+            self._emitted_chars = len(self._decode(ids))
         return piece
 
     def _decode(self, ids: list[int]) -> str:
@@ -117,8 +128,7 @@ class IncrementalDetokenizer:
         validity are the same in both)."""
         start = len(ids) - 1
         while start > 0 and len(ids) - start < MAX_CONTEXT_TOKENS:
-            token_id = ids[start]
-            if not (self._skipped(token_id) or token_id in self._tokenizer.byte_piece_ids):
+            if ids[start] not in self._no_context_ids:
                 break
             start -= 1
         return max(start, 0)

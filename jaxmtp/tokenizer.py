@@ -72,6 +72,7 @@ class Tokenizer:
             i for piece, i in self.hf.get_vocab(with_added_tokens=False).items() if _BYTE_PIECE.fullmatch(piece)
         )
         self._newline_ids = self.hf.encode("\n", add_special_tokens=False).ids
+        self._token_text_lengths: dict[tuple[int, bool], int] = {}
 
     def encode(self, text: str, add_special_tokens: bool = True, parse_special_tokens: bool | None = None) -> list[int]:
         """Token ids of text. parse_special_tokens: whether special tokens written in text
@@ -86,6 +87,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text_length(self, token_id: int, skip_special_tokens: bool = True) -> int:
+        """len(decode([token_id])), cached: the incremental detokeniser's usual context."""
+        key = (token_id, skip_special_tokens)
+        length = self._token_text_lengths.get(key)
+        if length is None:
+            length = self._token_text_lengths[key] = len(self.decode([token_id], skip_special_tokens))
+        return length
 
     def decode_continuation(
         self, previous_ids: list[int], ids: list[int], context: int = 4, skip_special_tokens: bool = True
