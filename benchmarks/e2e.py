@@ -35,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# the largest batches' KV caches need more than JAX's default 75% of the device's memory
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -274,7 +276,9 @@ class Bench:
         import numpy as np
 
         self.args, self.results, self.t0 = args, results, t0
-        self.sizes = TINY_SIZES if args.tiny else Sizes()
+        sizes = TINY_SIZES if args.tiny else Sizes()
+        chosen = {k: v for k, v in (("batches", args.batches), ("contexts", args.contexts)) if v}
+        self.sizes = dataclasses.replace(sizes, **chosen)
         self.config = TINY if args.tiny else LLAMA3_8B
         self.folder = self.model_folder(self.config)
         self.rng = np.random.default_rng(0)
@@ -425,17 +429,29 @@ def scenario_mtp32(bench: Bench) -> None:
 
 def scenario_batch(bench: Bench) -> None:
     s = bench.sizes
-    most = max(s.batches)
 
     def new_tokens(batch, context):  # enough to outlast the prefill of the last request
         return s.batch_new_tokens + -(-batch * context // s.max_batched)
 
-    pages = most * (max(s.contexts) + new_tokens(most, max(s.contexts)) + 16) // 16 + 64
+    def pages_for(batch, context):
+        return batch * (context + new_tokens(batch, context) + 16) // 16 + 64
+
+    cfg = bench.config
+    page_bytes = 16 * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    free = (bench.results.get("device_bytes_limit") or float("inf")) * 0.85 - bench.results["weight_bytes"]
+    fits = {(b, c): pages_for(b, c) * page_bytes < free for b in s.batches for c in s.contexts}
+    pages = max(pages_for(b, c) for (b, c), ok in fits.items() if ok)
+    most = max(b for (b, _), ok in fits.items() if ok)
     llm = bench.engine(max_num_seqs=most, max_num_batched_tokens=s.max_batched, num_pages=pages)
     for context in s.contexts:
         for batch in s.batches:
             if bench.budget_left() < 40:
                 return
+            if not fits[batch, context]:
+                bench.results.setdefault("not_run", []).append(
+                    f"b{batch} context {context}: its KV cache ({pages_for(batch, context) * page_bytes / 1e9:.0f} GB) "
+                    "and the weights do not fit in the device's memory")
+                continue
             prompts = bench.prompts(batch, context)
             replayed = {}
             step_s, tps, _, _ = run_decode(llm, prompts, new_tokens(batch, context), replayed=replayed)
@@ -606,6 +622,10 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="suffix of the output files (e2e<tag>.json/.md)")
     parser.add_argument("--peer-runs", default=None, help="comma list of the peer's runs (default: all)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: a tiny model and workload")
+    parser.add_argument("--batches", type=lambda x: tuple(int(b) for b in x.split(",")), default=None,
+                        help="batch sizes of the batch scenario (default: 1,32,128,256)")
+    parser.add_argument("--contexts", type=lambda x: tuple(int(c) for c in x.split(",")), default=None,
+                        help="contexts of the batch scenario (default: 1024,4096)")
     parser.add_argument("--mtp32-k", type=lambda x: [int(k) for k in x.split(",")], default=[1, 3],
                         help="speculative tokens to measure at batch 32")
     args = parser.parse_args()
@@ -623,6 +643,7 @@ def main() -> None:
     # shapes compiled by one scenario are loaded, not compiled, by the next
     jax.config.update("jax_compilation_cache_dir", str(ROOT / ".xla_cache"))
     results["device"] = jax.devices()[0].device_kind
+    results["device_bytes_limit"] = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
     results["jax"] = jax.__version__
     results.update(measure_floors(args.tiny))
     results["bandwidth"] = results["torch_copy_bytes_per_s"] or results["jax_copy_bytes_per_s"]
