@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxmtp.allocator import PageAllocator
+from jaxmtp.allocator import PageAllocator, pages_for
 from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
@@ -86,7 +86,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = config.page_size
         # room for k verify rows plus k-1 chained draft positions past the last token
-        self.max_pages_per_seq = -(-(self.max_model_len + 2 * k) // self.page_size)
+        self.max_pages_per_seq = pages_for(self.max_model_len + 2 * k, self.page_size)
         self.runner = ModelRunner(model_dir, config, cfg, m, self.max_pages_per_seq)
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.prefix_cache = None

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.attention import AttentionFn
-from jaxmtp.batch import Batch, row_owner, with_rows_before
+from jaxmtp.batch import Batch, row_owner, slot_of, with_rows_before
 from jaxmtp.cache import KVCache, dropped_index, read_hidden, write_slots
 from jaxmtp.config import MTP_LAYOUTS, ModelConfig
 from jaxmtp.model import decoder_layer, logits, rms_norm
@@ -149,12 +149,13 @@ def propose(
     position = last
     for _ in range(m, num_drafts):
         position = position + 1
-        page = batch.page_table[seq_idx, position // page_size]
         chain = dataclasses.replace(
             batch,
             input_ids=draft,
             positions=position,
-            slot_mapping=jnp.where(proposing, page * page_size + position % page_size, dropped_index(cache.num_slots, seq_idx)),
+            slot_mapping=jnp.where(
+                proposing, slot_of(batch.page_table, seq_idx, position, page_size), dropped_index(cache.num_slots, seq_idx)
+            ),
             query_start=jnp.arange(b + 1, dtype=jnp.int32),
             # idle requests still own their one row; kv_len 1 keeps it a valid
             # (ignored) attention row for the kernel, and its KV write is dropped

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from jaxmtp import model, mtp
 from jaxmtp.attention import attention_fn
-from jaxmtp.batch import Batch
+from jaxmtp.allocator import pages_for
+from jaxmtp.batch import Batch, slot_of
 from jaxmtp.cache import allocate_cache
 from jaxmtp.config import ModelConfig
 from jaxmtp.loader import save_checkpoint
@@ -69,7 +70,7 @@ def init_module(params: Params, cfg: ModelConfig, key: jax.Array) -> MTPParams:
 
 def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
     """A batch of num_seqs full sequences, each in its own contiguous pages."""
-    pages_per_seq = -(-seq_len // page_size)
+    pages_per_seq = pages_for(seq_len, page_size)
     t = num_seqs * seq_len
     positions = np.tile(np.arange(seq_len, dtype=np.int32), num_seqs)
     seq = np.repeat(np.arange(num_seqs, dtype=np.int32), seq_len)
@@ -78,7 +79,7 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
     return Batch(
         input_ids=np.zeros(t, np.int32),
         positions=positions,
-        slot_mapping=page_table[seq, positions // page_size] * page_size + positions % page_size,
+        slot_mapping=slot_of(page_table, seq, positions, page_size),
         query_start=np.arange(0, t + 1, seq_len, dtype=np.int32),
         kv_len=np.full(num_seqs, seq_len, np.int32),
         page_table=page_table,
