@@ -67,13 +67,13 @@ def measure_steps(llm, sampling_params, num_requests: int, num_steps: int, split
     start = time.perf_counter()
     for _ in range(num_steps):
         engine.step()
-    wall = (time.perf_counter() - start) / num_steps
+    wall, wait = (time.perf_counter() - start) / num_steps, waited[0] / num_steps
     while engine.has_unfinished_requests():
         engine.step()
     result = {"step_ms": wall * 1e3}
     if split_wait:
-        result["device_wait_ms"] = waited[0] / num_steps * 1e3
-        result["host_ms"] = result["step_ms"] - result["device_wait_ms"]
+        result["device_wait_ms"] = wait * 1e3
+        result["host_ms"] = (wall - wait) * 1e3
     return result
 
 
@@ -105,9 +105,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(Path(tmp))
-        llm = LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=8192,
-                  num_pages=8 * 8192 // 16)
-        decode = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, stop=["Once upon a midnight"])
+        context = args.stream_tokens + 16
+        llm = LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=context,
+                  num_pages=8 * context // 16 + 64)
+        decode = SamplingParams(max_tokens=args.steps + 30, temperature=0.0, ignore_eos=True, stop=["Once upon a midnight"])
         steps = measure_steps(llm, decode, 8, args.steps, split_wait=args.repo is None)
         stream_params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True,
                                        stop=["Once upon a midnight"])
