@@ -14,10 +14,10 @@ filtered target: P(x_1..x_L) = prod_i filtered(logits[i, x_{i-1}])[x_i].
 
 Cases: k in {2, 3} x temperature in {0.5, 1} x {no filter, top-k, top-p, min-p, all
 three}, all in one batch (one compile per k), each case its own fresh seeds. Test: G-test
-of the empirical counts (cells of expected count < 5 pooled) against the exact
-distribution, chi-square asymptotics; a case fails at p < 1e-4 / (number of cases), so
-the whole test fails by chance with probability <= 1e-4 (Bonferroni). A sample in a cell
-of probability 0 fails at once. 12000 samples per case: with 10000, each planted bug
+of the empirical counts against the exact distribution (test_sampling.g_test); a case
+fails at p < 1e-4 / (number of cases) / 2, so the whole test fails by chance with
+probability <= 1e-4 (Bonferroni, halved as g_test's calibration asks). A sample in a
+cell of probability 0 fails at once. 12000 samples per case: with 10000, each planted bug
 below already failed at p < 1e-30 in every case it affects.
 
 Planted bugs that this test catches (tried by hand): acceptance decided on the logits
@@ -40,17 +40,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from scipy import stats
 
 from jaxmtp.sampling import verify_and_sample
-from test_sampling import numpy_filtered_probs
+from test_sampling import g_test, numpy_filtered_probs
 
 VOCAB = 6
 BOS = VOCAB  # the "previous token" of position 0
 SAMPLES = 12_000
 FILTERS = [(-1, 1.0, 0.0), (3, 1.0, 0.0), (-1, 0.8, 0.0), (-1, 1.0, 0.15), (4, 0.9, 0.1)]  # top_k, top_p, min_p
 CASES = [(k, t, *f) for k in (2, 3) for t in (0.5, 1.0) for f in FILTERS]
-ALPHA = 1e-4 / len(CASES)
+ALPHA = 1e-4 / len(CASES) / 2  # halved: test_sampling.g_test
 
 
 @functools.partial(jax.jit, static_argnames="num_rows")
@@ -116,18 +115,6 @@ def run_requests(target, drafts_table, length: int, k: int, params, seeds):
         last = tokens[rows, accepted]
         count = count + accepted + 1
     return out[:, :length]
-
-
-def g_test(observed: np.ndarray, expected_probs: np.ndarray) -> tuple[float, int]:
-    """p-value of a G-test; cells expected to hold < 5 samples pooled into one."""
-    expected = expected_probs * observed.sum()
-    small = expected < 5
-    obs = np.append(observed[~small], observed[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    g = 2 * np.sum(np.where(obs > 0, obs * np.log(np.maximum(obs, 1) / exp), 0.0))
-    return float(stats.chi2.sf(g, len(obs) - 1)), len(obs)
 
 
 @pytest.mark.parametrize("k", [2, 3])
