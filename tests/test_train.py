@@ -40,8 +40,8 @@ def test_train_resume_and_export(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     out = trainer.export(state.module, tmp_path / "ckpt", STORIES)
-    spec = LLM(out, num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=32)
-    plain = LLM(out, max_num_seqs=4, max_num_batched_tokens=32)
+    spec = LLM(out, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=32)
+    plain = LLM(out, max_num_seqs=2, max_num_batched_tokens=32)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = story_prompts(HELD_OUT_NAMES[:2], HELD_OUT_OPENINGS[:2])
     a = spec.generate(prompts, params, use_tqdm=False)
