@@ -78,7 +78,7 @@ def verify_and_sample(logits, drafts, num_drafts, batch, greedy_batch: bool = Fa
     token at an output index therefore does not depend on whether a draft was verified
     there: a seeded request emits the same tokens with or without speculation, and
     when preemption or batch composition changes how its tokens fall into steps."""
-    b, r, v = logits.shape
+    b, r, _ = logits.shape
     greedy = batch.temperature == 0.0
     # drafts padded to R: the draft checked at row j is drafts[j] (row j predicts it)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
