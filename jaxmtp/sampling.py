@@ -1,9 +1,11 @@
 """On-device sampling and speculative verification.
 
 Drafts are the MTP module's argmax, a point-mass proposal q, so lossless speculative
-sampling reduces to: accept draft d with probability p(d) (strict `<` against a uniform
-draw), otherwise sample from p with d removed, renormalised; after k accepted drafts
-sample a bonus token from p. Greedy rows accept while the draft equals the argmax.
+sampling reduces to: accept draft d with probability p(d), otherwise sample from p with
+d removed, renormalised; after k accepted drafts sample a bonus token from p. Both come
+from one sample of p per row, keyed by the request's seed and the row's output index:
+the draft is accepted when it is that sample, and the sample is what the row emits.
+Greedy rows are the same rule with the argmax for the sample.
 """
 
 from __future__ import annotations
@@ -49,56 +51,47 @@ def row_keys(seed, output_index, num_rows: int):
     return jax.vmap(keys_for)(seed, output_index)  # [B, R]
 
 
-def _sample_rows(logits, padded, sampling):
-    """The stochastic half of verification: per row, whether the draft is accepted
-    (u < p(draft)) and the token to emit if the request stops at that row (a sample
-    from p with the draft removed where the draft was rejected, else from p)."""
+def _sample_rows(logits, sampling):
+    """Per row, a sample of the filtered target distribution: the Gumbel-max draw under
+    noise keyed by the request's seed and the row's output index."""
     b, r, v = logits.shape
     temperature, top_k, top_p, min_p, seed, output_index = sampling
     rep = lambda x: jnp.repeat(x, r)  # noqa: E731 per-request -> per-row
     filtered = filter_logits(
         logits.reshape(b * r, v), rep(temperature), rep(top_k), rep(top_p), rep(min_p)
     ).reshape(b, r, v)
-    # One uniform draw per row: the last entry decides acceptance, the rest become
-    # Gumbel noise for sampling. The plain and the residual sample share that noise;
-    # a row uses only one of them, and each is an exact sample of its distribution.
     keys = row_keys(seed, output_index, r)
-    noise = jax.vmap(jax.vmap(lambda key: jax.random.uniform(key, (v + 1,), minval=1e-12)))(keys)
-    uniform, gumbel = noise[..., v], -jnp.log(-jnp.log(noise[..., :v]))
-    plain = jnp.argmax(filtered + gumbel, axis=-1)
-    residual_logits = jnp.where(jax.nn.one_hot(padded, v, dtype=bool), NEG_INF, filtered)
-    residual = jnp.argmax(residual_logits + gumbel, axis=-1)
-    p_draft = jnp.take_along_axis(jax.nn.softmax(filtered, axis=-1), padded[..., None], axis=-1)[..., 0]
-    return uniform < p_draft, plain, residual
+    gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, (v,))))(keys)
+    return jnp.argmax(filtered + gumbel, axis=-1)
 
 
 def verify_and_sample(logits, drafts, num_drafts, batch, greedy_batch: bool = False):
     """logits [B, R, V] at the verify rows (R = k+1), drafts [B, k] proposed for rows
     1..k, num_drafts [B]. Returns (tokens [B, R], num_accepted [B]); the request's
     output is tokens[:num_accepted + 1]. greedy_batch (static): the host knows every
-    row is greedy, so the sampling branch is left out of the program."""
-    b, r, v = logits.shape
+    row is greedy, so the sampling branch is left out of the program.
+
+    Row j's token is the target's own sample there (the argmax for greedy rows), and
+    the draft checked at row j is accepted exactly when it equals that sample. For a
+    point-mass draft d this is lossless speculative sampling: the sample is d with
+    probability p(d), and otherwise a sample of p with d removed, renormalised. The
+    token at an output index therefore does not depend on whether a draft was verified
+    there: a seeded request emits the same tokens with or without speculation, and
+    when preemption or batch composition changes how its tokens fall into steps."""
+    b, r, _ = logits.shape
     greedy = batch.temperature == 0.0
     # drafts padded to R: the draft checked at row j is drafts[j] (row j predicts it)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
     argmax = jnp.argmax(logits, axis=-1).astype(padded.dtype)
-    # an all-greedy batch (the common serving case) skips the random draws and sorts
-    all_greedy = lambda *_: (jnp.zeros((b, r), bool), argmax, argmax)  # noqa: E731
     sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.output_index)
     if greedy_batch:
-        stochastic_accept, plain, residual = all_greedy()
+        tokens = argmax
     else:
-        stochastic_accept, plain, residual = jax.lax.cond(
-            jnp.all(greedy), all_greedy, _sample_rows, logits, padded, sampling
-        )
-    accept = jnp.where(greedy[:, None], padded == argmax, stochastic_accept)
-    accept &= jnp.arange(r)[None, :] < num_drafts[:, None]
+        # an all-greedy batch (the common serving case) skips the random draws and sorts
+        sampled = jax.lax.cond(jnp.all(greedy), lambda *_: argmax, _sample_rows, logits, sampling)
+        tokens = jnp.where(greedy[:, None], argmax, sampled.astype(padded.dtype))
+    accept = (tokens == padded) & (jnp.arange(r)[None, :] < num_drafts[:, None])
     num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)
-
-    rejected_here = jnp.arange(r)[None, :] == num_accepted[:, None]
-    rejected_here &= num_accepted[:, None] < num_drafts[:, None]
-    sampled = jnp.where(rejected_here, residual, plain)
-    tokens = jnp.where(greedy[:, None], argmax, jnp.where(accept, padded, sampled))
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 

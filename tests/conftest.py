@@ -28,8 +28,13 @@ def golden_ids() -> list[int]:
 
 
 def fresh_rng() -> np.random.Generator:
-    """Random inputs, fresh per test (the seed is printed on failure via the test id)."""
-    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    """Random inputs, fresh per test. A failing test reports every seed it drew (see
+    pytest_runtest_makereport below); JAXMTP_TEST_SEED=N replays one. The seed is also
+    rng.bit_generator.seed_seq.entropy, for assertion messages."""
+    env = os.environ.get("JAXMTP_TEST_SEED")
+    seed = int(env) if env else int.from_bytes(os.urandom(4), "little")
+    _SEEDS.append(seed)
+    return np.random.default_rng(seed)
 
 
 def greedy(n: int, **kwargs):
@@ -163,3 +168,20 @@ def _release_compiled_programs():
     gc.collect()
     jax.clear_caches()
     gc.collect()
+
+
+_SEEDS: list[int] = []  # the seeds fresh_rng drew for the running test
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _SEEDS.clear()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report names the seeds its random inputs came from."""
+    report = (yield).get_result()
+    if report.failed and _SEEDS:
+        seeds = ", ".join(map(str, _SEEDS))
+        report.sections.append(("random seeds", f"seeds {seeds}; replay with JAXMTP_TEST_SEED={_SEEDS[0]}"))

@@ -11,12 +11,12 @@ kernel failed to write shows up as NaN too.
 from __future__ import annotations
 
 import math
-import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import fresh_rng
 from kernels import (
     KernelConfig,
     default_config,
@@ -26,8 +26,8 @@ from kernels import (
 
 
 def _new_rng():
-    seed = int.from_bytes(os.urandom(4), "little")
-    return np.random.default_rng(seed), seed
+    rng = fresh_rng()
+    return rng, rng.bit_generator.seed_seq.entropy
 
 
 def make_case(rng, seqs, *, num_q_heads, num_kv_heads, head_dim, page_size, dtype,

@@ -73,6 +73,49 @@ def _prefix_cache_run(tp: int, enable: bool) -> dict:
     }
 
 
+def _page_accounting(engine) -> dict:
+    allocator = engine.allocator
+    parked = engine.prefix_cache.num_evictable if engine.prefix_cache else 0
+    return {"free_plus_parked": len(allocator.free_pages) + parked, "total": allocator.num_pages,
+            "nonzero_ref_counts": sum(1 for c in allocator.ref_counts if c)}
+
+
+def _modules_run(model, tp: int) -> dict:
+    """Two MTP modules drafting three tokens (rows before each request, a chained step),
+    prefix caching, and a pool of 16 pages of 4 that preempts: _run's requests; then a
+    request aborted while a step that computes it is in flight, and the pages counted."""
+    from jaxmtp import LLM, SamplingParams
+
+    llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, num_speculative_tokens=3,
+              page_size=4, num_pages=16, prefill_chunk_size=7, enable_prefix_caching=True)
+    engine = llm.engine
+    initial_cache = engine.cache.k[0].sharding
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=40, seed=3, ignore_eos=True, logprobs=0)
+    prompts = _prompts() + [[1, 403]]
+    outs = llm.generate(prompts, [greedy] * 2 + [sampled], use_tqdm=False)
+    report = {
+        "tokens": [o.outputs[0].token_ids for o in outs],
+        "logprobs": [[float(next(iter(e.values()))) for e in o.outputs[0].logprobs] for o in outs],
+        "accepted_per_position": [o.spec_stats["accepted_per_position"] for o in outs],
+        "preemptions": engine.scheduler.num_preemptions,
+        "pages_after_generate": _page_accounting(engine),
+        "cache_sharding_kept": all(a.sharding.is_equivalent_to(initial_cache, 4) for a in engine.cache.k + engine.cache.v),
+    }
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abort-{i}", prompt, greedy)
+    aborted_in_flight = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        victim = engine.requests.get("abort-1")
+        if victim and victim.seqs[0].output_token_ids and engine.num_steps_in_flight and victim.seqs[0].in_flight:
+            engine.abort_request("abort-1")
+            aborted_in_flight = True
+    report["aborted_in_flight"] = aborted_in_flight
+    report["pages_after_abort"] = _page_accounting(engine)
+    return report
+
+
 def _spec(array) -> list:
     """The array's PartitionSpec with trailing unsplit dims dropped (P(None) == P())."""
     spec = list(array.sharding.spec) + [None] * (array.ndim - len(array.sharding.spec))
@@ -117,6 +160,7 @@ def worker() -> dict:
 
     import jax
 
+    from conftest import make_modules_model
     from jaxmtp import LLM
     from jaxmtp.loader import save_checkpoint
 
@@ -133,6 +177,10 @@ def worker() -> dict:
 
     report["prefix_cache"] = {f"tp={tp} cache={enable}": _prefix_cache_run(tp, enable)
                               for tp, enable in ((1, False), (2, True))}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = make_modules_model(Path(tmp) / "stories260K-mtp2", 2)
+        report["modules_run"] = _modules_run(modules, 2)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -217,6 +265,25 @@ def test_prefix_cache_hit_under_tensor_parallelism_gives_the_uncached_outputs(re
     assert cached["hits"] >= 16  # the second request reused at least one full page
     assert cached["tokens"] == plain["tokens"]
     assert cached["accepted_per_position"] == plain["accepted_per_position"]
+
+
+def test_several_mtp_modules_preemption_and_abort_in_flight(report):
+    """Two modules (rows before each request, the chained step), prefix caching and a
+    pool that preempts, at TP=2: the plain TP=1 run's tokens (greedy and seeded sampled
+    ones alike: a seeded request's tokens do not depend on speculation) and logprobs.
+    A request aborted while its step is in flight leaves every page free or parked in
+    the prefix cache, and no reference held."""
+    run, plain = report["modules_run"], report["runs"][f"stories260K k=0 chunk={CHUNK_SIZES[0]} tp=1"]
+    assert run["tokens"] == plain["tokens"]
+    for a, b in zip(run["logprobs"], plain["logprobs"]):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+    assert run["cache_sharding_kept"]
+    assert run["preemptions"] > 0 and run["aborted_in_flight"]
+    accepted = np.sum(run["accepted_per_position"], axis=0)
+    assert len(accepted) == 3 and accepted[-1] > 0, accepted  # the chained third draft is accepted at times
+    for key in ("pages_after_generate", "pages_after_abort"):
+        pages = run[key]
+        assert pages["free_plus_parked"] == pages["total"] and pages["nonzero_ref_counts"] == 0, (key, pages)
 
 
 def test_qkv_bias_qk_norm_mtp_and_pallas_kernel_under_shard_map(report):
