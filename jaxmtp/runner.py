@@ -128,7 +128,9 @@ class ModelRunner:
         return ints, floats, self.oracle_tokens, shape
 
     def dispatch(self, step_id: int, scheduled: SchedulerOutput) -> InFlightStep:
-        """Queue the page copies and the step on the device; returns before it runs."""
+        """Queue the page copies and the step on the device; returns before it runs. The
+        copies go first, also when the batch then cannot be built: the sequences they
+        serve already count the copied rows as computed."""
         self.copy_pages(scheduled.page_copies)
         args = self.device_batch(scheduled.rows, self.shape_for(scheduled.rows))
         output = self._run(args)
