@@ -153,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--distill", action="store_true", help="train on the base model's distribution, not data tokens")
     tr.add_argument("--seed", type=int, default=0)
     tr.set_defaults(func=cmd_train_mtp)
-    from jaxmtp import server
+    from jaxmtp.server import launch
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (see README.md)")
-    server.add_server_args(srv)
-    srv.set_defaults(func=server.serve)
+    launch.add_server_args(srv)
+    srv.set_defaults(func=launch.serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
