@@ -1,137 +1,49 @@
-"""The FastAPI app: the state the routes share (Server) and the routes."""
+"""The FastAPI app and its routes. Tokenisation and validation of a request run on a
+worker thread, so that a long prompt does not stall the event loop (and with it every
+stream and /health)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import uuid
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.server.config import ServerConfig
-from jaxmtp.server.engine_loop import EngineLoop
-from jaxmtp.server.formatting import ChatFormat, CompletionFormat, sse
+from jaxmtp.server.formatting import ChatFormat, CompletionFormat
 from jaxmtp.server.gate import RequestGate
-from jaxmtp.server.generation import Generation
-from jaxmtp.server.metrics import Metrics
 from jaxmtp.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, GenerationFields, bad_request, chat_conversation, prompt_list,
+    DEFAULT_COMPLETION_TOKENS, APIError, ChatCompletionRequest, CompletionRequest, bad_request, chat_conversation,
+    check_prompt_texts, prompt_list,
 )
+from jaxmtp.server.serving import Server
 
 log = logging.getLogger("jaxmtp.server")
 
-
-class Server:
-    """The state the routes share: the engine, its loop, metrics, limits."""
-
-    def __init__(self, engine, model: str, config: ServerConfig):
-        self.engine = engine
-        self.model_id = Path(model).resolve().name
-        self.model_names = {self.model_id, model, str(Path(model).resolve())}
-        self.max_waiting = config.max_waiting
-        self.request_timeout = config.request_timeout
-        self.metrics = Metrics(engine)
-        self.engine_loop = EngineLoop(engine, self.metrics)
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise APIError(
-                404, f"model {name!r} does not exist; this server serves {self.model_id!r}",
-                param="model", code="model_not_found",
-            )
-
-    def sampling_params(self, body: GenerationFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        given = dict(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, seed=body.seed, stop=body.stop, logprobs=logprobs,
-        )
-        return SamplingParams(ignore_eos=body.ignore_eos, **{k: v for k, v in given.items() if v is not None})
-
-    def submit(self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams) -> Generation:
-        for prompt in prompts:
-            self.engine.validate(prompt, params)
-        waiting, new = self.engine.num_waiting, len(prompts) * body.n
-        if waiting + new > self.max_waiting:
-            raise APIError(
-                429, f"the server is busy: {waiting} requests are waiting and this one adds {new} "
-                f"(limit {self.max_waiting}); retry later", code="too_many_waiting_requests",
-            )
-        timeout = min(body.timeout or self.request_timeout, self.request_timeout)
-        return Generation(self.engine_loop, self.metrics, prompts, params, body.n, timeout)
-
-    async def respond(
-        self, request: Request, generation: Generation, fmt: CompletionFormat, body: GenerationFields
-    ) -> Response:
-        header = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": generation.created, "model": self.model_id}
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self.stream(generation, fmt, header, include_usage), media_type="text/event-stream")
-        if not await finished_before_disconnect(request, generation.run_to_end()):
-            return Response(status_code=499)  # nobody is there to read it
-        choices = [fmt.choice(c, c.text, 0, True, False) for c in generation.choices]
-        return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": generation.usage()})
-
-    async def stream(self, generation: Generation, fmt: CompletionFormat, header: dict, include_usage: bool):
-        """SSE chunks, one choice each. A client that disconnects cancels this generator,
-        and `finally` aborts its engine requests."""
-        header = {**header, "object": fmt.chunk_object}
-        try:
-            for choice in generation.choices:
-                opening = fmt.opening(choice)
-                if opening:
-                    yield sse({**header, "choices": [opening]})
-            while generation.unfinished:
-                choice = await generation.next_update()
-                if choice is None:  # timed out: the open choices end with finish_reason "abort"
-                    for cancelled in generation.cancel():
-                        yield sse({**header, "choices": [fmt.choice(cancelled, *cancelled.take_delta(), True)]})
-                    break
-                text, first_token, done = choice.take_delta()
-                new_logprobs = fmt.num_logprobs is not None and first_token < len(choice.token_ids)
-                if text or done or new_logprobs:
-                    yield sse({**header, "choices": [fmt.choice(choice, text, first_token, done, True)]})
-            if include_usage:
-                yield sse({**header, "choices": [], "usage": generation.usage()})
-        except APIError as err:  # the status line has gone out: the error goes in the stream
-            yield sse(err.body)
-        finally:
-            generation.cancel()
-        yield sse("[DONE]")
+HEALTH_GENERATE_TIMEOUT = 30.0  # seconds /health_generate waits for its token
 
 
-async def finished_before_disconnect(request: Request, work) -> bool:
-    """Run `work`; if the client disconnects first, cancel it (which aborts its engine
-    requests) and return False."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(client_gone(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled():
-        return False
-    task.result()  # raises the work's error
-    return True
+def encode_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Tokenizer.encode's ids, through encode_batch: it releases the GIL (encode holds
+    it), so the event loop runs on while a worker thread tokenises a long prompt."""
+    return tokenizer.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
-async def client_gone(request: Request) -> None:
-    # the body has been read, so the next message is the disconnect
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def prompt_ids(engine, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
+        return encode_text(engine.tokenizer, prompt, add_special_tokens=True)
+    return engine.encode_prompt(prompt)[1]  # token ids, or the error an empty or untokenisable prompt gets
 
 
 def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> FastAPI:
-    """The FastAPI app serving `engine` (loaded and warmed up) under the name of `model`."""
+    """The FastAPI app serving `engine` (loaded and warmed up) under the name of `model`
+    (or config.served_model_name); app.state.server is its Server."""
     server = Server(engine, model, config)
 
     @contextlib.asynccontextmanager
@@ -141,7 +53,10 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         server.engine_loop.stop()
 
     app = FastAPI(title="jaxmtp", summary="OpenAI-compatible completions on a jaxmtp engine", lifespan=lifespan)
-    app.add_middleware(RequestGate, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.state.server = server
+    app.add_middleware(
+        RequestGate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, public_metrics=config.public_metrics
+    )
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError):
@@ -153,7 +68,9 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         errors = err.errors()
         if errors[0]["type"] == "json_invalid":
             return APIError(400, f"invalid JSON: {errors[0]['ctx']['error']}").response()
-        # a value that fits none of a union's forms gets an error per form: name a few
+        # a value that fits none of a union's forms gets an error per form: name a few,
+        # a wrong value (out of range) before a wrong type, as its form is the one meant
+        errors = sorted(errors, key=lambda e: e["type"].endswith("_type"))
         problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:3]]
         field = errors[0]["loc"][1] if len(errors[0]["loc"]) > 1 else None
         return APIError(400, "; ".join(problems), param=field if isinstance(field, str) else None).response()
@@ -168,10 +85,30 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         log.exception("unexpected error")
         return APIError(500, f"internal error: {type(err).__name__}").response()
 
+    def bad(err: ValueError, body_type, prompt_field: str = "prompt") -> APIError:
+        error = bad_request(err, body_type, prompt_field)
+        error.body["error"]["message"] = server.public(error.body["error"]["message"])
+        return error
+
     @app.get("/health")
     async def health():
-        if not server.engine_loop.alive:
-            raise APIError(503, "the engine thread has stopped")
+        reason = server.unhealthy()
+        if reason is not None:
+            raise APIError(503, reason, code="service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """/health, and the engine generates one token (as SGLang's /health_generate)."""
+        await health()
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        generation = server.start([[0]], params, 1, min(HEALTH_GENERATE_TIMEOUT, config.request_timeout))
+        try:
+            await generation.run_to_end()
+        except APIError as err:
+            raise APIError(503, f"the engine could not generate a token: {err}", code="service_unavailable") from None
+        finally:
+            server.generations.discard(generation)
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -184,7 +121,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             "object": "list",
             "data": [{
                 "id": server.model_id, "object": "model", "created": 0, "owned_by": "jaxmtp",
-                "root": str(engine.model_dir), "max_model_len": engine.max_model_len,
+                "root": server.model_id, "max_model_len": engine.max_model_len,
             }],
         }
 
@@ -192,11 +129,24 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
     async def completions(body: CompletionRequest, request: Request):
         server.check_model(body.model)
         try:
-            prompts = [engine.encode_prompt(p)[1] for p in prompt_list(body.prompt)]
-            params = server.sampling_params(body, body.max_tokens, body.logprobs)
-            generation = server.submit(body, prompts, params)
+            prompts = prompt_list(body.prompt)
         except ValueError as err:
-            raise bad_request(err, CompletionRequest) from None
+            raise bad(err, CompletionRequest) from None
+        check_prompt_texts(prompts)
+        max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        server.check_limits(body, len(prompts), max_tokens, "max_tokens")
+
+        def prepare():
+            ids = [prompt_ids(engine, p) for p in prompts]
+            params = server.sampling_params(body, max_tokens, body.logprobs)
+            server.validate_prompts(ids, params)
+            return ids, params
+
+        try:
+            ids, params = await asyncio.to_thread(prepare)
+            generation = server.submit(body, ids, params)
+        except ValueError as err:
+            raise bad(err, CompletionRequest) from None
         return await server.respond(request, generation, CompletionFormat(engine.tokenizer, body.logprobs), body)
 
     @app.post("/v1/chat/completions")
@@ -204,19 +154,32 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         server.check_model(body.model)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_logprobs = engine.config.max_logprobs
+        if body.top_logprobs is not None and body.top_logprobs > max_logprobs:
+            raise APIError(400, f"top_logprobs must be <= {max_logprobs}, got {body.top_logprobs}", "top_logprobs")
         if engine.tokenizer is None:
-            raise APIError(400, f"{engine.model_dir!s} has no tokenizer.json, so no chat template")
+            raise APIError(400, "the model has no tokenizer.json, so no chat template")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        try:
+        conversation = chat_conversation(body.messages)
+        max_tokens_given = body.max_completion_tokens or body.max_tokens
+        field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        server.check_limits(body, 1, max_tokens_given or 1, field)  # a default max_tokens is made to fit
+
+        def prepare():
             # the template writes its own special tokens (BOS), so none are added on encoding
-            text = engine.tokenizer.apply_chat_template(chat_conversation(body.messages))
-            prompt = engine.tokenizer.encode(text, add_special_tokens=False)
+            text = engine.tokenizer.apply_chat_template(conversation)
+            prompt = encode_text(engine.tokenizer, text, add_special_tokens=False)
             # by default a reply may fill the context; a prompt that already does gets the context error
-            max_tokens = body.max_completion_tokens or body.max_tokens or max(1, engine.max_model_len - len(prompt))
+            max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n)
             params = server.sampling_params(body, max_tokens, logprobs)
+            server.validate_prompts([prompt], params)
+            return prompt, params
+
+        try:
+            prompt, params = await asyncio.to_thread(prepare)
             generation = server.submit(body, [prompt], params)
         except ValueError as err:
-            raise bad_request(err, ChatCompletionRequest, prompt_field="messages") from None
+            raise bad(err, ChatCompletionRequest, prompt_field="messages") from None
         return await server.respond(request, generation, ChatFormat(engine.tokenizer, logprobs), body)
 
     return app

@@ -19,7 +19,10 @@ class TokenLogprob:
 
 
 def token_text(tokenizer, previous: list[int], token: int) -> str:
-    """The text `token` adds after `previous`, special tokens included."""
+    """The text `token` adds after `previous`, special tokens included; a model without
+    a tokenizer names its tokens as vLLM's --return-tokens-as-token-ids does."""
+    if tokenizer is None:
+        return f"token_id:{token}"
     return tokenizer.decode_continuation(previous, [token], skip_special_tokens=False)
 
 

@@ -1,4 +1,5 @@
-"""ASGI middleware run before routing: the API key and the body size limit."""
+"""ASGI middleware run before routing: the API key, the Content-Type of request bodies
+and the body size limit."""
 
 from __future__ import annotations
 
@@ -9,30 +10,28 @@ from starlette.exceptions import HTTPException
 
 from jaxmtp.server.protocol import APIError
 
+OPEN_PATHS = frozenset({"/health", "/health_generate"})  # liveness probes send no key
+
 
 class RequestGate:
-    """ASGI middleware run before routing: checks the API key of /v1 requests (so a
-    request without it gets 401 whatever its body) and caps the body size."""
+    """Checks the API key (so a request without it gets 401 whatever its body) of every
+    path but the probes' (and /metrics, if public), that a POST body is JSON, and caps
+    the body size."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, public_metrics: bool = False):
         self.app = app
+        # compared as the UTF-8 bytes a client sends, so that a non-ASCII key works
         self.expected_authorization = f"Bearer {api_key}".encode() if api_key else None
+        self.open_paths = OPEN_PATHS | {"/metrics"} if public_metrics else OPEN_PATHS
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        if self.expected_authorization and scope["path"].startswith("/v1"):
-            given = headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected_authorization):
-                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
-                error = APIError(401, message, code="invalid_api_key")
-                return await error.response()(scope, receive, send)
+        error = self.refusal(scope)
+        if error is not None:
+            return await error.response()(scope, receive, send)
         too_large = APIError(413, f"request body over {self.max_body_bytes} bytes", code="request_too_large")
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.max_body_bytes:
-            return await too_large.response()(scope, receive, send)
         received = 0
 
         async def receive_limited():  # for bodies sent without a Content-Length
@@ -44,3 +43,21 @@ class RequestGate:
             return message
 
         await self.app(scope, receive_limited, send)
+
+    def refusal(self, scope) -> APIError | None:
+        if self.expected_authorization and scope["path"] not in self.open_paths:
+            given = b"".join(value for name, value in scope["headers"] if name == b"authorization")
+            if not hmac.compare_digest(given, self.expected_authorization):
+                message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
+                return APIError(401, message, code="invalid_api_key")
+        headers = Headers(scope=scope)
+        if scope["method"] == "POST":
+            media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if media_type != "application/json":
+                given = f"got {media_type!r}" if media_type else "none was sent"
+                message = f"the body must be JSON with 'Content-Type: application/json' ({given})"
+                return APIError(400, message, code="unsupported_content_type")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return APIError(413, f"request body over {self.max_body_bytes} bytes", code="request_too_large")
+        return None
