@@ -226,25 +226,13 @@ def test_a_long_prompt_does_not_stall_the_event_loop(engine):
     engine.tokenizer.encode(prompt)
     tokenise_time = time.monotonic() - start
     with serving(engine, max_body_bytes=2 << 20) as http:
-        latencies, done = [], threading.Event()
-
-        def poll():
-            while not done.is_set():
-                start = time.monotonic()
-                assert http.get("/health").status_code == 200
-                latencies.append(time.monotonic() - start)
-                time.sleep(0.01)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        time.sleep(0.1)
-        try:
-            error = assert_openai_error(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), 400)
-        finally:
-            done.set()
-            poller.join()
+        response = []
+        latency = max_health_latency_during(
+            http, lambda: response.append(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
+        )
+    error = assert_openai_error(response[0], 400)
     assert "exceeds the model's context" in error["message"]
-    assert max(latencies) < tokenise_time / 2, (max(latencies), tokenise_time)
+    assert latency < tokenise_time / 2, (latency, tokenise_time)
 
 
 def test_encode_text_gives_the_tokenizers_ids(engine):
@@ -253,3 +241,43 @@ def test_encode_text_gives_the_tokenizers_ids(engine):
     text = "Once upon a time, Lily saw a cat.\nIt said: </s> <s> héllo 🐱"
     for special in (True, False):
         assert encode_text(engine.tokenizer, text, special) == engine.tokenizer.encode(text, special)
+
+
+def max_health_latency_during(http, work) -> float:
+    latencies, done = [], threading.Event()
+
+    def poll():
+        while not done.is_set():
+            start = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - start)
+            time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.1)
+    try:
+        work()
+    finally:
+        done.set()
+        poller.join()
+    return max(latencies)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_formatted_off_the_event_loop(engine, monkeypatch, stream):
+    """Formatting many tokens' logprobs takes a while (n=128 with logprobs=20 once stalled
+    /health 2.6 s); a formatter made slow on purpose shows where it runs."""
+    from jaxmtp.server.formatting import CompletionFormat
+
+    logprobs_body = CompletionFormat.logprobs_body
+
+    def slow_logprobs_body(self, entries):
+        time.sleep(0.5)
+        return logprobs_body(self, entries)
+
+    monkeypatch.setattr(CompletionFormat, "logprobs_body", slow_logprobs_body)
+    body = dict(prompt="Once upon a time", max_tokens=2, logprobs=1, stream=stream, **GREEDY)
+    with serving(engine) as http:
+        latency = max_health_latency_during(http, lambda: http.post("/v1/completions", json=body).raise_for_status())
+    assert latency < 0.25, latency
