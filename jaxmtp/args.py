@@ -66,9 +66,9 @@ def option_values(args: argparse.Namespace, cls: type) -> dict:
 def add_model_args(parser: argparse.ArgumentParser, positional: bool = False) -> None:
     """--model, and with `positional` also MODEL as the first argument (as `vllm serve`)."""
     if positional:
-        text = f"model folder, as --model (default: {DEFAULT_MODEL})"
+        text = f"model folder or Hugging Face id, as --model (default: {DEFAULT_MODEL})"
         parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help=text)
-    parser.add_argument("--model", default=None, help=f"model folder (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None, help=f"model folder or Hugging Face id (default: {DEFAULT_MODEL})")
 
 
 def resolve_model(args: argparse.Namespace) -> str:
@@ -88,8 +88,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's keyword arguments from the parsed engine options."""
     kwargs = option_values(args, EngineConfig)
     if kwargs["num_speculative_tokens"] is None:
+        from jaxmtp import hub
         from jaxmtp.config import load_config
 
-        has_mtp = load_config(resolve_model(args)).num_mtp_modules
+        has_mtp = load_config(hub.resolve_model(resolve_model(args), kwargs["revision"])).num_mtp_modules
         kwargs["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS if has_mtp else 0
     return kwargs

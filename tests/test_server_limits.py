@@ -219,6 +219,33 @@ def test_a_disconnect_cancels_the_work_cleanly_and_returns_false():
     assert cleaned_up == [True]
 
 
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_prompts_are_tokenised_off_the_event_loop(engine, monkeypatch, path):
+    """A tokenizer made slow on purpose (sleeping, as a GIL-free tokenizer would run)
+    shows where tokenisation runs: /health answers meanwhile."""
+    tokenizer = engine.tokenizer
+    encode, apply_chat_template = tokenizer.encode, tokenizer.apply_chat_template
+
+    def slow(function):
+        def slowed(*args, **kwargs):
+            time.sleep(0.5)
+            return function(*args, **kwargs)
+        return slowed
+
+    monkeypatch.setattr(tokenizer, "encode", slow(encode))
+    monkeypatch.setattr(tokenizer, "apply_chat_template", slow(apply_chat_template))
+    body = {"prompt": "Once upon a time"} if path == "completions" else {"messages": HI}
+    with serving(engine) as http:
+        post = lambda: http.post(f"/v1/{path}", json={**body, "max_tokens": 2, **GREEDY}).raise_for_status()  # noqa: E731
+        latency = max_health_latency_during(http, post)
+    assert latency < 0.25, latency
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Tokenizer.encode calls tokenizers' encode, which holds the GIL for the whole prompt "
+    "(encode_batch releases it): the worker thread then stalls the event loop all the same",
+)
 def test_a_long_prompt_does_not_stall_the_event_loop(engine):
     """A ~1 MB prompt takes the tokenizer about a second; /health must answer meanwhile."""
     prompt = "Once upon a time, there was a little girl named Lily. " * 18000
@@ -233,14 +260,6 @@ def test_a_long_prompt_does_not_stall_the_event_loop(engine):
     error = assert_openai_error(response[0], 400)
     assert "exceeds the model's context" in error["message"]
     assert latency < tokenise_time / 2, (latency, tokenise_time)
-
-
-def test_encode_text_gives_the_tokenizers_ids(engine):
-    from jaxmtp.server.app import encode_text
-
-    text = "Once upon a time, Lily saw a cat.\nIt said: </s> <s> héllo 🐱"
-    for special in (True, False):
-        assert encode_text(engine.tokenizer, text, special) == engine.tokenizer.encode(text, special)
 
 
 def max_health_latency_during(http, work) -> float:

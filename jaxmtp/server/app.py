@@ -1,6 +1,6 @@
 """The FastAPI app and its routes. Tokenisation and validation of a request run on a
 worker thread, so that a long prompt does not stall the event loop (and with it every
-stream and /health)."""
+stream and /health) while the tokenizer releases the GIL."""
 
 from __future__ import annotations
 
@@ -27,18 +27,6 @@ from jaxmtp.server.serving import Server
 log = logging.getLogger("jaxmtp.server")
 
 HEALTH_GENERATE_TIMEOUT = 30.0  # seconds /health_generate waits for its token
-
-
-def encode_text(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """Tokenizer.encode's ids, through encode_batch: it releases the GIL (encode holds
-    it), so the event loop runs on while a worker thread tokenises a long prompt."""
-    return tokenizer.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
-
-def prompt_ids(engine, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
-        return encode_text(engine.tokenizer, prompt, add_special_tokens=True)
-    return engine.encode_prompt(prompt)[1]  # token ids, or the error an empty or untokenisable prompt gets
 
 
 def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> FastAPI:
@@ -137,7 +125,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         server.check_limits(body, len(prompts), max_tokens, "max_tokens")
 
         def prepare():
-            ids = [prompt_ids(engine, p) for p in prompts]
+            ids = [engine.encode_prompt(p)[1] for p in prompts]
             params = server.sampling_params(body, max_tokens, body.logprobs)
             server.validate_prompts(ids, params)
             return ids, params
@@ -166,9 +154,8 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         server.check_limits(body, 1, max_tokens_given or 1, field)  # a default max_tokens is made to fit
 
         def prepare():
-            # the template writes its own special tokens (BOS), so none are added on encoding
-            text = engine.tokenizer.apply_chat_template(conversation)
-            prompt = encode_text(engine.tokenizer, text, add_special_tokens=False)
+            # the template writes its own special tokens (BOS); those typed in messages stay text
+            prompt = engine.tokenizer.apply_chat_template(conversation, tokenize=True)
             # by default a reply may fill the context; a prompt that already does gets the context error
             max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n)
             params = server.sampling_params(body, max_tokens, logprobs)

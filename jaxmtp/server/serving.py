@@ -34,9 +34,12 @@ class Server:
         if config.served_model_name:
             self.model_names = set(config.served_model_name)
             self.model_id = config.served_model_name[0]
-        else:  # the folder's name, or the path the server was started with
+        elif Path(model).is_dir():  # the folder's name, or the path the server was started with
             self.model_id = folder.name
             self.model_names = {self.model_id, model, str(folder)}
+        else:  # a Hugging Face id
+            self.model_id = model
+            self.model_names = {model}
         # where the model lies on this machine is nobody's business outside it
         self._paths = sorted({str(folder), str(model), str(engine.model_dir)}, key=len, reverse=True)
         self.metrics = Metrics(engine)
