@@ -27,7 +27,9 @@ INT32_MAX = 2**31 - 1
 def engine():
     from jaxmtp.engine import LLMEngine
 
-    return LLMEngine(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8)
+    return LLMEngine(
+        MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8, enable_prefix_caching=True
+    )
 
 
 @contextlib.contextmanager
@@ -159,6 +161,26 @@ def test_a_non_ascii_api_key_guards_every_path_but_the_probes(engine):
     with serving(engine, api_key=key, public_metrics=True) as http:
         assert http.get("/metrics").status_code == 200
         assert http.get("/openapi.json").status_code == 401
+
+
+def test_each_api_key_has_a_prefix_cache_of_its_own(engine):
+    """Cache hits are a side channel (a hit answers faster): a client may reuse only the
+    prefixes its own key's requests computed."""
+    prompt = "Once upon a time Lily saw a cat. The sun was warm. Tom and his dog played in the big tree."
+    body = dict(prompt=prompt, max_tokens=2, **GREEDY)
+    stats = engine.stats.prefix_cache
+
+    def hits_of(key):
+        before = stats.hits
+        response = http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        return stats.hits - before
+
+    with serving(engine, api_key=["alice", "bob"]) as http:
+        assert hits_of("alice") == 0
+        assert hits_of("alice") > 0
+        assert hits_of("bob") == 0
+        assert hits_of("bob") > 0
 
 
 def test_health_answers_503_while_the_engine_is_unusable_or_draining(engine, monkeypatch):

@@ -43,7 +43,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
     app = FastAPI(title="jaxmtp", summary="OpenAI-compatible completions on a jaxmtp engine", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(
-        RequestGate, api_key=config.api_key, max_body_bytes=config.max_body_bytes, public_metrics=config.public_metrics
+        RequestGate, api_keys=config.api_key, max_body_bytes=config.max_body_bytes, public_metrics=config.public_metrics
     )
 
     @app.exception_handler(APIError)
@@ -132,7 +132,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
 
         try:
             ids, params = await asyncio.to_thread(prepare)
-            generation = server.submit(body, ids, params)
+            generation = server.submit(body, ids, params, request.state.cache_salt)
         except ValueError as err:
             raise bad(err, CompletionRequest) from None
         return await server.respond(request, generation, CompletionFormat(engine.tokenizer, body.logprobs), body)
@@ -164,7 +164,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
 
         try:
             prompt, params = await asyncio.to_thread(prepare)
-            generation = server.submit(body, [prompt], params)
+            generation = server.submit(body, [prompt], params, request.state.cache_salt)
         except ValueError as err:
             raise bad(err, ChatCompletionRequest, prompt_field="messages") from None
         return await server.respond(request, generation, ChatFormat(engine.tokenizer, logprobs), body)

@@ -15,10 +15,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class ServerConfig:
     host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = option(8000, "port to listen on")
-    api_key: str | None = option(
+    api_key: list[str] | None = option(
         None,
-        "require 'Authorization: Bearer KEY' on every path but /health and /health_generate "
-        "(default: $JAXMTP_API_KEY, else none)",
+        "keys, one of which every path but /health and /health_generate then needs as 'Authorization: Bearer KEY'; "
+        "requests share cached prompt prefixes only with requests of the same key (default: $JAXMTP_API_KEY, "
+        "else none)",
     )
     public_metrics: bool = option(False, "serve /metrics without the API key")
     served_model_name: list[str] | None = option(
@@ -48,6 +49,10 @@ class ServerConfig:
     log_level: str = option("info", "log level of the server and uvicorn", LOG_LEVELS)
 
     def __post_init__(self):
+        if isinstance(self.api_key, str):  # one key
+            object.__setattr__(self, "api_key", [self.api_key])
+        if self.api_key is not None and not all(self.api_key):
+            raise ValueError("api_key must be non-empty keys")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", "float") and not value > 0:

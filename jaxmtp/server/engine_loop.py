@@ -42,8 +42,11 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue) -> None:
-        self.engine.add_request(request_id, prompt_ids, params)
+    def add(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
         self._queues[request_id] = queue
         self._wake.set()
 

@@ -3,6 +3,7 @@ and the body size limit."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.datastructures import Headers
@@ -18,19 +19,23 @@ class RequestGate:
     path but the probes' (and /metrics, if public), that a POST body is JSON, and caps
     the body size."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, public_metrics: bool = False):
+    def __init__(self, app, api_keys: list[str] | None, max_body_bytes: int, public_metrics: bool = False):
         self.app = app
         # compared as the UTF-8 bytes a client sends, so that a non-ASCII key works
-        self.expected_authorization = f"Bearer {api_key}".encode() if api_key else None
+        self.authorizations = [f"Bearer {key}".encode() for key in api_keys or []]
+        # a request's prefix-cache salt, so that one key's requests cannot time another's cache hits
+        self.cache_salts = [hashlib.sha256(key.encode()).hexdigest() for key in api_keys or []]
         self.open_paths = OPEN_PATHS | {"/metrics"} if public_metrics else OPEN_PATHS
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        error = self.refusal(scope)
+        key = self.key_index(scope)
+        error = self.refusal(scope, key)
         if error is not None:
             return await error.response()(scope, receive, send)
+        scope.setdefault("state", {})["cache_salt"] = None if key is None else self.cache_salts[key]
         too_large = APIError(413, f"request body over {self.max_body_bytes} bytes", code="request_too_large")
         received = 0
 
@@ -44,10 +49,17 @@ class RequestGate:
 
         await self.app(scope, receive_limited, send)
 
-    def refusal(self, scope) -> APIError | None:
-        if self.expected_authorization and scope["path"] not in self.open_paths:
-            given = b"".join(value for name, value in scope["headers"] if name == b"authorization")
-            if not hmac.compare_digest(given, self.expected_authorization):
+    def key_index(self, scope) -> int | None:
+        """Which key the request sends, if any; every key is compared (in constant time)."""
+        if not self.authorizations:
+            return None
+        given = b"".join(value for name, value in scope["headers"] if name == b"authorization")
+        matches = [hmac.compare_digest(given, expected) for expected in self.authorizations]
+        return matches.index(True) if any(matches) else None
+
+    def refusal(self, scope, key: int | None) -> APIError | None:
+        if self.authorizations and scope["path"] not in self.open_paths:
+            if key is None:
                 message = "missing or wrong API key: send 'Authorization: Bearer <key>'"
                 return APIError(401, message, code="invalid_api_key")
         headers = Headers(scope=scope)

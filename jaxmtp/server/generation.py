@@ -82,7 +82,7 @@ class Generation:
 
     def __init__(
         self, engine_loop: EngineLoop, metrics: Metrics, prompts: list[list[int]], params: SamplingParams, n: int,
-        timeout: float,
+        timeout: float, cache_salt: str | None = None,
     ):
         self.engine_loop = engine_loop
         self.metrics = metrics
@@ -104,7 +104,7 @@ class Generation:
                     # the engine's own seeding for n > 1: sample j of a request uses seed + j
                     seed = None if params.seed is None else params.seed + j
                     choice_params = dataclasses.replace(params, seed=seed)
-                    engine_loop.add(self.choices[i * n + j].request_id, prompt, choice_params, self.queue)
+                    engine_loop.add(self.choices[i * n + j].request_id, prompt, choice_params, self.queue, cache_salt)
         except ValueError:
             self.cancel()
             raise

@@ -26,7 +26,8 @@ AFTER_DRAIN_TIMEOUT = 5.0  # seconds for interrupted responses to go out after t
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, model_positional=True)
-    add_options(parser, ServerConfig, defaults={"api_key": os.environ.get("JAXMTP_API_KEY")})
+    key = os.environ.get("JAXMTP_API_KEY")
+    add_options(parser, ServerConfig, defaults={"api_key": [key] if key else None})
 
 
 def timed_protocol(read_timeout: float) -> type[H11Protocol]:
@@ -103,7 +104,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from jaxmtp.engine import LLMEngine
 
-    config = ServerConfig(**{**option_values(args, ServerConfig), "api_key": args.api_key or None})
+    config = ServerConfig(**option_values(args, ServerConfig))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.setLevel(config.log_level.upper())
     if config.compilation_cache_dir:

@@ -115,7 +115,9 @@ class Server:
         )
         return SamplingParams(ignore_eos=body.ignore_eos, **{k: v for k, v in given.items() if v is not None})
 
-    def submit(self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams) -> Generation:
+    def submit(
+        self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
+    ) -> Generation:
         """Admit a request already validated (validate_prompts) on the event loop's thread."""
         reason = self.unhealthy()
         if reason is not None:
@@ -127,10 +129,12 @@ class Server:
                 f"(limit {self.config.max_waiting}); retry later", code="too_many_waiting_requests",
             )
         timeout = min(body.timeout or self.config.request_timeout, self.config.request_timeout)
-        return self.start(prompts, params, body.n, timeout)
+        return self.start(prompts, params, body.n, timeout, cache_salt)
 
-    def start(self, prompts: list[list[int]], params: SamplingParams, n: int, timeout: float) -> Generation:
-        generation = Generation(self.engine_loop, self.metrics, prompts, params, n, timeout)
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams, n: int, timeout: float, cache_salt: str | None = None
+    ) -> Generation:
+        generation = Generation(self.engine_loop, self.metrics, prompts, params, n, timeout, cache_salt)
         self.generations.add(generation)
         return generation
 
