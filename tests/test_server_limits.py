@@ -12,7 +12,6 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 
 from conftest import MTP_MODEL, ROOT

@@ -73,7 +73,7 @@ def test_sigterm_drains_then_exits(server):
         with http.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}) as long_stream, \
                 http.stream("POST", server.url + "/v1/completions", json=short) as short_stream:
             long_events, short_events = sse_events(long_stream), sse_events(short_stream)
-            first_long, first_short = next(long_events), next(short_events)  # both are running
+            first_long, _ = next(long_events), next(short_events)  # both are running
             # a third request, without streaming, waits (two sequences at most): SIGTERM
             # once the engine holds it
             admitted = server.metric("jaxmtp_prompt_tokens_total")
