@@ -262,27 +262,6 @@ def test_prompts_are_tokenised_off_the_event_loop(engine, monkeypatch, path):
     assert latency < 0.25, latency
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Tokenizer.encode calls tokenizers' encode, which holds the GIL for the whole prompt "
-    "(encode_batch releases it): the worker thread then stalls the event loop all the same",
-)
-def test_a_long_prompt_does_not_stall_the_event_loop(engine):
-    """A ~1 MB prompt takes the tokenizer about a second; /health must answer meanwhile."""
-    prompt = "Once upon a time, there was a little girl named Lily. " * 18000
-    start = time.monotonic()
-    engine.tokenizer.encode(prompt)
-    tokenise_time = time.monotonic() - start
-    with serving(engine, max_body_bytes=2 << 20) as http:
-        response = []
-        latency = max_health_latency_during(
-            http, lambda: response.append(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}))
-        )
-    error = assert_openai_error(response[0], 400)
-    assert "exceeds the model's context" in error["message"]
-    assert latency < tokenise_time / 2, (latency, tokenise_time)
-
-
 def max_health_latency_during(http, work) -> float:
     latencies, done = [], threading.Event()
 

@@ -123,6 +123,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         check_prompt_texts(prompts)
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
         server.check_limits(body, len(prompts), max_tokens, "max_tokens")
+        server.check_admission(len(prompts) * body.n)
 
         def prepare():
             ids = [engine.encode_prompt(p)[1] for p in prompts]
@@ -152,6 +153,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         max_tokens_given = body.max_completion_tokens or body.max_tokens
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         server.check_limits(body, 1, max_tokens_given or 1, field)  # a default max_tokens is made to fit
+        server.check_admission(body.n)
 
         def prepare():
             # the template writes its own special tokens (BOS); those typed in messages stay text

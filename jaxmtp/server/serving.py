@@ -115,19 +115,24 @@ class Server:
         )
         return SamplingParams(ignore_eos=body.ignore_eos, **{k: v for k, v in given.items() if v is not None})
 
-    def submit(
-        self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
-    ) -> Generation:
-        """Admit a request already validated (validate_prompts) on the event loop's thread."""
+    def check_admission(self, new: int) -> None:
+        """503 while the server cannot serve, 429 while the queue has no room for `new`
+        choices. Checked before a request is tokenised, and again when it is admitted."""
         reason = self.unhealthy()
         if reason is not None:
             raise APIError(503, reason, code="service_unavailable")
-        waiting, new = self.engine.num_waiting, len(prompts) * body.n
+        waiting = self.engine.num_waiting
         if waiting + new > self.config.max_waiting:
             raise APIError(
                 429, f"the server is busy: {waiting} requests are waiting and this one adds {new} "
                 f"(limit {self.config.max_waiting}); retry later", code="too_many_waiting_requests",
             )
+
+    def submit(
+        self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
+    ) -> Generation:
+        """Admit a request already validated (validate_prompts) on the event loop's thread."""
+        self.check_admission(len(prompts) * body.n)
         timeout = min(body.timeout or self.config.request_timeout, self.config.request_timeout)
         return self.start(prompts, params, body.n, timeout, cache_salt)
 
