@@ -25,3 +25,94 @@ def test_generate_reports_bad_input_without_a_traceback():
     assert result.returncode == 2
     assert "max_tokens must be an integer >= 1" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ----- options derived from EngineConfig and ServerConfig (no model is loaded) ----------
+
+
+def subcommand_parsers():
+    import argparse
+
+    from jaxmtp.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices
+
+
+def test_every_option_has_help_with_its_default():
+    import argparse
+
+    from jaxmtp.args import HelpFormatter
+
+    for name, parser in subcommand_parsers().items():
+        assert parser.formatter_class is HelpFormatter, name  # it appends the default a help leaves out
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, (name, action.dest)
+    rendered = " ".join(subcommand_parsers()["serve"].format_help().split())
+    assert "tokens per KV cache page (default: 16)" in rendered
+    assert "(default: True)" in rendered.split("--no-enable-prefix-caching")[-1][:120]
+
+
+def test_engine_options_are_engine_config_fields_with_their_defaults():
+    import dataclasses
+
+    from jaxmtp.args import CLI_ENGINE_DEFAULTS
+    from jaxmtp.engine_config import EngineConfig
+
+    parsers = subcommand_parsers()
+    for name in ("generate", "serve"):
+        by_dest = {a.dest: a for a in parsers[name]._actions}
+        for f in dataclasses.fields(EngineConfig):
+            if not f.metadata["cli"]:
+                assert f.name not in by_dest, (name, f.name)
+                continue
+            action = by_dest[f.name]
+            assert action.option_strings == ["--" + f.name.replace("_", "-")] + (
+                ["--no-" + f.name.replace("_", "-")] if f.type == "bool" else []
+            ), (name, f.name)
+            assert action.default == CLI_ENGINE_DEFAULTS.get(f.name, f.default), (name, f.name)
+            if f.metadata["choices"] is not None:
+                assert tuple(action.choices) == f.metadata["choices"], (name, f.name)
+
+
+def test_engine_kwargs_keep_the_command_lines_own_defaults():
+    from conftest import MTP_MODEL, STORIES
+    from jaxmtp.args import engine_kwargs
+    from jaxmtp.cli import build_parser
+    from jaxmtp.engine_config import EngineConfig
+
+    parser = build_parser()
+    kwargs = engine_kwargs(parser.parse_args(["generate", "--model", str(MTP_MODEL)]))
+    assert kwargs["enable_prefix_caching"] is True and kwargs["num_speculative_tokens"] == 2
+    EngineConfig(**kwargs)  # every option the command line passes is a field
+    assert engine_kwargs(parser.parse_args(["generate", "--model", str(STORIES)]))["num_speculative_tokens"] == 0
+    off = parser.parse_args(["serve", "--model", str(MTP_MODEL), "--no-enable-prefix-caching", "--no-async-scheduling",
+                             "--num-speculative-tokens", "1", "--max-logprobs", "5"])
+    kwargs = engine_kwargs(off)
+    assert (kwargs["enable_prefix_caching"], kwargs["async_scheduling"]) == (False, False)
+    assert (kwargs["num_speculative_tokens"], kwargs["max_logprobs"]) == (1, 5)
+
+
+def test_serve_takes_the_model_as_its_first_argument_or_as_model():
+    import pytest
+
+    from jaxmtp.args import DEFAULT_MODEL, resolve_model
+    from jaxmtp.cli import build_parser
+
+    parser = build_parser()
+    assert resolve_model(parser.parse_args(["serve", "some/folder", "--port", "1"])) == "some/folder"
+    assert resolve_model(parser.parse_args(["serve", "--model", "some/folder"])) == "some/folder"
+    assert resolve_model(parser.parse_args(["serve", "a", "--model", "a"])) == "a"
+    assert resolve_model(parser.parse_args(["serve"])) == DEFAULT_MODEL
+    assert resolve_model(parser.parse_args(["generate"])) == DEFAULT_MODEL
+    with pytest.raises(ValueError, match="name different models"):
+        resolve_model(parser.parse_args(["serve", "a", "--model", "b"]))
+
+
+def test_the_cli_and_the_server_do_not_import_each_other():
+    code = (
+        "import sys, jaxmtp.server.launch, jaxmtp.server; assert 'jaxmtp.cli' not in sys.modules, 'server imports cli'"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr

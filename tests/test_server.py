@@ -361,7 +361,7 @@ def test_unknown_fields_are_ignored_and_the_server_still_serves(server):
 # ----- API key and overload -----------------------------------------------------------------
 
 
-def test_api_key_guards_v1_only(guarded_server):
+def test_api_key_guards_all_but_health(guarded_server):
     url = guarded_server.url
     body = {"prompt": "Hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
@@ -370,7 +370,9 @@ def test_api_key_guards_v1_only(guarded_server):
     assert_openai_error(httpx.get(url + "/v1/models"), 401)
     assert_openai_error(httpx.post(url + "/v1/completions", content=b"{oops"), 401)  # the key before the body
     assert httpx.get(url + "/health").status_code == 200
-    assert httpx.get(url + "/metrics").status_code == 200
+    # /metrics would tell anyone how often other users' prompts hit the prefix cache
+    assert_openai_error(httpx.get(url + "/metrics"), 401)
+    assert httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).completions.create(model=MODEL_ID, prompt="Hi")
     keyed = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)

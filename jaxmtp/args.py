@@ -1,0 +1,96 @@
+"""Command-line options derived from config dataclasses: each field of EngineConfig (and
+of the server's ServerConfig) is an option --kebab-name with the field's type, default,
+choices and help text, so that these are written once, in the dataclass. `jaxmtp
+generate` and `jaxmtp serve` share the engine's options."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from jaxmtp.engine_config import EngineConfig
+
+CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+DEFAULT_MODEL = str(CHECKPOINTS / "stories260K-mtp")  # stories260K with its trained MTP head
+DEFAULT_BASE = str(CHECKPOINTS / "stories260K")
+
+# Where the command line's defaults differ from EngineConfig's (the library's): serving
+# workloads share prefixes (system prompts, chat turns), and a model that ships MTP
+# weights drafts with them.
+CLI_ENGINE_DEFAULTS = {"enable_prefix_caching": True, "num_speculative_tokens": None}
+DEFAULT_SPECULATIVE_TOKENS = 2
+CLI_ENGINE_HELP = {
+    "num_speculative_tokens": (
+        f"MTP draft tokens per step (default: {DEFAULT_SPECULATIVE_TOKENS} if the model has MTP weights, else 0)"
+    ),
+}
+
+TYPES = {"str": str, "int": int, "float": float}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text and action.default is not argparse.SUPPRESS:
+            text += " (default: %(default)s)"
+        return text
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, defaults: dict | None = None, helps: dict | None = None):
+    """One option per field of the dataclass `cls` whose metadata does not say cli=False;
+    `defaults` and `helps` replace a field's default and help text on the command line."""
+    defaults, helps = defaults or {}, helps or {}
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        default = defaults.get(f.name, f.default)
+        text = helps.get(f.name, f.metadata["help"]).replace("%", "%%")
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type.split(" ")[0]  # "int | None" -> "int"
+        if kind == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif kind.startswith("list["):
+            parser.add_argument(flag, nargs="+", type=TYPES[kind[5:-1]], default=default, help=text)
+        else:
+            parser.add_argument(flag, type=TYPES[kind], default=default, choices=f.metadata["choices"], help=text)
+
+
+def option_values(args: argparse.Namespace, cls: type) -> dict:
+    """The parsed values of the options add_options made for `cls`, by field name."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.metadata.get("cli", True)}
+
+
+def add_model_args(parser: argparse.ArgumentParser, positional: bool = False) -> None:
+    """--model, and with `positional` also MODEL as the first argument (as `vllm serve`)."""
+    if positional:
+        text = f"model folder or Hugging Face id, as --model (default: {DEFAULT_MODEL})"
+        parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help=text)
+    parser.add_argument("--model", default=None, help=f"model folder or Hugging Face id (default: {DEFAULT_MODEL})")
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    """The model the command line names; a ValueError if MODEL and --model disagree."""
+    positional = getattr(args, "model_positional", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"MODEL ({positional}) and --model ({args.model}) name different models: give one")
+    return positional or args.model or DEFAULT_MODEL
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    add_model_args(parser, model_positional)
+    add_options(parser, EngineConfig, CLI_ENGINE_DEFAULTS, CLI_ENGINE_HELP)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig's keyword arguments from the parsed engine options."""
+    kwargs = option_values(args, EngineConfig)
+    if kwargs["num_speculative_tokens"] is None:
+        from jaxmtp import hub
+        from jaxmtp.config import load_config
+
+        has_mtp = load_config(hub.resolve_model(resolve_model(args), kwargs["revision"])).num_mtp_modules
+        kwargs["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS if has_mtp else 0
+    return kwargs

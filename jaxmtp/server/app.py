@@ -1,0 +1,174 @@
+"""The FastAPI app and its routes. Tokenisation and validation of a request run on a
+worker thread, so that a long prompt does not stall the event loop (and with it every
+stream and /health) while the tokenizer releases the GIL."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.server.config import ServerConfig
+from jaxmtp.server.formatting import ChatFormat, CompletionFormat
+from jaxmtp.server.gate import RequestGate
+from jaxmtp.server.protocol import (
+    DEFAULT_COMPLETION_TOKENS, APIError, ChatCompletionRequest, CompletionRequest, bad_request, chat_conversation,
+    check_prompt_texts, prompt_list,
+)
+from jaxmtp.server.serving import Server
+
+log = logging.getLogger("jaxmtp.server")
+
+HEALTH_GENERATE_TIMEOUT = 30.0  # seconds /health_generate waits for its token
+
+
+def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> FastAPI:
+    """The FastAPI app serving `engine` (loaded and warmed up) under the name of `model`
+    (or config.served_model_name); app.state.server is its Server."""
+    server = Server(engine, model, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine_loop.start()
+        yield
+        server.engine_loop.stop()
+
+    app = FastAPI(title="jaxmtp", summary="OpenAI-compatible completions on a jaxmtp engine", lifespan=lifespan)
+    app.state.server = server
+    app.add_middleware(
+        RequestGate, api_keys=config.api_key, max_body_bytes=config.max_body_bytes, public_metrics=config.public_metrics
+    )
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, err: APIError):
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, err: RequestValidationError):
+        # OpenAI answers 400 where FastAPI would answer 422
+        errors = err.errors()
+        if errors[0]["type"] == "json_invalid":
+            return APIError(400, f"invalid JSON: {errors[0]['ctx']['error']}").response()
+        # a value that fits none of a union's forms gets an error per form: name a few,
+        # a wrong value (out of range) before a wrong type, as its form is the one meant
+        errors = sorted(errors, key=lambda e: e["type"].endswith("_type"))
+        problems = [f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:3]]
+        field = errors[0]["loc"][1] if len(errors[0]["loc"]) > 1 else None
+        return APIError(400, "; ".join(problems), param=field if isinstance(field, str) else None).response()
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, err: HTTPException):
+        code = "request_too_large" if err.status_code == 413 else None
+        return APIError(err.status_code, str(err.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, err: Exception):
+        log.exception("unexpected error")
+        return APIError(500, f"internal error: {type(err).__name__}").response()
+
+    def bad(err: ValueError, body_type, prompt_field: str = "prompt") -> APIError:
+        error = bad_request(err, body_type, prompt_field)
+        error.body["error"]["message"] = server.public(error.body["error"]["message"])
+        return error
+
+    @app.get("/health")
+    async def health():
+        reason = server.unhealthy()
+        if reason is not None:
+            raise APIError(503, reason, code="service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """/health, and the engine generates one token (as SGLang's /health_generate)."""
+        await health()
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        generation = server.start([[0]], params, 1, min(HEALTH_GENERATE_TIMEOUT, config.request_timeout))
+        try:
+            await generation.run_to_end()
+        except APIError as err:
+            raise APIError(503, f"the engine could not generate a token: {err}", code="service_unavailable") from None
+        finally:
+            server.generations.discard(generation)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {
+            "object": "list",
+            "data": [{
+                "id": server.model_id, "object": "model", "created": 0, "owned_by": "jaxmtp",
+                "root": server.model_id, "max_model_len": engine.max_model_len,
+            }],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        server.check_model(body.model)
+        try:
+            prompts = prompt_list(body.prompt)
+        except ValueError as err:
+            raise bad(err, CompletionRequest) from None
+        check_prompt_texts(prompts)
+        max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        server.check_limits(body, len(prompts), max_tokens, "max_tokens")
+        server.check_admission(len(prompts) * body.n)
+
+        def prepare():
+            ids = [engine.encode_prompt(p)[1] for p in prompts]
+            params = server.sampling_params(body, max_tokens, body.logprobs)
+            server.validate_prompts(ids, params)
+            return ids, params
+
+        try:
+            ids, params = await asyncio.to_thread(prepare)
+            generation = server.submit(body, ids, params, request.state.cache_salt)
+        except ValueError as err:
+            raise bad(err, CompletionRequest) from None
+        return await server.respond(request, generation, CompletionFormat(engine.tokenizer, body.logprobs), body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        server.check_model(body.model)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        max_logprobs = engine.config.max_logprobs
+        if body.top_logprobs is not None and body.top_logprobs > max_logprobs:
+            raise APIError(400, f"top_logprobs must be <= {max_logprobs}, got {body.top_logprobs}", "top_logprobs")
+        if engine.tokenizer is None:
+            raise APIError(400, "the model has no tokenizer.json, so no chat template")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        conversation = chat_conversation(body.messages)
+        max_tokens_given = body.max_completion_tokens or body.max_tokens
+        field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        server.check_limits(body, 1, max_tokens_given or 1, field)  # a default max_tokens is made to fit
+        server.check_admission(body.n)
+
+        def prepare():
+            # the template writes its own special tokens (BOS); those typed in messages stay text
+            prompt = engine.tokenizer.apply_chat_template(conversation, tokenize=True)
+            # by default a reply may fill the context; a prompt that already does gets the context error
+            max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n)
+            params = server.sampling_params(body, max_tokens, logprobs)
+            server.validate_prompts([prompt], params)
+            return prompt, params
+
+        try:
+            prompt, params = await asyncio.to_thread(prepare)
+            generation = server.submit(body, [prompt], params, request.state.cache_salt)
+        except ValueError as err:
+            raise bad(err, ChatCompletionRequest, prompt_field="messages") from None
+        return await server.respond(request, generation, ChatFormat(engine.tokenizer, logprobs), body)
+
+    return app

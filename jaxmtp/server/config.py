@@ -1,0 +1,63 @@
+"""ServerConfig: every option of the HTTP server, its default and its help text,
+written once (`jaxmtp serve`'s options derive from these fields, jaxmtp/args.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jaxmtp.engine_config import option
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
+    port: int = option(8000, "port to listen on")
+    api_key: list[str] | None = option(
+        None,
+        "keys, one of which every path but /health and /health_generate then needs as 'Authorization: Bearer KEY'; "
+        "requests share cached prompt prefixes only with requests of the same key (default: $JAXMTP_API_KEY, "
+        "else none)",
+    )
+    public_metrics: bool = option(False, "serve /metrics without the API key")
+    served_model_name: list[str] | None = option(
+        None, "the names requests may give as `model`; responses report the first (default: the model folder's name)"
+    )
+    max_waiting: int = option(256, "waiting requests (one per choice) beyond which new ones get 429")
+    request_timeout: float = option(600.0, "seconds after its arrival before a request is aborted")
+    max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
+    max_n: int = option(128, "most choices (n) a request may ask for")
+    max_stop_strings: int = option(16, "most stop strings a request may give")
+    max_stop_string_length: int = option(256, "longest stop string, in characters")
+    max_request_tokens: int = option(
+        131072, "most tokens one request may generate: n x max_tokens (a chat reply's default is capped to fit)"
+    )
+    max_temperature: float = option(2.0, "highest temperature a request may ask for (OpenAI's limit)")
+    shutdown_timeout: float = option(
+        20.0, "on SIGTERM: seconds running requests may take to finish before they are aborted"
+    )
+    read_timeout: float = option(
+        10.0, "seconds a client has to send a whole request (headers and body), from connecting or from its last response"
+    )
+    timeout_keep_alive: float = option(5.0, "seconds an idle keep-alive connection stays open")
+    compilation_cache_dir: str = option(
+        str(Path.home() / ".cache" / "jaxmtp" / "xla"),
+        "persistent XLA cache, so that later starts skip compiling ('' to disable)",
+    )
+    log_level: str = option("info", "log level of the server and uvicorn", LOG_LEVELS)
+
+    def __post_init__(self):
+        if isinstance(self.api_key, str):  # one key
+            object.__setattr__(self, "api_key", [self.api_key])
+        if self.api_key is not None and not all(self.api_key):
+            raise ValueError("api_key must be non-empty keys")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and not value > 0:
+                raise ValueError(f"{f.name} must be > 0, got {value!r}")
+            if f.metadata["choices"] is not None and value not in f.metadata["choices"]:
+                raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {value!r}")
+        if self.served_model_name is not None and not all(self.served_model_name):
+            raise ValueError("served_model_name must be non-empty names")

@@ -1,0 +1,104 @@
+"""Response bodies and stream chunks of /v1/completions and /v1/chat/completions. Both
+render logprobs from one loop (token_logprobs) and differ only in the shape around it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from jaxmtp.server.generation import Choice
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's logprob and the top alternatives', each with its text."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def token_text(tokenizer, previous: list[int], token: int) -> str:
+    """The text `token` adds after `previous`, special tokens included; a model without
+    a tokenizer names its tokens as vLLM's --return-tokens-as-token-ids does."""
+    if tokenizer is None:
+        return f"token_id:{token}"
+    return tokenizer.decode_continuation(previous, [token], skip_special_tokens=False)
+
+
+def top_entries(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    # the engine's entry is the chosen token first, then the top n not already in it
+    return sorted(entry.items(), key=lambda item: -item[1])[:n]
+
+
+def token_logprobs(tokenizer, choice: Choice, first_token: int, num_top: int) -> list[TokenLogprob]:
+    """The logprobs of the choice's tokens from first_token on."""
+    ids, entries = choice.token_ids, []
+    for position in range(first_token, len(choice.logprobs)):
+        entry, previous = choice.logprobs[position], ids[:position]
+        top = [(token_text(tokenizer, previous, t), lp) for t, lp in top_entries(entry, num_top)]
+        entries.append(TokenLogprob(token_text(tokenizer, previous, ids[position]), entry[ids[position]], top))
+    return entries
+
+
+class CompletionFormat:
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, tokenizer, num_logprobs: int | None):
+        self.tokenizer = tokenizer
+        self.num_logprobs = num_logprobs
+
+    def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
+        body = {"index": choice.index, "text": text, "logprobs": self.logprobs(choice, first_token)}
+        return self.finish(body, choice, done)
+
+    def finish(self, body: dict, choice: Choice, done: bool) -> dict:
+        body["finish_reason"] = choice.finish_reason if done else None
+        if done and choice.spec_stats is not None:
+            body["spec_stats"] = choice.spec_stats
+        return body
+
+    def opening(self, choice: Choice) -> dict | None:
+        return None
+
+    def logprobs(self, choice: Choice, first_token: int) -> dict | None:
+        if self.num_logprobs is None or choice.logprobs is None:
+            return None
+        return self.logprobs_body(token_logprobs(self.tokenizer, choice, first_token, self.num_logprobs))
+
+    def logprobs_body(self, entries: list[TokenLogprob]) -> dict:
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries],
+        }
+
+
+class ChatFormat(CompletionFormat):
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
+        message = {"content": text} if streaming else {"role": "assistant", "content": text}
+        body = {"index": choice.index, "delta" if streaming else "message": message}
+        body["logprobs"] = self.logprobs(choice, first_token)
+        return self.finish(body, choice, done)
+
+    def opening(self, choice: Choice) -> dict:
+        delta = {"role": "assistant", "content": ""}
+        return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def logprobs_body(self, entries: list[TokenLogprob]) -> dict:
+        def token(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {**token(e.token, e.logprob), "top_logprobs": [token(text, lp) for text, lp in e.top]} for e in entries
+            ]
+        }
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

@@ -1,0 +1,124 @@
+"""`jaxmtp serve`: its command-line options, and the process that loads the engine,
+compiles its step and serves it with uvicorn, with a read timeout on every connection
+and a graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from jaxmtp.args import add_engine_args, add_options, engine_kwargs, option_values, resolve_model
+from jaxmtp.server.app import create_app
+from jaxmtp.server.config import ServerConfig
+from jaxmtp.server.serving import Server
+
+log = logging.getLogger("jaxmtp.server")
+
+AFTER_DRAIN_TIMEOUT = 5.0  # seconds for interrupted responses to go out after the drain
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser, model_positional=True)
+    key = os.environ.get("JAXMTP_API_KEY")
+    add_options(parser, ServerConfig, defaults={"api_key": [key] if key else None})
+
+
+def timed_protocol(read_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, where a client has read_timeout seconds to send a whole
+    request (headers and body) from connecting or from the end of its last response,
+    else the connection is closed. uvicorn alone times out only idle keep-alive
+    connections, and any byte a client sends restarts that timer."""
+
+    class TimedH11Protocol(H11Protocol):
+        _read_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
+                self._disarm()  # the whole request is in
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._read_timer = self.loop.call_later(read_timeout, self._timed_out)
+
+        def _disarm(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _timed_out(self) -> None:
+            self._read_timer = None
+            if not self.transport.is_closing():
+                log.info("closing a connection that sent no whole request in %g s", read_timeout)
+                self.transport.close()
+
+    return TimedH11Protocol
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM (or Ctrl-C) stops listening, drains the app's
+    Server (jaxmtp.server.serving.Server.drain) and then shuts down as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, app_server: Server, shutdown_timeout: float):
+        super().__init__(config)
+        self.app_server = app_server
+        self.shutdown_timeout = shutdown_timeout
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn raises a caught signal again once it has shut down; after a drain the
+        # server has done what SIGTERM asks, so it exits with status 0 instead
+        captured = getattr(self, "_captured_signals", [])
+        if sig == signal.SIGTERM and sig in captured:
+            captured.remove(sig)
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections while draining
+        await self.app_server.drain(self.shutdown_timeout)
+        await super().shutdown(sockets)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import jax
+
+    from jaxmtp.engine import LLMEngine
+
+    config = ServerConfig(**option_values(args, ServerConfig))
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(config.log_level.upper())
+    if config.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+    model = resolve_model(args)
+    engine = LLMEngine(model, **engine_kwargs(args))
+    start = time.monotonic()
+    shapes = engine.warmup()  # compile every batch shape before the port opens
+    log.info("compiled the step for %d batch shapes in %.1f s", shapes, time.monotonic() - start)
+    app = create_app(engine, model, config)
+    uvicorn_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level, http=timed_protocol(config.read_timeout),
+        timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=AFTER_DRAIN_TIMEOUT,
+    )
+    DrainingServer(uvicorn_config, app.state.server, config.shutdown_timeout).run()
+    log.info("shut down")
+    return 0

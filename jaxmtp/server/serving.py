@@ -1,0 +1,245 @@
+"""Server: the state the routes share (engine, engine thread, metrics, limits) and what
+they do with it: check a request against the limits, admit it, answer or stream it, and
+drain on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.server.config import ServerConfig
+from jaxmtp.server.engine_loop import EngineLoop
+from jaxmtp.server.formatting import CompletionFormat, sse
+from jaxmtp.server.generation import SHUTDOWN, Generation, Interrupted
+from jaxmtp.server.metrics import Metrics
+from jaxmtp.server.protocol import APIError, GenerationFields, check_text
+
+log = logging.getLogger("jaxmtp.server")
+
+SEED_LIMIT = 2**63
+
+
+class Server:
+    def __init__(self, engine, model: str, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        folder = Path(model).resolve()
+        if config.served_model_name:
+            self.model_names = set(config.served_model_name)
+            self.model_id = config.served_model_name[0]
+        elif Path(model).is_dir():  # the folder's name, or the path the server was started with
+            self.model_id = folder.name
+            self.model_names = {self.model_id, model, str(folder)}
+        else:  # a Hugging Face id
+            self.model_id = model
+            self.model_names = {model}
+        # where the model lies on this machine is nobody's business outside it
+        self._paths = sorted({str(folder), str(model), str(engine.model_dir)}, key=len, reverse=True)
+        self.metrics = Metrics(engine)
+        self.engine_loop = EngineLoop(engine, self.metrics)
+        self.draining = False
+        self.generations: set[Generation] = set()
+
+    # ----- health ---------------------------------------------------------------------
+
+    def unhealthy(self) -> str | None:
+        """Why the server cannot serve now, or None."""
+        if self.draining:
+            return "the server is shutting down"
+        if not self.engine_loop.alive:
+            return "the engine thread has stopped"
+        if not getattr(self.engine, "usable", True):
+            return "the engine is unusable after a failed step (see the server log)"
+        return None
+
+    def public(self, message: str) -> str:
+        for path in self._paths:
+            message = message.replace(path, self.model_id)
+        return message
+
+    # ----- admission ------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise APIError(
+                404, f"model {name!r} does not exist; this server serves {self.model_id!r}",
+                param="model", code="model_not_found",
+            )
+
+    def check_limits(self, body: GenerationFields, num_prompts: int, max_tokens: int, max_tokens_field: str) -> None:
+        """The server's per-request limits, each a 400 naming the field."""
+        config = self.config
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > config.max_stop_strings:
+            raise APIError(400, f"stop: at most {config.max_stop_strings} stop strings, got {len(stops)}", "stop")
+        for stop in stops:
+            check_text(stop, "stop")
+            if len(stop) > config.max_stop_string_length:
+                message = f"stop: stop strings are at most {config.max_stop_string_length} characters, got {len(stop)}"
+                raise APIError(400, message, "stop")
+        if body.n > config.max_n:
+            raise APIError(400, f"n must be <= {config.max_n}, got {body.n}", "n")
+        if body.temperature is not None and body.temperature > config.max_temperature:
+            raise APIError(400, f"temperature must be <= {config.max_temperature:g}, got {body.temperature:g}", "temperature")
+        if body.seed is not None and body.seed + body.n - 1 >= SEED_LIMIT:
+            message = f"seed must be < 2**63 - (n - 1) = {SEED_LIMIT - body.n + 1}: choice j samples with seed + j"
+            raise APIError(400, message, "seed")
+        if body.n * max_tokens > config.max_request_tokens:
+            message = (
+                f"n x {max_tokens_field} = {body.n} x {max_tokens} exceeds this server's limit of "
+                f"{config.max_request_tokens} generated tokens per request"
+            )
+            raise APIError(400, message, max_tokens_field)
+        if num_prompts * body.n > config.max_waiting:
+            message = (
+                f"this request's {num_prompts * body.n} choices (prompts x n) exceed the server's queue of "
+                f"{config.max_waiting} (--max-waiting): it can never be admitted"
+            )
+            raise APIError(400, message, "n", code="request_too_large")
+
+    def default_max_tokens(self, prompt: list[int], n: int) -> int:
+        """A chat reply's default: the rest of the context, within max_request_tokens."""
+        return max(1, min(self.engine.max_model_len - len(prompt), self.config.max_request_tokens // n))
+
+    def sampling_params(self, body: GenerationFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        given = dict(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, seed=body.seed, stop=body.stop, logprobs=logprobs,
+        )
+        return SamplingParams(ignore_eos=body.ignore_eos, **{k: v for k, v in given.items() if v is not None})
+
+    def check_admission(self, new: int) -> None:
+        """503 while the server cannot serve, 429 while the queue has no room for `new`
+        choices. Checked before a request is tokenised, and again when it is admitted."""
+        reason = self.unhealthy()
+        if reason is not None:
+            raise APIError(503, reason, code="service_unavailable")
+        waiting = self.engine.num_waiting
+        if waiting + new > self.config.max_waiting:
+            raise APIError(
+                429, f"the server is busy: {waiting} requests are waiting and this one adds {new} "
+                f"(limit {self.config.max_waiting}); retry later", code="too_many_waiting_requests",
+            )
+
+    def submit(
+        self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
+    ) -> Generation:
+        """Admit a request already validated (validate_prompts) on the event loop's thread."""
+        self.check_admission(len(prompts) * body.n)
+        timeout = min(body.timeout or self.config.request_timeout, self.config.request_timeout)
+        return self.start(prompts, params, body.n, timeout, cache_salt)
+
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams, n: int, timeout: float, cache_salt: str | None = None
+    ) -> Generation:
+        generation = Generation(self.engine_loop, self.metrics, prompts, params, n, timeout, cache_salt)
+        self.generations.add(generation)
+        return generation
+
+    def validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        for prompt in prompts:
+            self.engine.validate(prompt, params)
+
+    # ----- answers --------------------------------------------------------------------
+
+    async def respond(
+        self, request: Request, generation: Generation, fmt: CompletionFormat, body: GenerationFields
+    ) -> Response:
+        header = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": generation.created, "model": self.model_id}
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self.stream(generation, fmt, header, include_usage), media_type="text/event-stream")
+        try:
+            if not await finished_before_disconnect(request, generation.run_to_end()):
+                return Response(status_code=499)  # nobody is there to read it
+        finally:
+            self.generations.discard(generation)
+
+        def body_of_the_response():  # off the event loop: logprobs of many tokens take a while
+            choices = [fmt.choice(c, c.text, 0, True, False) for c in generation.choices]
+            return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": generation.usage()})
+
+        return await asyncio.to_thread(body_of_the_response)
+
+    async def stream(self, generation: Generation, fmt: CompletionFormat, header: dict, include_usage: bool):
+        """SSE chunks, one choice each. A client that disconnects cancels this generator,
+        and `finally` aborts its engine requests."""
+        header = {**header, "object": fmt.chunk_object}
+
+        def chunk(choice, text, first_token, done):
+            return sse({**header, "choices": [fmt.choice(choice, text, first_token, done, True)]})
+
+        try:
+            for choice in generation.choices:
+                opening = fmt.opening(choice)
+                if opening:
+                    yield sse({**header, "choices": [opening]})
+            while generation.unfinished:
+                update = await generation.next_update()
+                if isinstance(update, Interrupted):  # the open choices end with finish_reason "abort"
+                    for cancelled in generation.cancel():
+                        text, first_token, _ = cancelled.take_delta()
+                        yield chunk(cancelled, text, first_token, True)
+                    break
+                text, first_token, done = update.take_delta()
+                new_logprobs = fmt.num_logprobs is not None and first_token < len(update.token_ids)
+                if new_logprobs:  # off the event loop, as the tokens' texts take a while
+                    yield await asyncio.to_thread(chunk, update, text, first_token, done)
+                elif text or done:
+                    yield chunk(update, text, first_token, done)
+            if include_usage:
+                yield sse({**header, "choices": [], "usage": generation.usage()})
+        except APIError as err:  # the status line has gone out: the error goes in the stream
+            yield sse(err.body)
+        finally:
+            generation.cancel()
+            self.generations.discard(generation)
+        yield sse("[DONE]")
+
+    # ----- shutdown -------------------------------------------------------------------
+
+    async def drain(self, timeout: float) -> None:
+        """Admit nothing more (503; /health answers 503), give the running requests
+        `timeout` seconds to finish, then interrupt the rest: streams end their open
+        choices with finish_reason "abort" and [DONE], other requests get a 503."""
+        self.draining = True
+        log.info("draining: %d requests running, new ones get 503", len(self.generations))
+        deadline = time.monotonic() + timeout
+        while self.generations and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.generations:
+            log.warning("aborting %d requests still running after %g s", len(self.generations), timeout)
+        for generation in list(self.generations):
+            generation.interrupt(SHUTDOWN)
+
+
+async def finished_before_disconnect(request: Request, work) -> bool:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine
+    requests) and return False."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+        # a task cancelled a moment ago is neither done nor cancelled until it has run
+        await asyncio.wait({task, gone})
+    if task.cancelled():
+        return False
+    task.result()  # raises the work's error
+    return True
+
+
+async def client_gone(request: Request) -> None:
+    # the body has been read, so the next message is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
