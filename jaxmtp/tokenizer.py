@@ -49,6 +49,12 @@ def check_unicode(obj: Any, field: str) -> None:
             check_unicode(value, f"{field}[{index}]")
 
 
+def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch releases the GIL while it works (encode does not): a long prompt
+    # tokenised on a worker thread then leaves the server's event loop running
+    return hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -83,7 +89,7 @@ class Tokenizer:
         if parse_special_tokens is None:
             parse_special_tokens = not add_special_tokens
         hf = self.hf if parse_special_tokens else self._hf_as_text
-        return hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(hf, text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -153,7 +159,7 @@ class Tokenizer:
         markers gives [text, marked token, text, ...], None for a lone marker (a template
         string method split a marked token), which still breaks the text."""
         pieces = markers_re.split(text)
-        ids = self.hf.encode(pieces[0], add_special_tokens=False).ids
+        ids = _encode(self.hf, pieces[0], False)
         for index, piece in enumerate(pieces[1:], start=1):
             if not piece:
                 continue
@@ -173,7 +179,7 @@ class Tokenizer:
         return piece_ids[len(newline) :] if piece_ids[: len(newline)] == newline else encode(piece)
 
     def _encode_parsing_special(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        return _encode(self.hf, text, False)
 
     def _encode_without_added_tokens(self, text: str) -> list[int]:
         """text through the normalizer, pre-tokenizer and model only: no added token,
