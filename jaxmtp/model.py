@@ -9,14 +9,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.attention import AttentionFn
+from jaxmtp.attention import AttentionFn, attention_fn
 from jaxmtp.batch import Batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import apply_rope, rms_norm, swiglu
-from jaxmtp.mla import mla_attention
+from jaxmtp.mla import mla_attention, mla_attention_fn
 from jaxmtp.moe import moe_ffn
 from jaxmtp.params import LayerParams, Params
+
+
+def attention_for(cfg: ModelConfig, backend: str, mesh=None, decode_rows: int = 1) -> AttentionFn:
+    """The attention the model's layers take: GQA's (jaxmtp.attention) or MLA's, whose
+    rows of sequences with at most decode_rows rows take the absorbed form."""
+    if cfg.mla is None:
+        return attention_fn(backend, cfg.head_dim, mesh)
+    return mla_attention_fn(backend, decode_rows, mesh)
 
 
 def gqa_attention(

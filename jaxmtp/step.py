@@ -15,11 +15,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp import model, mtp
-from jaxmtp.attention import attention_fn
 from jaxmtp.batch import Batch, apply_carry, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
-from jaxmtp.mla import mla_attention_fn
 from jaxmtp.params import Params, pytree_dataclass
 from jaxmtp.sharding import gather_vocab
 from jaxmtp.sampling import chosen_logprobs, verify_and_sample
@@ -68,10 +66,8 @@ def step(
     batch = apply_carry(unpack_batch(ints, floats, tuple(dims)), carry, cache.page_size)
     cfg = config.model
     k = config.num_speculative_tokens
-    if cfg.mla is None:
-        attention = attention_fn(config.attention_backend, cfg.head_dim, config.mesh)
-    else:  # a verify step's k + 1 rows of a request, and fewer, are decode rows
-        attention = mla_attention_fn(config.attention_backend, k + 1, config.mesh)
+    # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
+    attention = model.attention_for(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
     hidden, cache = model.forward(params, cfg, batch, cache, attention)
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
     if config.mesh is not None:
