@@ -146,3 +146,61 @@ def test_unsupported_config_values_are_refused_by_name(tmp_path, rng, field, val
     (folder / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_config(folder)
+
+
+# The config.json files of DeepSeek-V3 (its fp8 quantization_config left out: fp8
+# weights are not implemented) and GLM-4.5-Air, as they ship
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+    "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 163840, "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
+    "bos_token_id": 0, "eos_token_id": 1, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    "attention_bias": False, "attention_dropout": 0.0, "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16",
+    "ep_size": 1,
+}
+
+GLM_45_AIR_CONFIG = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
+    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
+    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0", "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
+}
+
+
+@pytest.mark.parametrize("hf_config, main, mtp", [
+    (DEEPSEEK_V3_CONFIG, 671.03e9, 11.61e9),  # "671B main model, 14B MTP module" (with its embedding and head)
+    (GLM_45_AIR_CONFIG, 106.85e9, 2.375e9),  # "106B total"; 110B in the safetensors with the MTP layer
+])
+def test_real_configs_give_the_published_parameter_counts(tmp_path, hf_config, main, mtp):
+    """Every weight's shape, from the real config.json files (no weights): the parameter
+    counts their model cards give. load_format="dummy" builds these shapes."""
+    import dataclasses
+    import math
+
+    import jax
+
+    from jaxmtp.params import param_shapes
+    from jaxmtp.sharding import check_divisible
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    cfg = load_config(tmp_path)
+    shapes = param_shapes(cfg)
+
+    def count(tree):
+        return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+    assert count(dataclasses.replace(shapes, mtp=[])) == pytest.approx(main, rel=1e-4)
+    assert count(shapes.mtp) == pytest.approx(mtp, rel=1e-3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not implemented for " + cfg.model_type):
+        check_divisible(cfg, 2)

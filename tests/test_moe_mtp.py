@@ -26,8 +26,13 @@ ENGINE = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=16, num_pag
 
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory):
-    """A tiny DeepSeek-V3 (q_lora, YaRN, groups and bias) with one MTP layer, saved as
-    the real checkpoints ship it: the decoder layer at model.layers.{L} with enorm,
+    """A tiny DeepSeek-V3 (q_lora, YaRN, groups and bias) with its MTP layer."""
+    return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "deepseek-mtp", "deepseek-qlora-yarn")
+
+
+def make_mtp_checkpoint(folder, family: str, seed: int = 20261201):
+    """A tiny model of one family with one MTP layer, saved as the real checkpoints
+    (DeepSeek-V3, GLM-4.5) ship it: the decoder layer at model.layers.{L} with enorm,
     hnorm, eh_proj, shared_head.norm, and copies of embed_tokens and the LM head.
     Returns the folder, a float64 transformers model of L + 1 layers whose last layer
     is the MTP layer's decoder block, and the MTP-only tensors.
@@ -38,9 +43,7 @@ def mtp_model(tmp_path_factory):
     bigram model, and the MTP layer, reading mostly the next token's embedding
     (eh_proj near [I, 0]) and ending in the main model's final norm, predicts the token
     after it much as the main model will."""
-    folder = tmp_path_factory.mktemp("mtp") / "deepseek-mtp"
-    seed = 20261201
-    folder, hf = make_moe_model(folder, "deepseek-qlora-yarn", seed, num_layers=L + 1)
+    folder, hf = make_moe_model(folder, family, seed, num_layers=L + 1)
     tensors = load_file(folder / "model.safetensors")
     with torch.no_grad():
         for name, w in hf.named_parameters():
@@ -245,3 +248,22 @@ def test_greedy_with_mtp_equals_without_under_preemption(mtp_model, plain, rng):
     assert token_ids(llm.generate(prompts, greedy(48), use_tqdm=False)) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+
+
+def test_glm_mtp_layer_drafts_exactly(tmp_path, mtp_model, rng):
+    """GLM-4.5's MTP layer (GQA with partial rotary, q/k norm, biases; experts) in the
+    same naming: greedy speculation equals plain decoding, and first drafts and
+    acceptance do not depend on the chunk size."""
+    folder = make_mtp_checkpoint(tmp_path / "glm-mtp", "glm4-moe")[0]
+    prompts = random_prompts(rng, [19, 26])
+    expected = token_ids(make_llm(folder).generate(prompts, greedy(24), use_tqdm=False))
+    states, accepted = [], []
+    for chunk in (3, None):
+        llm = make_llm(folder, num_speculative_tokens=2, prefill_chunk_size=chunk)
+        assert llm.engine.params.mtp[0].lm_head is None
+        states.append([prefill_state(llm, p)[1] for p in prompts])
+        outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+        assert token_ids(outs) == expected, f"chunk={chunk} prompts={prompts}"
+        accepted.append([o.spec_stats["accepted_per_position"] for o in outs])
+    assert states[0] == states[1] and accepted[0] == accepted[1], (states, accepted)
+    assert np.sum(accepted[0]) > 0, accepted
