@@ -204,3 +204,21 @@ def test_real_configs_give_the_published_parameter_counts(tmp_path, hf_config, m
     assert count(shapes.mtp) == pytest.approx(mtp, rel=1e-3)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not implemented for " + cfg.model_type):
         check_divisible(cfg, 2)
+
+
+def test_llama_with_yarn_matches_transformers(tmp_path, rng):
+    """YaRN on a dense body: frequencies and the attention factor on cos and sin."""
+    from conftest import make_hf_model
+
+    seed = int(rng.integers(1 << 30))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    folder = make_hf_model(tmp_path / "llama-yarn", "llama", seed, rope_parameters=yarn)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert hf.model.rotary_emb.attention_scaling != 1.0
+    ids = random_prompt(rng, 40)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+    llm = LLM(folder, max_num_seqs=1, max_num_batched_tokens=64, page_size=4)
+    np.testing.assert_allclose(prompt_logits(llm.engine, ids), expected, rtol=2e-4, atol=2e-4, err_msg=f"seed={seed}")
