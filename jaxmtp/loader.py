@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jaxmtp.config import MOE_MODEL_TYPES, ModelConfig
-from jaxmtp.params import LayerParams, MLAParams, MoEParams, MTPParams, Params, param_shapes, random_params
+from jaxmtp.params import ExpertLayerParams, LayerParams, MLAParams, MoEParams, MTPParams, Params, param_shapes, random_params
 from jaxmtp.sharding import make_mesh, param_shardings
 
 ORBAX_DIR = "params"  # the engine's own checkpoints keep an orbax tree here
@@ -116,7 +116,12 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
     def optional(name, enabled, **kwargs):
         return src.ref(name, **kwargs) if enabled else None
 
-    return LayerParams(
+    kind = LayerParams if cfg.moe is None else ExpertLayerParams
+    extra = {} if cfg.moe is None else dict(
+        mla=None if gqa else _mla_refs(src, attn, cfg), moe=None if dense else _moe_refs(src, mlp, cfg)
+    )
+    return kind(
+        **extra,
         input_norm=src.ref(f"{prefix}.{norm_names[0]}.weight"),
         q_proj=optional(f"{attn}.q_proj.weight", gqa, transpose=True),
         k_proj=optional(f"{attn}.k_proj.weight", gqa, transpose=True),
@@ -130,8 +135,6 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
         v_bias=optional(f"{attn}.v_proj.bias", cfg.qkv_bias),
         q_norm=optional(f"{attn}.q_norm.weight", cfg.qk_norm),
         k_norm=optional(f"{attn}.k_norm.weight", cfg.qk_norm),
-        mla=None if gqa else _mla_refs(src, attn, cfg),
-        moe=None if dense else _moe_refs(src, mlp, cfg),
     )
 
 
@@ -322,6 +325,8 @@ def export_hf_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, 
     concat(embedding, hidden), shared_head.norm), which vLLM and SGLang also read."""
     from safetensors.numpy import save_file
 
+    if cfg.moe is not None:
+        raise ValueError(f"export writes Llama-family models; {cfg.model_type} (experts, MLA) is not implemented")
     if cfg.mtp_layout not in (None, "deepseek"):
         raise ValueError(f"export writes the DeepSeek layout; these modules were trained as {cfg.mtp_layout!r}")
     out = Path(out_dir)

@@ -44,8 +44,10 @@ class MoEParams:
 
 @pytree_dataclass
 class LayerParams:
-    """One decoder layer: GQA (q/k/v_proj) or MLA (mla) attention, then a dense MLP
-    (gate_up_proj, down_proj) or experts (moe)."""
+    """One decoder layer: GQA attention (q/k/v_proj) or MLA (mla), then a dense MLP
+    (gate_up_proj, down_proj) or experts (moe). Only ExpertLayerParams has the last
+    two: the Llama family's trees, and the checkpoints orbax wrote of them, stay as
+    they were."""
 
     input_norm: jax.Array  # [H]
     q_proj: jax.Array | None = None  # [H, Hq*D]
@@ -63,6 +65,14 @@ class LayerParams:
     v_bias: jax.Array | None = None
     q_norm: jax.Array | None = None  # Qwen3 / GLM-4.5: RMSNorm over each head's D
     k_norm: jax.Array | None = None
+    mla = None  # class attributes, not fields: see ExpertLayerParams
+    moe = None
+
+
+@pytree_dataclass
+class ExpertLayerParams(LayerParams):
+    """A DeepSeek-V3- or GLM-4.5-class layer (ModelConfig.moe set)."""
+
     mla: MLAParams | None = None
     moe: MoEParams | None = None
 
@@ -131,7 +141,10 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
     def layer(index):
         gqa = cfg.mla is None
         dense = not cfg.layer_is_moe(index)
-        return LayerParams(
+        kind = LayerParams if cfg.moe is None else ExpertLayerParams
+        extra = {} if cfg.moe is None else dict(mla=None if gqa else mla(), moe=None if dense else moe())
+        return kind(
+            **extra,
             input_norm=leaf(h),
             q_proj=leaf(h, cfg.q_size) if gqa else None,
             k_proj=leaf(h, cfg.kv_size) if gqa else None,
@@ -145,8 +158,6 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
             v_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
             q_norm=leaf(cfg.head_dim) if cfg.qk_norm else None,
             k_norm=leaf(cfg.head_dim) if cfg.qk_norm else None,
-            mla=None if gqa else mla(),
-            moe=None if dense else moe(),
         )
 
     n_mtp = cfg.num_mtp_modules if num_mtp_modules is None else num_mtp_modules

@@ -222,3 +222,19 @@ def test_llama_with_yarn_matches_transformers(tmp_path, rng):
         expected = hf(torch.tensor([ids])).logits[0].numpy()
     llm = LLM(folder, max_num_seqs=1, max_num_batched_tokens=64, page_size=4)
     np.testing.assert_allclose(prompt_logits(llm.engine, ids), expected, rtol=2e-4, atol=2e-4, err_msg=f"seed={seed}")
+
+
+def test_bfloat16_deepseek_within_bf16_tolerance(tmp_path, rng):
+    """bf16 weights and latent cache, the router kept float32: no further from the
+    float32 logits than transformers' own bf16 run (a bf16 router would move more)."""
+    seed = int(rng.integers(1 << 30))
+    folder, hf = make_moe_model(tmp_path / "ds", "deepseek-qlora-yarn", seed)
+    ids = random_prompt(rng, 30)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].numpy()
+        theirs = np.abs(hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy() - expected).max()
+    llm = LLM(folder, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, page_size=4, prefill_chunk_size=8)
+    moe = llm.engine.params.layers[1].moe
+    assert (str(llm.engine.cache.k[0].dtype), str(moe.router.dtype), str(moe.router_bias.dtype)) == ("bfloat16", "float32", "float32")
+    ours = np.abs(prompt_logits(llm.engine, ids) - expected).max()
+    assert ours <= 1.5 * theirs + 1e-3 * np.abs(expected).max(), (ours, theirs, seed)
