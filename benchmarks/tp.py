@@ -137,7 +137,7 @@ def batch_1(result, engine, scale, emit) -> None:
     result["b1_device_ms_per_token"] = e2e.device_step_time(llm.engine) * 1e3
     result["b1_tokens"] = tokens[0]
     emit(f"b1 {step_s * 1e3:.2f} ms/token, step alone {result['b1_device_ms_per_token']:.2f}")
-    if llm.engine.mesh.size > 1:
+    if llm.engine.runner.mesh.size > 1:
         result["b1_collectives"] = collectives(llm.engine, num_seqs=1)
         emit(f"b1 collectives {summary(result['b1_collectives'])}")
 
@@ -157,7 +157,7 @@ def batch_32(result, engine, scale, emit) -> None:
     result["b32_tokens_per_s"] = tps
     result["b32_step_ms"] = step_s * 1e3
     emit(f"b32 {tps:.0f} tokens/s")
-    if llm.engine.mesh.size > 1:
+    if llm.engine.runner.mesh.size > 1:
         result["b32_collectives"] = collectives(llm.engine, num_seqs=scale["batch"])
         emit(f"b32 collectives {summary(result['b32_collectives'])}")
 
@@ -166,8 +166,8 @@ def collectives(engine, num_seqs: int) -> list[dict]:
     """The collectives in the compiled decode step of num_seqs requests (the shape the
     timed window ran, so compiling it again is a cache hit), each with its count and its
     time measured alone."""
-    shape = engine.buckets.shape_for(num_seqs, num_seqs)  # one row per request
-    hlo = engine.lower_step(shape).compile().as_text()
+    shape = engine.runner.buckets.shape_for(num_seqs, num_seqs)  # one row per request
+    hlo = engine.runner.lower_step(shape).compile().as_text()
     found = {}
     for line in hlo.splitlines():
         match = COLLECTIVE.search(line)
@@ -185,7 +185,7 @@ def collectives(engine, num_seqs: int) -> list[dict]:
         if op in ("all-reduce", "all-gather") and len(arrays) == 1:
             dtype, dims_ = arrays[0]
             shape = tuple(int(x) for x in dims_.split(",") if x)
-            entry["us_each"] = time_collective(engine.mesh, op, shape, dtype, dim) * 1e6
+            entry["us_each"] = time_collective(engine.runner.mesh, op, shape, dtype, dim) * 1e6
         out.append(entry)
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -10,18 +11,27 @@ from tqdm import tqdm
 
 from jaxmtp.engine import LLMEngine
 from jaxmtp.outputs import RequestOutput
-from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict  # dicts as vLLM's: {"prompt": text} or {"prompt_token_ids": ids}
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
-    return prompts
+    return [_from_dict(p) if isinstance(p, dict) else p for p in prompts]
+
+
+def _from_dict(prompt: dict) -> str | list[int]:
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown:
+        raise ValueError(f"prompt fields {unknown} are not supported (supported: prompt, prompt_token_ids)")
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict holds exactly one of prompt and prompt_token_ids")
+    return prompt.get("prompt", prompt.get("prompt_token_ids"))
 
 
 class LLM:
@@ -31,6 +41,10 @@ class LLM:
         self.engine = LLMEngine(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The model's jaxmtp.tokenizer.Tokenizer (None for a model without tokenizer.json)."""
+        return self.tokenizer
 
     def generate(
         self,
@@ -52,25 +66,40 @@ class LLM:
             p.validate()
             _, ids = self.engine.encode_prompt(prompt)
             self.engine.validate(ids, p)
-        order = {}
-        for prompt, p in zip(prompts, params):
-            request_id = f"gen-{next(self._ids)}"
-            order[request_id] = len(order)
-            self.engine.add_request(request_id, prompt, p)
+        order: dict[str, int] = {}
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
-            while len(results) < len(order):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in order:
-                        results[out.request_id] = out
-                        bar.update(1)
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = f"gen-{next(self._ids)}"
+                order[request_id] = len(order)
+                # one output per request, when it finishes: nothing is copied per step
+                self.engine.add_request(request_id, prompt, dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY))
+            with tqdm(total=len(prompts), desc="generate", disable=not use_tqdm) as bar:
+                while len(results) < len(order):
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in order:
+                            if out.error:
+                                raise RuntimeError(f"the engine failed request {out.request_id}: {out.error}")
+                            results[out.request_id] = out
+                            bar.update(1)
+        finally:
+            self._abort_unfinished([rid for rid in order if rid not in results])
         return [results[rid] for rid in sorted(order, key=order.get)]
 
+    def _abort_unfinished(self, request_ids: list[str]) -> None:
+        """Leave the engine as it was: abort these requests and free their pages."""
+        if not request_ids:
+            return
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+        self.engine.step()  # admits what is still incoming, then ends them all
+
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield cumulative outputs of one request as tokens arrive (the engine runs
-        here; the server runs its own engine loop instead)."""
+        """Yield outputs of one request as tokens arrive, cumulative or only what is new
+        (sampling_params.output_kind, RequestOutputKind.DELTA). The engine runs here;
+        the server runs its own engine loop instead."""
         request_id = f"stream-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, sampling_params)
+        self.engine.add_request(request_id, _as_prompt_list(prompt)[0], sampling_params)
         finished = False
         try:
             while not finished:
@@ -79,6 +108,5 @@ class LLM:
                         finished = out.finished
                         yield out
         finally:
-            if not finished:  # the caller stopped early: free the request's pages
-                self.engine.abort_request(request_id)
-                self.engine.step()
+            if not finished:  # the caller stopped early, or a step raised: free the request's pages
+                self._abort_unfinished([request_id])

@@ -4,6 +4,7 @@ schedule to a few fixed bucket shapes so nothing recompiles after warm-up."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -71,23 +72,37 @@ def slot_of(page_table: jax.Array, row_seq: jax.Array, positions: jax.Array, pag
     return page_table[row_seq, positions // page_size] * page_size + positions % page_size
 
 
-def apply_carry(batch: Batch, carry: jax.Array, page_size: int) -> Batch:
-    """Device side: finish the rows of carried requests from the previous step's carry
-    [S, 2 + k] = (drafts accepted, last emitted token, next drafts) per request.
+@pytree_dataclass
+class Carry:
+    """What a step leaves for the next one's carried requests, per request row of the
+    step (S rows: the largest request bucket)."""
+
+    num_accepted: jax.Array  # [S] drafts accepted
+    last_token: jax.Array  # [S] the last token emitted
+    drafts: jax.Array  # [S, k] the next drafts to verify
+
+    @classmethod
+    def zeros(cls, num_rows: int, k: int) -> Carry:
+        return cls(np.zeros(num_rows, np.int32), np.zeros(num_rows, np.int32), np.zeros((num_rows, k), np.int32))
+
+
+def apply_carry(batch: Batch, carry: Carry, page_size: int) -> Batch:
+    """Device side: finish the rows of carried requests from the previous step's carry.
     A carried request's rows are [last token] + drafts, shifted by the accepted count."""
     t, b = batch.input_ids.shape[0], batch.kv_len.shape[0]
     rows = jnp.arange(t, dtype=jnp.int32)
     row_seq = row_owner(batch.query_start, t)
     carried = batch.carry_index >= 0  # [B]
-    entry = carry[jnp.maximum(batch.carry_index, 0)]  # [B, 2 + k]
-    accepted = jnp.where(carried, entry[:, 0], 0)
+    source = jnp.maximum(batch.carry_index, 0)
+    accepted = jnp.where(carried, carry.num_accepted[source], 0)
+    carried_ids = jnp.concatenate([carry.last_token[source][:, None], carry.drafts[source]], axis=1)  # [B, 1 + k]
     row_carried = carried[row_seq] & (rows < batch.query_start[b])
-    offset = jnp.clip(rows - batch.query_start[row_seq], 0, carry.shape[1] - 2)
+    offset = jnp.clip(rows - batch.query_start[row_seq], 0, carried_ids.shape[1] - 1)
     positions = batch.positions + jnp.where(row_carried, accepted[row_seq], 0)
     slots = slot_of(batch.page_table, row_seq, positions, page_size)
     return dataclasses.replace(
         batch,
-        input_ids=jnp.where(row_carried, entry[row_seq, 1 + offset], batch.input_ids),
+        input_ids=jnp.where(row_carried, carried_ids[row_seq, offset], batch.input_ids),
         positions=positions,
         slot_mapping=jnp.where(row_carried, slots, batch.slot_mapping),
         kv_len=batch.kv_len + accepted,
@@ -133,15 +148,15 @@ def pack_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def unpack_batch(ints: jax.Array, floats: jax.Array, shapes: tuple[int, int, int, int, int]) -> Batch:
-    """Device side (inside the jitted step): the fields back from the two buffers.
-    shapes = (T, B, pages per request, k, M), static."""
-    sizes = field_shapes(*shapes)
+def unpack_batch(ints: jax.Array, floats: jax.Array, shape: BatchShape, k: int, m: int) -> Batch:
+    """Device side (inside the jitted step): the fields back from the two buffers, for a
+    batch of this (static) shape; k drafts, M MTP modules drafting."""
+    sizes = field_shapes(shape.num_tokens, shape.num_seqs, shape.pages_per_seq, k, m)
     fields, offsets = {}, {"int": 0, "float": 0}
-    for name, shape in sizes.items():
+    for name, field_shape in sizes.items():
         kind, buffer = ("int", ints) if name in INT_FIELDS else ("float", floats)
-        n = int(np.prod(shape))
-        fields[name] = buffer[offsets[kind] : offsets[kind] + n].reshape(shape)
+        n = int(np.prod(field_shape))
+        fields[name] = buffer[offsets[kind] : offsets[kind] + n].reshape(field_shape)
         offsets[kind] += n
     fields["has_output"] = fields["has_output"] != 0
     fields["seed"] = jax.lax.bitcast_convert_type(fields["seed"], jnp.uint32)
@@ -157,6 +172,9 @@ class BatchShape:
     # of the predicate per step wherever XLA runs them from the host (the batch-1 step
     # on the H200 did), which stalls the launch queue.
     greedy: bool = True
+    # P: the page table's width, a bucket of the longest scheduled request's pages (the
+    # attention kernel's KV range and split count follow it); None: the widest
+    pages_per_seq: int | None = None
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -167,84 +185,103 @@ def powers_of_two(lo: int, hi: int) -> list[int]:
     return sizes + [hi]
 
 
-class BucketPlan:
-    """The fixed shapes the step is compiled for: tokens and requests, powers of two."""
+# Page-table widths grow by this factor from MIN_TABLE_WIDTH pages up to the widest: a
+# 128k-token context gets a few widths, so a step of short requests sends and reads a
+# short table, while a model of short contexts keeps one width (no extra shapes).
+TABLE_WIDTH_FACTOR = 4
+MIN_TABLE_WIDTH = 512
 
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, min_tokens: int = 8):
+
+def table_widths(max_pages_per_seq: int) -> list[int]:
+    widths, width = [], MIN_TABLE_WIDTH
+    while width * TABLE_WIDTH_FACTOR <= max_pages_per_seq:
+        widths.append(width)
+        width *= TABLE_WIDTH_FACTOR
+    return widths + [max_pages_per_seq]
+
+
+class BucketPlan:
+    """The fixed shapes the step is compiled for: tokens and requests, powers of two,
+    and the page table's widths."""
+
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int, min_tokens: int = 8):
         self.token_sizes = powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
         self.seq_sizes = powers_of_two(1, max_num_seqs)
+        self.table_widths = table_widths(max_pages_per_seq)
 
-    def shape_for(self, num_tokens: int, num_seqs: int, greedy: bool = True) -> BatchShape:
+    def shape_for(self, num_tokens: int, num_seqs: int, greedy: bool = True, num_pages: int = 0) -> BatchShape:
+        """The smallest shape that holds num_tokens rows of num_seqs requests, the
+        longest holding num_pages pages."""
         t = next(s for s in self.token_sizes if s >= num_tokens)
         b = next(s for s in self.seq_sizes if s >= num_seqs)
-        return BatchShape(t, b, greedy)
+        p = next(w for w in self.table_widths if w >= num_pages)
+        return BatchShape(t, b, greedy, p)
 
     def all_shapes(self) -> list[BatchShape]:
         # every request owns at least one row, so B never exceeds T
         return [
-            BatchShape(t, b, greedy)
+            BatchShape(t, b, greedy, p)
             for t in self.token_sizes
             for b in self.seq_sizes
             if b <= t or b == self.seq_sizes[0]
             for greedy in (True, False)
+            for p in self.table_widths
         ]
 
 
 def build_batch(
     scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, num_slots: int, k: int, m: int = 1
 ) -> Batch:
-    """Numpy arrays for one step; `scheduled` is a list of scheduler.ScheduledRows;
-    num_slots: the cache's slots (padding rows write past them, dropped); m: MTP modules
-    the draft pass runs (next_chunk_token's width)."""
-    t, b = shape.num_tokens, shape.num_seqs
-    input_ids = np.zeros(t, np.int32)
+    """Numpy arrays for one step, vectorised over requests and rows; `scheduled` is a list
+    of scheduler.ScheduledRows; num_slots: the cache's slots (padding rows write past
+    them, dropped); m: MTP modules the draft pass runs (next_chunk_token's width)."""
+    t, b, n = shape.num_tokens, shape.num_seqs, len(scheduled)
+    seqs = [item.seq for item in scheduled]
+    lengths = np.fromiter((len(item.token_ids) for item in scheduled), np.int32, n)
+    starts = np.fromiter((item.start for item in scheduled), np.int32, n)
+    num_drafts = np.fromiter((item.num_drafts for item in scheduled), np.int32, n)
+    ends = np.cumsum(lengths, dtype=np.int32)
+    total = int(ends[-1]) if n else 0
+    query_start = np.full(b + 1, total, np.int32)
+    query_start[0], query_start[1 : n + 1] = 0, ends
+    row_seq = np.repeat(np.arange(n, dtype=np.int32), lengths)
     positions = np.zeros(t, np.int32)
+    positions[:total] = starts[row_seq] + np.arange(total, dtype=np.int32) - query_start[row_seq]
+    input_ids = np.zeros(t, np.int32)
+    input_ids[:total] = np.fromiter(itertools.chain.from_iterable(item.token_ids for item in scheduled), np.int32, total)
+    page_table = np.zeros((b, shape.pages_per_seq or max_pages_per_seq), np.int32)
+    for i, seq in enumerate(seqs):
+        page_table[i, : len(seq.pages)] = seq.pages
     slot_mapping = dropped_index(num_slots, np.arange(t, dtype=np.int32))  # padding rows: dropped
-    query_start = np.zeros(b + 1, np.int32)
-    kv_len = np.zeros(b, np.int32)
-    page_table = np.zeros((b, max_pages_per_seq), np.int32)
+    slot_mapping[:total] = slot_of(page_table, row_seq, positions[:total], page_size)
+
+    def per_request(values, dtype, fill=0, width=None):
+        out = np.full((b,) if width is None else (b, width), fill, dtype)
+        out[:n] = np.asarray(values, dtype).reshape((n,) + out.shape[1:])
+        return out
+
+    # verify rows 0..num_drafts; for a prefill chunk only its last row
+    last_row = ends - 1
     sample_index = np.zeros((b, k + 1), np.int32)
-    num_drafts = np.zeros(b, np.int32)
-    has_output = np.zeros(b, bool)
-    next_chunk_token = np.zeros((b, m), np.int32)
-    temperature = np.zeros(b, np.float32)
-    top_k = np.zeros(b, np.int32)
-    top_p = np.ones(b, np.float32)
-    min_p = np.zeros(b, np.float32)
-    seed = np.zeros(b, np.uint32)
-    output_index = np.zeros(b, np.int32)
-    num_logprobs = np.zeros(b, np.int32)
-    carry_index = np.full(b, -1, np.int32)
-    row = 0
-    for i, item in enumerate(scheduled):
-        seq, n = item.seq, len(item.token_ids)
-        pos = np.arange(item.start, item.start + n)
-        pages = np.asarray(seq.pages, np.int32)
-        input_ids[row : row + n] = item.token_ids
-        positions[row : row + n] = pos
-        slot_mapping[row : row + n] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[i, : len(pages)] = pages
-        kv_len[i] = item.start + n
-        # verify rows 0..num_drafts; for a prefill chunk only its last row
-        first_sampled = row + n - 1 - item.num_drafts
-        sample_index[i] = np.minimum(first_sampled + np.arange(k + 1), row + n - 1)
-        num_drafts[i] = item.num_drafts
-        has_output[i] = item.has_output
-        next_chunk_token[i] = (item.next_chunk_tokens + (0,) * m)[:m]
-        params = seq.params
-        temperature[i] = params.temperature
-        top_k[i] = params.top_k
-        top_p[i] = params.top_p
-        min_p[i] = params.min_p
-        seed[i] = seq.seed
-        output_index[i] = len(seq.output_token_ids)
-        num_logprobs[i] = params.logprobs or 0
-        carry_index[i] = item.carry_index
-        row += n
-        query_start[i + 1] = row
-    query_start[len(scheduled) + 1 :] = row
+    sample_index[:n] = np.minimum((last_row - num_drafts)[:, None] + np.arange(k + 1), last_row[:, None])
+    params = [seq.params for seq in seqs]
     return Batch(
-        input_ids, positions, slot_mapping, query_start, kv_len, page_table, sample_index, num_drafts,
-        has_output, next_chunk_token, temperature, top_k, top_p, min_p, seed, output_index, num_logprobs,
-        carry_index,
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start=query_start,
+        kv_len=per_request(starts + lengths, np.int32),
+        page_table=page_table,
+        sample_index=sample_index,
+        num_drafts=per_request(num_drafts, np.int32),
+        has_output=per_request([item.has_output for item in scheduled], bool, False),
+        next_chunk_token=per_request([(item.next_chunk_tokens + (0,) * m)[:m] for item in scheduled], np.int32, 0, m),
+        temperature=per_request([p.temperature for p in params], np.float32),
+        top_k=per_request([p.top_k for p in params], np.int32),
+        top_p=per_request([p.top_p for p in params], np.float32, 1.0),
+        min_p=per_request([p.min_p for p in params], np.float32),
+        seed=per_request([seq.seed for seq in seqs], np.uint32),
+        output_index=per_request([len(seq.output_token_ids) for seq in seqs], np.int32),
+        num_logprobs=per_request([p.logprobs or 0 for p in params], np.int32),
+        carry_index=per_request([item.carry_index for item in scheduled], np.int32, -1),
     )

@@ -41,8 +41,7 @@ class KVCache:
     slot, each row at its own slot (`dropped_index`): XLA's scatter drops out-of-range
     updates, and with every index distinct the writes are a scatter with unique indices,
     which XLA emits as plain stores. One shared slot for them all made it an atomic
-    read-modify-write the padding rows contended on (at batch 1 of the 8B model each KV
-    scatter took 5.8 us a layer, 1.5 us with distinct slots).
+    read-modify-write the padding rows contended on (docs/benchmarks/README.md, runs j-m).
     """
 
     k: list[jax.Array]

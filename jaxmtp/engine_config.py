@@ -15,6 +15,26 @@ DTYPES = ("float32", "bfloat16")
 MAX_SPECULATIVE_TOKENS = 4
 
 
+SPECULATIVE_METHODS = ("mtp",)
+
+
+def speculative_tokens_of(config: EngineConfig) -> int:
+    """num_speculative_tokens from speculative_config; what it does not implement is an error."""
+    spec = config.speculative_config
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config must be a dict, got {spec!r}")
+    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ValueError(f"speculative_config keys {unknown} are not supported (supported: method, num_speculative_tokens)")
+    if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported (supported: {SPECULATIVE_METHODS})")
+    if config.num_speculative_tokens and config.num_speculative_tokens != spec.get("num_speculative_tokens"):
+        raise ValueError("num_speculative_tokens and speculative_config disagree; give one of them")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config needs num_speculative_tokens")
+    return spec["num_speculative_tokens"]
+
+
 def option(default, help: str, choices: tuple | None = None, cli: bool = True):
     """A field with the metadata the CLI reads: its help text, its choices, and whether
     it is a command-line option at all."""
@@ -25,12 +45,21 @@ def option(default, help: str, choices: tuple | None = None, cli: bool = True):
 class EngineConfig:
     dtype: str | None = option(None, "weights' and activations' dtype (default: the checkpoint's)", DTYPES)
     page_size: int = option(16, "tokens per KV cache page")
-    num_pages: int | None = option(None, "KV pages in the pool (default: max_num_seqs requests of max_model_len)")
+    num_pages: int | None = option(
+        None, "KV pages in the pool (default: what gpu_memory_utilization or kv_cache_memory_bytes leaves room for, "
+        "at most max_num_seqs requests of max_model_len)")
+    gpu_memory_utilization: float = option(
+        0.9, "on accelerators, the fraction of the memory JAX may use (its allocator's limit) that weights, "
+        "activations and the KV cache may take")
+    kv_cache_memory_bytes: int | None = option(
+        None, "bytes for the KV cache, overriding gpu_memory_utilization (default on the CPU: 2 GiB)")
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's max_position_embeddings)")
     max_num_seqs: int = option(16, "requests computed in one step")
     max_num_batched_tokens: int = option(256, "rows (tokens) computed in one step")
     prefill_chunk_size: int | None = option(None, "prompt tokens of one request per step (default: max_num_batched_tokens)")
     num_speculative_tokens: int = option(0, f"MTP draft tokens per step, 0..{MAX_SPECULATIVE_TOKENS} (needs MTP weights)")
+    speculative_config: dict | None = option(
+        None, 'vLLM\'s form of num_speculative_tokens: {"method": "mtp", "num_speculative_tokens": k}', cli=False)
     mtp_boundary: str = option(
         "next_chunk",
         "the token the MTP module reads after a non-final prefill chunk: the next prompt token (next_chunk), "
@@ -46,6 +75,7 @@ class EngineConfig:
     )
     attention_backend: str = option("auto", "auto: the Pallas kernel on GPUs, the jnp reference elsewhere", ATTENTION_BACKENDS)
     tensor_parallel_size: int = option(1, "local devices that split heads, MLP and vocabulary (docs/tensor-parallel.md)")
+    revision: str | None = option(None, "the Hugging Face revision (branch, tag or commit) of a model given by id")
     load_format: str = option("auto", "how to read the weights (dummy: random weights of the config's shapes)", LOAD_FORMATS)
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
     seed: int = option(0, "seed of dummy weights and of requests that set none")
@@ -54,6 +84,8 @@ class EngineConfig:
     )
 
     def __post_init__(self):
+        if self.speculative_config is not None:
+            object.__setattr__(self, "num_speculative_tokens", speculative_tokens_of(self))
         self.validate()
 
     @property
@@ -76,6 +108,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
+                or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         k = self.num_speculative_tokens
         if not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got {k}")

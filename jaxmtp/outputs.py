@@ -28,5 +28,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     spec_stats: dict | None = None  # drafted / accepted / per position / mean acceptance length
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held (the first sample's)
     error: str | None = None  # set when finish_reason is "error"

@@ -55,8 +55,8 @@ class LayerParams:
     v_proj: jax.Array | None = None  # [H, Hkv*D]
     o_proj: jax.Array = None  # [Hq*D, H] (MLA: [Hq*Dv, H])
     post_norm: jax.Array = None  # [H]
-    # gate and up stacked: one matmul reads both (two cost a second launch and ran at a
-    # lower share of bandwidth on the H200); [H, 2, I] rather than [H, 2I] so that
+    # gate and up stacked: one matmul reads both (two cost a second launch and stream at
+    # a lower share of bandwidth; docs/benchmarks/README.md); [H, 2, I] rather than [H, 2I] so that
     # splitting I over devices keeps each device's gate and up columns together
     gate_up_proj: jax.Array | None = None  # [H, 2, I]
     down_proj: jax.Array | None = None  # [I, H]
@@ -173,7 +173,7 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
 @functools.partial(jax.jit, static_argnames=("shape", "dtype", "ones", "sharding"))
 def _random_array(key, shape, dtype, ones, sharding):
     # one small compiled generator per (shape, sharding): a model has few, and one jit
-    # over the whole model takes minutes to compile at 8B. The random bits do not depend
+    # over the whole model compiles for minutes at 8B. The random bits do not depend
     # on the sharding (jax_threefry_partitionable), so every tensor-parallel size gets
     # the same weights, each device making only its own shard.
     x = jnp.ones(shape, dtype) if ones else (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

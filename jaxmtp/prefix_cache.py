@@ -21,16 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections import OrderedDict
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from jaxmtp.sequence import Sequence
 
 # How a lookup treats the last row of the last reused page (see the module docstring):
 #   exact: reuse the version followed by the request's next token, else copy-on-write
 #   drop:  reuse only pages followed by a known token, then drop the last one (vLLM)
-#   stale: reuse any version, whatever token followed it (the bug; for ablations)
+#   stale: reuse any version, whatever token followed it (what engines that key pages by
+#          their tokens alone do; for ablations)
 PREFIX_CACHE_BOUNDARIES = ("exact", "drop", "stale")
 
 
@@ -73,13 +69,14 @@ class PrefixCacheStats:
 
 
 class PrefixCache:
-    """Cached full pages by hash and following tokens, and the least-recently-used order
-    of those no sequence holds (evictable). The PageAllocator owns reference counts and
-    parks a page here when its last holder lets go."""
+    """An index of cached full pages by hash and following tokens. The pages themselves,
+    their reference counts and the eviction order belong to the PageAllocator, which
+    asks holds(page) when a page's last holder lets go and calls forget(page) when it
+    evicts one. Salts (what besides the tokens decides the KV: the model, and a
+    request's cache_salt) are given with each lookup and registration."""
 
-    def __init__(self, page_size: int, salt: int, with_draft_kv: bool, boundary: str = "exact", num_draft_modules: int = 1):
+    def __init__(self, page_size: int, with_draft_kv: bool, boundary: str = "exact", num_draft_modules: int = 1):
         self.page_size = page_size
-        self.salt = salt
         self.with_draft_kv = with_draft_kv  # the cache has MTP layers, so a page's following tokens matter
         self.boundary = boundary
         # The tokens after a page its KV depends on: module j's row at the page's last
@@ -88,24 +85,23 @@ class PrefixCache:
         self.num_following = max(num_draft_modules, 1) if with_draft_kv else 1
         self.table: dict[int, dict[tuple[int, ...] | None, CachedPage]] = {}  # hash -> following -> entry
         self.by_page: dict[int, CachedPage] = {}
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self.stats = PrefixCacheStats()
 
     # ----- lookup and registration --------------------------------------------------
 
-    def lookup(self, token_ids: list[int]) -> PrefixHit:
+    def lookup(self, token_ids: list[int], salt: int) -> PrefixHit:
         """The longest cached prefix of token_ids, in full pages."""
         size = self.page_size
         pages: list[CachedPage] = []
         parent = None
         for start in range(0, len(token_ids) - size + 1, size):
-            versions = self._versions(parent, tuple(token_ids[start : start + size]))
+            versions = self._versions(parent, tuple(token_ids[start : start + size]), salt)
             if not versions:
                 break
             following = self._following(token_ids, start + size)
             entry = versions.get(following if self.with_draft_kv else None)
             if entry is None and following is not None and self.boundary == "stale":
-                entry = next(iter(versions.values()))  # the bug: its draft row was built from another token
+                entry = next(iter(versions.values()))  # the ablation: its draft row was built from another token
             if entry is None or following is None:
                 # The page is right but for its last row(s): nothing follows it yet (the row is
                 # recomputed for the logits), or its draft rows were built from other tokens.
@@ -120,33 +116,33 @@ class PrefixCache:
             return PrefixHit(pages[:-1], pages[-1])
         return PrefixHit(pages, None)
 
-    def register(self, seq: Sequence) -> None:
-        """Cache seq's full pages whose KV is final: every row computed, and the token after
+    def register(
+        self, token_ids: list[int], num_computed: int, pages: list[int], cached_prefix: list[CachedPage], salt: int
+    ) -> None:
+        """Index a request's full pages whose KV is final, appending their entries to its
+        cached_prefix (the entries of its leading pages so far): every row computed, and the token after
         the page known (the draft KV at its last row was built from it). With M > 1
         modules, every module's rows exact (module j's row i, built from token i+j, is
         exact once a step whose boundary lies at or after position i+j-1 has run), and the
         M tokens after the page known: a step still queued may have rewritten its last
         rows from tokens the host has not read yet."""
         size, ahead = self.page_size, self.num_following
-        num_final = min(seq.num_computed - (ahead - 1), seq.num_tokens - ahead) // size
-        if num_final <= len(seq.cached_prefix):
-            return
-        token_ids = seq.token_ids
-        parent = seq.cached_prefix[-1] if seq.cached_prefix else None
-        for j in range(len(seq.cached_prefix), num_final):
+        num_final = min(num_computed - (ahead - 1), len(token_ids) - ahead) // size
+        parent = cached_prefix[-1] if cached_prefix else None
+        for j in range(len(cached_prefix), num_final):
             tokens = tuple(token_ids[j * size : (j + 1) * size])
             after = self._following(token_ids, (j + 1) * size) if self.with_draft_kv else None
-            digest = page_hash(parent.hash if parent else 0, tokens, self.salt)
+            digest = page_hash(parent.hash if parent else 0, tokens, salt)
             versions = self.table.setdefault(digest, {})
             entry = versions.get(after)
             if entry is None:
-                entry = CachedPage(seq.pages[j], digest, tokens, after, parent)
+                entry = CachedPage(pages[j], digest, tokens, after, parent)
                 versions[after] = entry
                 self.by_page[entry.page] = entry
             elif entry.tokens != tokens or entry.parent is not parent:
-                return  # a hash collision: this page and the rest of seq's pages stay uncached
-            # else another sequence cached the same version first; seq keeps its own copy
-            seq.cached_prefix.append(entry)
+                return  # a hash collision: this page and the rest of the request's pages stay uncached
+            # else another request cached the same version first; this one keeps its own copy
+            cached_prefix.append(entry)
             parent = entry
 
     def _following(self, token_ids: list[int], end: int) -> tuple[int, ...] | None:
@@ -155,35 +151,26 @@ class PrefixCache:
         after = tuple(token_ids[end : end + self.num_following])
         return after if len(after) == self.num_following else None
 
-    def _versions(self, parent: CachedPage | None, tokens: tuple[int, ...]) -> dict[tuple[int, ...] | None, CachedPage]:
+    def _versions(self, parent: CachedPage | None, tokens: tuple[int, ...], salt: int) -> dict[tuple[int, ...] | None, CachedPage]:
         """Cached entries with exactly these tokens after exactly this parent, by following tokens."""
-        versions = self.table.get(page_hash(parent.hash if parent else 0, tokens, self.salt), {})
+        versions = self.table.get(page_hash(parent.hash if parent else 0, tokens, salt), {})
         return {t: e for t, e in versions.items() if e.tokens == tokens and e.parent is parent}
 
-    # ----- pages no sequence holds ------------------------------------------------
+    # ----- the allocator's questions ---------------------------------------------
 
-    @property
-    def num_evictable(self) -> int:
-        return len(self.evictable)
+    def holds(self, page: int) -> bool:
+        """Whether the page holds KV this index can hand out again."""
+        return page in self.by_page
 
-    def park(self, page: int) -> bool:
-        """The page's last holder let go: keep it, evictable, if it holds cached KV."""
-        if page not in self.by_page:
-            return False
-        self.evictable[page] = None
-        return True
-
-    def unpark(self, page: int) -> None:
-        """A parked page is held again: it is no longer evictable."""
-        del self.evictable[page]
-
-    def evict(self) -> int:
-        """Forget the least recently used unheld page and hand it out for new KV."""
-        page, _ = self.evictable.popitem(last=False)
+    def forget(self, page: int) -> None:
+        """The allocator evicted the page for new KV: drop its entry."""
         entry = self.by_page.pop(page)
         versions = self.table[entry.hash]
         del versions[entry.following]
         if not versions:
             del self.table[entry.hash]
         self.stats.evictions += 1
-        return page
+
+    def clear(self) -> None:
+        self.table.clear()
+        self.by_page.clear()

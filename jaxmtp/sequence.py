@@ -50,6 +50,15 @@ class SpecStats:
         }
 
 
+@dataclasses.dataclass(frozen=True)
+class InFlightRows:
+    """A sequence's rows in a dispatched step that emits tokens and was not read yet."""
+
+    step_id: int
+    index: int  # the sequence's request index in that step: its row of the step's carry
+    max_tokens: int  # the most tokens the step can emit for it (its drafts + 1)
+
+
 @dataclasses.dataclass
 class Sequence:
     request_id: str
@@ -58,31 +67,45 @@ class Sequence:
     seed: int  # the request's own seed, or one the engine drew for it
     arrival: int  # admission order; the newest running request is preempted first
     stop_token_ids: frozenset[int]
+    cache_salt: int = 0  # prefix-cache salt: the model's, mixed with the request's cache_salt
+    # prompt then output, appended in place (the prefix cache and recomputes read it)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[dict] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float = 0.0
     pages: list[int] = dataclasses.field(default_factory=list)
     # prefix-cache entries of the leading full pages (reused or registered), in order
     cached_prefix: list[CachedPage] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is written (and valid)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     drafts: list[int] = dataclasses.field(default_factory=list)  # proposals to verify next step
-    # While a dispatched step that emits tokens for this sequence has not been read:
-    # (that step's id, the sequence's index in it, the most tokens it can emit).
+    # While a dispatched step that emits tokens for this sequence has not been read;
     # num_computed then assumes none of its drafts is accepted.
-    in_flight: tuple[int, int, int] | None = None
+    in_flight: InFlightRows | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0
     spec_stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     text: str = ""  # detokenised output, cut at a stop string if one matched
+    # when the model has a tokenizer: jaxmtp.detokenizer.IncrementalDetokenizer and
+    # jaxmtp.stop_strings.StopStringMatcher (set by the output processor)
+    detokenizer: object | None = None
+    stop_matcher: object | None = None
+    num_reported_tokens: int = 0  # output tokens already sent in a delta output
+    num_reported_chars: int = 0
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids) + self.output_token_ids
+
+    def append_token(self, token: int) -> None:
+        self.token_ids.append(token)
+        self.output_token_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
     def in_prefill(self) -> bool:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp import model, mtp
-from jaxmtp.batch import Batch, apply_carry, unpack_batch
+from jaxmtp.batch import Batch, BatchShape, Carry, apply_carry, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
@@ -29,6 +29,7 @@ class StepConfig:
 
     model: ModelConfig
     num_speculative_tokens: int = 0
+    num_draft_modules: int = 0  # M: MTP modules the draft pass runs, min(k, modules loaded)
     attention_backend: str = "auto"
     mtp_boundary: str = "next_chunk"
     num_top_logprobs: int = 0
@@ -44,28 +45,27 @@ class StepOutput:
     top_token_ids: jax.Array | None  # [B, k+1, n]
     drafts: jax.Array  # [B, k] next proposals (k = 0: empty; oracle_drafts when an oracle is given)
     boundary_token: jax.Array  # [B] token the draft pass used at each request's boundary row
-    carry: jax.Array  # [S, 2 + k] per request: accepted count, last emitted token, next drafts (S: max B)
+    carry: Carry  # for the next step's carried requests
 
 
 def step(
     params: Params,
     cache: KVCache,
-    carry: jax.Array,
+    carry: Carry,
     ints: jax.Array,
     floats: jax.Array,
     oracle_tokens: jax.Array | None,
-    shapes: tuple,
+    shape: BatchShape,
     config: StepConfig,
 ) -> tuple[KVCache, StepOutput]:
     """carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
     batch.pack_batch; oracle_tokens: None, or a benchmark's table whose tokens replace
-    the MTP drafts (oracle_drafts); shapes = (T, B, pages per request, k, M, greedy) says
-    how to unpack the batch (M: MTP modules the draft pass runs), and greedy
-    (batch.BatchShape.greedy) that no row samples or asks for top logprobs."""
-    *dims, greedy = shapes
-    batch = apply_carry(unpack_batch(ints, floats, tuple(dims)), carry, cache.page_size)
-    cfg = config.model
+    the MTP drafts (oracle_drafts); shape (static): how to unpack the batch, and whether
+    no row samples or asks for top logprobs (BatchShape.greedy)."""
     k = config.num_speculative_tokens
+    batch = apply_carry(unpack_batch(ints, floats, shape, k, config.num_draft_modules), carry, cache.page_size)
+    greedy = shape.greedy
+    cfg = config.model
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
     attention = model.attention_for(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
     hidden, cache = model.forward(params, cfg, batch, cache, attention)
@@ -87,9 +87,10 @@ def step(
             drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)
     else:
         drafts, boundary = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
-    last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)
-    new_carry = jnp.concatenate([num_accepted[:, None], last, drafts], axis=1).astype(jnp.int32)
-    new_carry = jnp.zeros_like(carry).at[:b].set(new_carry)
+    last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)[:, 0]
+    new_carry = jax.tree.map(
+        lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
+    )
     return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry)
 
 
@@ -111,4 +112,4 @@ def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, draft
     return jnp.where(batch.has_output[:, None], table[row[:, None], index], drafts)
 
 
-jitted_step = jax.jit(step, static_argnames=("config", "shapes"), donate_argnames=("cache",))
+jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=("cache",))

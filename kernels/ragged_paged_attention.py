@@ -40,18 +40,15 @@ _TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCo
 _LOG2E = math.log2(math.e)
 # The KV range is split across programs only when the grid has fewer programs than the
 # H200 has multiprocessors; the split then aims at about two decode programs per
-# multiprocessor, or one wave of prefill tiles (which fill an SM alone). Measured on the
-# 8B step (2026-11-30): batch 32 (256 decode programs) ran 2.3% faster unsplit than in
-# two splits plus their merge; batch 8 (64) 5% faster in five splits than unsplit.
+# multiprocessor, or one wave of prefill tiles (which fill an SM alone); docs/kernels.md
+# ("Splits") has the measurements behind both rules.
 _NUM_SMS = 132
 _TARGET_DECODE_PROGRAMS = 2 * _NUM_SMS
 _TARGET_PREFILL_PROGRAMS = _NUM_SMS
-# At most this many splits: the split count comes from the page table's width (the
-# longest context the engine allows), not the live context, and the merge reads every
-# split's partial rows whether it had work or not. In the engine at batch 1 (page table
-# 4096 tokens wide, context 512) the attention and its merge took 16.8 us a layer in 32
-# splits, 9.5 us in 8; at context 4096, 8 splits were still the fastest of 8/16/32
-# (2026-11-30, docs/benchmarks/profiles).
+# At most this many splits: the split count comes from the page table's width (a bucket
+# of the longest scheduled context), and the merge reads every split's partial rows
+# whether it had work or not, so many splits over a mostly empty table cost more than
+# they win (docs/kernels.md, "Splits").
 _MAX_SPLITS = 8
 # Shared memory for the pipelined K/V tiles (the H200 allows 227 KiB per block; the
 # rest is left for Triton's own scratch).

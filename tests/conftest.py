@@ -32,6 +32,33 @@ def fresh_rng() -> np.random.Generator:
     return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
 
 
+def greedy(n: int, **kwargs):
+    """Greedy sampling of exactly n tokens (eos ignored)."""
+    from jaxmtp import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def random_prompts(rng, lengths) -> list[list[int]]:
+    """BOS, then random ids of the stories260K vocabulary (past the specials)."""
+    return [[1] + rng.integers(3, 512, size=n - 1).tolist() for n in lengths]
+
+
+def assert_no_leaks(llm):
+    """Nothing is left in the engine, and every page is unheld and either free or
+    cached (parked) exactly once."""
+    engine = llm.engine
+    allocator = engine.allocator
+    assert not engine.has_unfinished_requests()
+    assert allocator.num_free == allocator.num_pages and not any(allocator.ref_counts)
+    assert sorted([*allocator.free_pages, *allocator.evictable]) == list(range(allocator.num_pages))
+    assert set(allocator.evictable) == set(engine.prefix_cache.by_page if engine.prefix_cache else ())
+
+
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits at every prompt position through the engine's real paged path."""
     from jaxmtp import model

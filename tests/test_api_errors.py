@@ -90,3 +90,30 @@ def test_unknown_architecture_and_missing_tensor(tmp_path):
 def test_speculation_without_mtp_weights_is_an_error():
     with pytest.raises(ValueError, match="needs MTP weights"):
         LLM(STORIES, num_speculative_tokens=1)
+
+
+def test_vllm_prompt_dicts_and_get_tokenizer(llm):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    plain = llm.generate(["Once upon a time", [1, 403]], greedy, use_tqdm=False)
+    dicts = llm.generate([{"prompt": "Once upon a time"}, {"prompt_token_ids": [1, 403]}], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_tokenizer() is llm.engine.tokenizer
+    with pytest.raises(ValueError, match=r"prompt fields \['multi_modal_data'\] are not supported"):
+        llm.generate([{"prompt": "x", "multi_modal_data": {}}], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of prompt and prompt_token_ids"):
+        llm.generate([{"prompt": "x", "prompt_token_ids": [1]}], greedy, use_tqdm=False)
+
+
+def test_speculative_config_in_vllm_form():
+    from jaxmtp.engine_config import EngineConfig
+
+    assert EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).num_speculative_tokens == 3
+    for bad, message in [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+        ({"num_speculative_tokens": 2, "draft_model": "x"}, r"keys \['draft_model'\] are not supported"),
+        ({"method": "mtp"}, "needs num_speculative_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=bad)
+    with pytest.raises(ValueError, match="disagree"):
+        EngineConfig(num_speculative_tokens=1, speculative_config={"num_speculative_tokens": 2})

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import MTP_MODEL, STORIES, make_modules_model
+from conftest import MTP_MODEL, STORIES, assert_no_leaks, greedy, make_modules_model, token_ids
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.engine import num_compiles
 from jaxmtp.sampling import verify_and_sample
@@ -37,17 +37,10 @@ def sampled_prompts(llm: LLM, rng, lengths) -> list[list[int]]:
     return [[1] + o.outputs[0].token_ids[: n - 1] for o, n in zip(outs, lengths)]
 
 
-def greedy(n, **kwargs):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kwargs)
 
 
-def token_ids(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
 
 
-def assert_no_leaks(llm: LLM):
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
 
 
 # ----- invariant 1: greedy output with MTP == without ------------------------------------

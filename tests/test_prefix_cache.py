@@ -10,9 +10,9 @@ import itertools
 import numpy as np
 import pytest
 
-from conftest import ROOT, STORIES, make_modules_model
+from conftest import ROOT, STORIES, assert_no_leaks, greedy, make_modules_model, random_prompts, token_ids
 from jaxmtp import LLM, SamplingParams, prefix_cache
-from jaxmtp.cache import PageAllocator
+from jaxmtp.allocator import PageAllocator
 from jaxmtp.engine import num_compiles
 from jaxmtp.prefix_cache import PrefixCache
 from jaxmtp.sequence import Sequence
@@ -36,16 +36,10 @@ def no_cache():
     return make_llm(enable_prefix_caching=False)
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def token_ids(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
 
 
-def random_prompts(rng, lengths) -> list[list[int]]:
-    return [[1] + rng.integers(3, 512, size=n - 1).tolist() for n in lengths]
 
 
 def diverging(rng, prompt: list[int], shared: int, length: int) -> list[int]:
@@ -86,13 +80,6 @@ def draft_kv(engine, pages: list[int], length: int) -> np.ndarray:
     return np.stack([k, v])
 
 
-def assert_no_leaks(llm: LLM):
-    """Every page is unheld, and free or cached exactly once."""
-    allocator, cache = llm.engine.allocator, llm.engine.prefix_cache
-    assert not llm.engine.has_unfinished_requests()
-    assert allocator.num_free == allocator.num_pages and not any(allocator.ref_counts)
-    assert sorted([*allocator.free_pages, *cache.evictable]) == list(range(allocator.num_pages))
-    assert set(cache.evictable) == set(cache.by_page)
 
 
 # ----- a shared prefix computes only the suffix, with the same output ---------------------
@@ -115,6 +102,7 @@ def test_second_request_computes_only_its_suffix(no_cache, rng, offset):
     assert token_ids([out1, out2]) == token_ids(no_cache.generate([first, second], greedy(20), use_tqdm=False))
     stats = llm.engine.stats.prefix_cache
     assert (stats.queries, stats.hits) == (len(first) + len(second), reused)
+    assert (out1.num_cached_tokens, out2.num_cached_tokens) == (0, reused)
     assert stats.hit_rate == reused / (len(first) + len(second))
     assert_no_leaks(llm)
 
@@ -252,20 +240,24 @@ def test_a_page_matches_only_after_the_parent_it_was_cached_with(monkeypatch):
     Once X's page is evicted and Y's cached in the same slot, [Y, T] must not reuse the
     KV computed after X."""
     monkeypatch.setattr(prefix_cache, "page_hash", lambda parent_hash, tokens, salt: tokens[0] % 2)
-    cache = PrefixCache(page_size=2, salt=0, with_draft_kv=False)
-    allocator = PageAllocator(3, cache)
+    cache = PrefixCache(page_size=2, with_draft_kv=False)
+    allocator = PageAllocator(3, 2, cache)
+
+    def register(seq):
+        cache.register(seq.token_ids, seq.num_computed, seq.pages, seq.cached_prefix, salt=0)
+
     x, t, y = [10, 11], [21, 22], [30, 31]  # x and y hash alike, t differently
     seq = Sequence("a", x + t + [5], SamplingParams(), 0, 0, frozenset(), pages=allocator.allocate(2), num_computed=4)
-    cache.register(seq)
-    assert [e.tokens for e in cache.lookup(x + t + [5]).pages] == [tuple(x), tuple(t)]
+    register(seq)
+    assert [e.tokens for e in cache.lookup(x + t + [5], 0).pages] == [tuple(x), tuple(t)]
     allocator.free(seq.pages[:1])  # X's page first, so it is the least recently used
     allocator.free(seq.pages[1:])
     allocator.allocate(1)  # the unused page
     other = Sequence("b", y + [7], SamplingParams(), 0, 1, frozenset(), pages=allocator.allocate(1), num_computed=2)
     assert cache.stats.evictions == 1 and other.pages == seq.pages[:1]
-    cache.register(other)
-    assert [e.tokens for e in cache.lookup(y + t + [5]).pages] == [tuple(y)]
-    assert [e.tokens for e in cache.lookup(x + t + [5]).pages] == []
+    register(other)
+    assert [e.tokens for e in cache.lookup(y + t + [5], 0).pages] == [tuple(y)]
+    assert [e.tokens for e in cache.lookup(x + t + [5], 0).pages] == []
 
 
 # ----- two MTP modules: a step rewrites the row before its first --------------------------

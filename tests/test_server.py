@@ -464,14 +464,14 @@ def wait_all_pages_free(engine, timeout=3.0) -> bool:
 
 def test_a_request_failing_inside_the_engine_gets_500_and_others_go_on(inprocess, monkeypatch):
     engine, http = inprocess
-    update_text = engine._update_text
+    add_text = engine.output_processor._add_text
 
-    def exploding_update_text(seq):
+    def exploding_add_text(seq, token):
         if "boom" in seq.params.stop:
             raise RuntimeError("detokeniser exploded")
-        return update_text(seq)
+        return add_text(seq, token)
 
-    monkeypatch.setattr(engine, "_update_text", exploding_update_text)
+    monkeypatch.setattr(engine.output_processor, "_add_text", exploding_add_text)
     good = dict(prompt="Once upon a time", max_tokens=30, **GREEDY)
     bad = {**good, "stop": ["boom"]}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:

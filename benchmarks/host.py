@@ -1,0 +1,146 @@
+"""Host work per engine step and per streamed token, on the CPU (no GPU needed).
+
+Two measurements with a 2-layer, 64-wide Llama model (dummy weights) and the
+stories260K tokenizer, so detokenisation and stop strings are part of the work:
+
+  step: 8 greedy requests decoding; the host's time per step is the step's wall time
+        minus the time it waits for the device (ModelRunner.read), async scheduling on.
+  stream: one request streamed for 7000 tokens; the mean time per token of the last
+        500 against that of tokens 100-600 (flat when host work per token is O(1)).
+
+--repo PATH runs the same workload on another checkout of jaxmtp (an older commit, as
+the peer of the same run); it then measures the step's wall time only.
+
+    python benchmarks/host.py                      # writes docs/benchmarks/host.{json,md}
+    python benchmarks/host.py --repo /tmp/old --tag _before
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 172,
+    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 512,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
+def model_folder(tmp: Path) -> Path:
+    folder = tmp / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "checkpoints" / "stories260K" / name, folder / name)
+    return folder
+
+
+def measure_steps(llm, sampling_params, num_requests: int, num_steps: int, split_wait: bool) -> dict:
+    engine = llm.engine
+    waited = [0.0]
+    if split_wait:
+        read = engine.runner.read
+
+        def timed_read(record):
+            start = time.perf_counter()
+            result = read(record)
+            waited[0] += time.perf_counter() - start
+            return result
+
+        engine.runner.read = timed_read
+    for i in range(num_requests):
+        engine.add_request(f"s{i}", [1, 10 + i, 20 + i], sampling_params)
+    for _ in range(20):  # prefill and the first decode steps (they may compile)
+        engine.step()
+    waited[0] = 0.0
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    wall = (time.perf_counter() - start) / num_steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    result = {"step_ms": wall * 1e3}
+    if split_wait:
+        result["device_wait_ms"] = waited[0] / num_steps * 1e3
+        result["host_ms"] = result["step_ms"] - result["device_wait_ms"]
+    return result
+
+
+def measure_stream(llm, sampling_params, delta: bool) -> dict:
+    times = []  # when each token arrived
+    for out in llm.stream([1, 403, 407], sampling_params):
+        now = time.perf_counter()
+        count = len(out.outputs[0].token_ids)
+        times.extend([now] * (count if delta else count - len(times)))
+    per_token = [b - a for a, b in zip(times, times[1:])]
+    early = sum(per_token[100:600]) / 500
+    late = sum(per_token[-500:]) / 500
+    return {"tokens": len(times), "early_ms": early * 1e3, "late_ms": late * 1e3, "late_over_early": late / early}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repo", default=None, help="another checkout of jaxmtp to run the same workload on")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--stream-tokens", type=int, default=7000)
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    repo = Path(args.repo).resolve() if args.repo else ROOT
+    sys.path.insert(0, str(repo))
+    import jax
+
+    from jaxmtp import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = model_folder(Path(tmp))
+        llm = LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=8192,
+                  num_pages=8 * 8192 // 16)
+        decode = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True, stop=["Once upon a midnight"])
+        steps = measure_steps(llm, decode, 8, args.steps, split_wait=args.repo is None)
+        stream_params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True,
+                                       stop=["Once upon a midnight"])
+        delta = args.repo is None  # older checkouts stream cumulative outputs only
+        if delta:
+            from jaxmtp.sampling_params import RequestOutputKind
+
+            stream_params.output_kind = RequestOutputKind.DELTA
+        stream = measure_stream(llm, stream_params, delta)
+    results = {
+        "date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": platform.processor() or "cpu",
+        "backend": jax.default_backend(), "repo": str(repo), "step": steps, "stream": stream,
+        "targets": {"host_ms": "<= 2", "late_over_early": "<= 1.2"},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"host{args.tag}.json").write_text(json.dumps(results, indent=2))
+    lines = [
+        f"# Host work per step and per token ({results['date']}, {results['backend']}, jax {results['jax']})",
+        "", f"Checkout: {repo.name}; `python benchmarks/host.py{' --repo ' + args.repo if args.repo else ''}`", "",
+        "| measure | value | target |", "|---|---|---|",
+        f"| step wall time, 8 requests decoding | {steps['step_ms']:.2f} ms | |",
+    ]
+    if "host_ms" in steps:
+        lines.append(f"| of which host (wall minus waiting for the device) | {steps['host_ms']:.2f} ms | <= 2 ms |")
+    lines += [
+        f"| stream, ms per token at tokens 100-600 | {stream['early_ms']:.3f} | |",
+        f"| stream, ms per token over the last 500 of {stream['tokens']} | {stream['late_ms']:.3f} | |",
+        f"| late / early | {stream['late_over_early']:.2f} | <= 1.2 |",
+    ]
+    (out / f"host{args.tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

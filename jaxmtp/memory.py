@@ -1,0 +1,79 @@
+"""How many KV pages the pool gets: from the device memory left after the weights and
+the largest step's activations (accelerators, gpu_memory_utilization), or from a byte
+budget (kv_cache_memory_bytes; the CPU default), never more than max_num_seqs requests
+of max_model_len need."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+
+from jaxmtp.cache import allocate_cache
+from jaxmtp.config import ModelConfig
+
+log = logging.getLogger("jaxmtp.memory")
+
+GiB = 1 << 30
+CPU_KV_CACHE_BYTES = 2 * GiB  # the CPU default: memory is the host's, shared with everything else
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    num_pages: int
+    page_bytes: int  # every layer's KV (main and MTP) and hidden pages of one page
+    budget_bytes: int | None  # what the pool could take (None: num_pages was given)
+
+    @property
+    def gib(self) -> float:
+        return self.num_pages * self.page_bytes / GiB
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, num_draft_modules: int) -> int:
+    """Bytes of one page across the whole cache, whatever its layout (no memory used)."""
+    shapes = jax.eval_shape(lambda: allocate_cache(cfg, 1, page_size, num_draft_modules))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, k: int) -> int:
+    """A generous estimate of the largest step's live activations: a few float32 copies
+    of the residual stream and the MLP's hidden layer per row, and of the logits of
+    every sampled row (filtering sorts them)."""
+    rows = max_num_batched_tokens * (8 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4
+    logits = max_num_seqs * (k + 1) * cfg.vocab_size * 4 * 4
+    return rows + logits
+
+
+def plan_kv_pool(
+    cfg: ModelConfig, *, page_size: int, num_draft_modules: int, max_pages_per_seq: int, max_num_seqs: int,
+    max_num_batched_tokens: int, num_speculative_tokens: int, num_pages: int | None,
+    gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, devices: list,
+) -> KVPool:
+    """devices: the mesh's; the KV heads are split over them, so each holds about
+    1/len(devices) of a page (the budget is one device's memory)."""
+    per_page = page_bytes(cfg, page_size, num_draft_modules)
+    device = devices[0]
+    if num_pages is not None:
+        return KVPool(num_pages, per_page, None)
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if kv_cache_memory_bytes is not None or not stats:
+        budget = CPU_KV_CACHE_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+        what = "kv_cache_memory_bytes"
+    else:
+        # bytes_limit: what JAX's allocator may hold (by default 75% of the device's
+        # memory, XLA_PYTHON_CLIENT_MEM_FRACTION sets it); the weights are in use already
+        limit = stats.get("bytes_limit") or stats.get("bytes_reservable_limit")
+        active = activation_bytes(cfg, max_num_batched_tokens, max_num_seqs, num_speculative_tokens)
+        budget = int(gpu_memory_utilization * limit) - stats.get("bytes_in_use", 0) - active
+        what = "gpu_memory_utilization"
+    fit = max(budget, 0) * len(devices) // per_page
+    if fit < max_pages_per_seq:
+        raise ValueError(
+            f"the KV cache has room for {fit} pages of {page_size} tokens ({budget / GiB:.2f} GiB by {what}), "
+            f"but one request of max_model_len needs {max_pages_per_seq}: lower max_model_len or raise {what}"
+        )
+    pool = KVPool(min(fit, max_num_seqs * max_pages_per_seq), per_page, budget)
+    log.info("KV cache: %d pages of %d tokens = %d tokens, %.2f GiB (%s)", pool.num_pages, page_size,
+             pool.num_pages * page_size, pool.gib, what)
+    return pool

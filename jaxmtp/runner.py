@@ -1,0 +1,200 @@
+"""ModelRunner: everything on the device. It loads the params, owns the donated KV
+cache and the carry between steps, turns a SchedulerOutput into one jitted step (page
+copies first), reads a step's output back, compiles every bucket shape (warm-up) and
+inspects the compiled step. The engine never touches a device array."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import jax
+import numpy as np
+
+from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, pack_batch
+from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
+from jaxmtp.config import ModelConfig
+from jaxmtp.engine_config import EngineConfig
+from jaxmtp.loader import load_params
+from jaxmtp.memory import plan_kv_pool
+from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
+from jaxmtp.sharding import check_divisible, make_mesh, replicated
+from jaxmtp.step import StepConfig, StepOutput, jitted_step
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose output has not been read yet."""
+
+    step_id: int
+    scheduled: SchedulerOutput
+    preemptions: list[int]  # each sequence's num_preemptions at dispatch
+    output: StepOutput  # on the device
+    args: tuple  # the step's arguments after params and cache, for replays
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's output on the host: what postprocessing reads, nothing more."""
+
+    tokens: np.ndarray  # [B, k+1]; request b emitted tokens[b, :num_accepted[b] + 1]
+    num_accepted: np.ndarray  # [B]
+    drafts: np.ndarray  # [B, k]
+    boundary_token: np.ndarray  # [B]
+    logprobs: np.ndarray | None  # [B, k+1], when a request asked for logprobs
+    top_logprobs: np.ndarray | None  # [B, k+1, n]
+    top_token_ids: np.ndarray | None
+
+
+class ModelRunner:
+    def __init__(
+        self, model_dir, config: EngineConfig, model_config: ModelConfig, num_draft_modules: int, max_pages_per_seq: int
+    ):
+        self.config = config
+        self.model_config = model_config
+        self.mesh = make_mesh(config.tensor_parallel_size)
+        check_divisible(model_config, config.tensor_parallel_size)
+        self.num_draft_modules = num_draft_modules
+        self.params = load_params(
+            model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules, mesh=self.mesh
+        )
+        self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
+        # sized after the weights are placed, from the memory they leave
+        self.kv_pool = plan_kv_pool(
+            model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
+            max_pages_per_seq=max_pages_per_seq, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens,
+            num_pages=config.num_pages, gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes, devices=list(self.mesh.devices.flat),
+        )
+        self.num_pages = self.kv_pool.num_pages
+        self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
+        self.step_config = StepConfig(
+            model=model_config,
+            num_speculative_tokens=config.num_speculative_tokens,
+            num_draft_modules=num_draft_modules,
+            attention_backend=config.attention_backend,
+            mtp_boundary=config.mtp_boundary,
+            num_top_logprobs=min(config.max_logprobs, model_config.vocab_size),
+            mesh=self.mesh,
+        )
+        self._oracle_tokens = None
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh, zeroed KV cache and carry: after a failed step whose donated cache is
+        gone, and at start-up."""
+        # committed to its devices, sharded as every cache the step returns, so the first
+        # shape warmup() compiles is not compiled again for the first real request
+        self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
+        carry = Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens)
+        self.carry = jax.device_put(carry, replicated(self.mesh))
+        self.last_args = None
+
+    @property
+    def cache_is_lost(self) -> bool:
+        """Whether a failed step consumed the donated cache (or the carry)."""
+        leaves = jax.tree.leaves((self.cache, self.carry))
+        return any(x.is_deleted() for x in leaves)
+
+    @property
+    def oracle_tokens(self) -> jax.Array | None:
+        """Benchmarks set an [R, L] table of token ids here, row r the output of an earlier
+        plain greedy run for the request whose SamplingParams.seed is r: the step then
+        drafts the row's next tokens in place of the MTP module's (step.oracle_drafts),
+        on the device, so async scheduling works. None (the default): the module's drafts."""
+        return self._oracle_tokens
+
+    @oracle_tokens.setter
+    def oracle_tokens(self, table) -> None:
+        if table is not None:
+            table = jax.device_put(np.asarray(table, np.int32), replicated(self.mesh))
+        self._oracle_tokens = table
+
+    # ----- one step ---------------------------------------------------------------------
+
+    def shape_for(self, rows: list[ScheduledRows]) -> BatchShape:
+        greedy = all(item.seq.params.temperature == 0 and item.seq.params.logprobs is None for item in rows)
+        num_pages = max((len(item.seq.pages) for item in rows), default=0)
+        return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages)
+
+    def device_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple:
+        """The step's arguments after params, cache and carry, for rows padded to shape:
+        (ints, floats, oracle tokens, shape); the batch crosses in one transfer."""
+        k = self.config.num_speculative_tokens
+        batch = build_batch(rows, shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
+                            self.num_draft_modules)
+        ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
+        return ints, floats, self.oracle_tokens, shape
+
+    def dispatch(self, step_id: int, scheduled: SchedulerOutput) -> InFlightStep:
+        """Queue the page copies and the step on the device; returns before it runs."""
+        self.copy_pages(scheduled.page_copies)
+        args = self.device_batch(scheduled.rows, self.shape_for(scheduled.rows))
+        output = self._run(args)
+        preemptions = [item.seq.num_preemptions for item in scheduled.rows]
+        return InFlightStep(step_id, scheduled, preemptions, output, args)
+
+    def _run(self, args: tuple) -> StepOutput:
+        self.last_args = args
+        self.cache, output = jitted_step(self.params, self.cache, self.carry, *args, self.step_config)
+        self.carry = output.carry
+        return output
+
+    def read(self, record: InFlightStep) -> StepResult:
+        """Wait for a dispatched step and bring back what the host uses."""
+        out = record.output
+        wants_logprobs = any(item.seq.params.logprobs is not None for item in record.scheduled.rows)
+        host = jax.device_get(
+            (out.tokens, out.num_accepted, out.drafts, out.boundary_token)
+            + ((out.logprobs, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None, None, None))
+        )
+        return StepResult(*host)
+
+    def replay_last_step(self) -> StepOutput:
+        """Run the last dispatched step's batch again (benchmarks time it alone)."""
+        return self._run(self.last_args)
+
+    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
+        """Run (source, destination) page copies on the device, in order."""
+        for i in range(0, len(copies), PAGE_COPY_BATCH):
+            group = copies[i : i + PAGE_COPY_BATCH]
+            self.cache = copy_pages(self.cache, *page_copy_arrays(group, self.num_pages))
+
+    # ----- compilation ------------------------------------------------------------------
+
+    def warmup(self, num_threads: int = 1, with_page_copies: bool = False) -> int:
+        """Compile the step for every bucket shape; returns the number of shapes.
+
+        num_threads > 1 first compiles the shapes side by side into JAX's persistent
+        compilation cache (it must be configured: jax_compilation_cache_dir), from
+        which the pass that follows loads them."""
+        shapes = self.buckets.all_shapes()
+        if num_threads > 1:
+            if not jax.config.jax_compilation_cache_dir:
+                raise ValueError("warmup(num_threads > 1) needs jax_compilation_cache_dir set")
+            with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
+                list(pool.map(lambda shape: self.lower_step(shape).compile(), shapes))
+        for shape in shapes:
+            jax.block_until_ready(self._run(self.device_batch([], shape)))  # an empty batch: every write dropped
+        if with_page_copies:  # all padding, it changes nothing
+            self.cache = copy_pages(self.cache, *page_copy_arrays([], self.num_pages))
+        return len(shapes)
+
+    def full_shape(self, shape: BatchShape) -> BatchShape:
+        """shape with its page-table width filled in (None: the widest)."""
+        return dataclasses.replace(shape, pages_per_seq=shape.pages_per_seq or self.max_pages_per_seq)
+
+    def lower_step(self, shape: BatchShape):
+        """The step lowered for one bucket shape (compile it to warm up or inspect);
+        its batch is placed as dispatch places it, so it is the same compiled step."""
+        args = self.device_batch([], self.full_shape(shape))
+        return jitted_step.lower(self.params, self.cache, self.carry, *args, self.step_config)
+
+    def cache_copies(self, shape: BatchShape) -> list[str]:
+        """Lines of the compiled step's optimised HLO that copy a KV page array, for
+        tests and benchmarks: with the cache donated there should be none."""
+        pages = self.cache.k[0].shape
+        names = [",".join(map(str, pages)), ",".join(map(str, (pages[0] * pages[1],) + pages[2:]))]
+        text = self.lower_step(shape).compile().as_text()
+        return [line.strip() for line in text.splitlines() if " copy(" in line and any(f"[{n}]" in line for n in names)]
