@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from jaxmtp import LLM, SamplingParams
+from conftest import assert_no_leaks, greedy, token_ids
+from jaxmtp import LLM
 from test_moe_models import make_moe_model
 
 PAGE = 8
@@ -80,14 +81,6 @@ def plain(mtp_model):
 
 def make_llm(folder, **kwargs) -> LLM:
     return LLM(folder, **{**ENGINE, **kwargs})
-
-
-def greedy(n):
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def token_ids(outputs):
-    return [o.outputs[0].token_ids for o in outputs]
 
 
 def random_prompts(rng, lengths):
@@ -169,7 +162,7 @@ def test_greedy_with_mtp_equals_without(mtp_model, plain, rng, k):
     assert token_ids(outs) == expected, f"k={k} prompts={prompts}"
     accepted = np.sum([o.spec_stats["accepted_per_position"] for o in outs], axis=0)
     assert accepted[0] > 0, accepted  # verification accepts drafts, not only rejects them
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+    assert_no_leaks(llm)
 
 
 def acceptance_per_position(llm, prompts):
@@ -239,6 +232,7 @@ def test_prefix_cache_hit_gives_the_no_cache_drafts(mtp_model, rng):
             np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-5)
             assert drafts == ref_first
             assert out.spec_stats["accepted_per_position"] == ref_out.spec_stats["accepted_per_position"]
+        assert_no_leaks(llm)
 
 
 def test_greedy_with_mtp_equals_without_under_preemption(mtp_model, plain, rng):
@@ -247,7 +241,7 @@ def test_greedy_with_mtp_equals_without_under_preemption(mtp_model, plain, rng):
     llm = make_llm(mtp_model[0], num_speculative_tokens=3, prefill_chunk_size=7)
     assert token_ids(llm.generate(prompts, greedy(48), use_tqdm=False)) == expected
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_pages
+    assert_no_leaks(llm)
 
 
 def test_glm_mtp_layer_drafts_exactly(tmp_path, mtp_model, rng):
