@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 @pytree_dataclass
 class KVCache:
-    """Per-layer K and V pages, each [num_pages, page_size, num_kv_heads, head_dim].
+    """Per-layer K and V pages, each [num_pages, page_size, num_kv_heads, head_dim];
+    for an MLA model (DeepSeek-V3) the compressed latent instead, k
+    [num_pages, page_size, 1, kv_lora_rank] and the shared rope key in v
+    [num_pages, page_size, 1, qk_rope_head_dim] (jaxmtp/mla.py).
 
     The main model's layers come first, then one layer per MTP module the draft pass
     runs: draft KV lives in the same page slots as the main model's, so one page table
@@ -85,13 +88,16 @@ def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_lay
     Under tensor parallelism (mesh) each device's kv heads are placed directly on it;
     hidden pages are whole on every device, as the residual stream is."""
     shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+    v_shape = shape
+    if cfg.mla is not None:
+        shape, v_shape = (num_pages, page_size, 1, cfg.mla.kv_lora_rank), (num_pages, page_size, 1, cfg.mla.qk_rope_head_dim)
     hidden_shape = (num_pages, page_size, cfg.hidden_size)
     kv_sharding, hidden_sharding = (None, None) if mesh is None else (cache_sharding(mesh), hidden_pages_sharding(mesh))
     n = cfg.num_layers + num_mtp_layers
     # zeros, not empty: a page read before it is written must hold finite values.
     return KVCache(
         k=[jnp.zeros(shape, cfg.jnp_dtype, device=kv_sharding) for _ in range(n)],
-        v=[jnp.zeros(shape, cfg.jnp_dtype, device=kv_sharding) for _ in range(n)],
+        v=[jnp.zeros(v_shape, cfg.jnp_dtype, device=kv_sharding) for _ in range(n)],
         hidden=[jnp.zeros(hidden_shape, cfg.jnp_dtype, device=hidden_sharding) for _ in range(num_mtp_layers - 1)],
     )
 

@@ -37,6 +37,43 @@ MTP_LAYOUTS = {
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): K and V are expanded per head from a
+    compressed latent of kv_lora_rank values, plus one shared rope key of
+    qk_rope_head_dim values; the paged cache holds only those two."""
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """DeepSeek-V3-style mixture of experts (noaux_tc routing: sigmoid scores, a
+    correction bias for selection only, group-limited top-k)."""
+
+    num_experts: int  # n_routed_experts
+    num_experts_per_tok: int
+    num_shared_experts: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int  # layers before this index keep a dense MLP
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        return self.moe_intermediate_size * self.num_shared_experts
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -62,6 +99,22 @@ class ModelConfig:
     # were trained under (see jaxmtp/mtp.py for what the layout decides).
     num_mtp_modules: int = 0
     mtp_layout: str | None = None
+    # RoPE over the first partial_rotary_factor of each head (GLM-4.5: 0.5); with
+    # rope_interleave the rotated dims pair up (x0, x1), (x2, x3), ... (DeepSeek)
+    partial_rotary_factor: float = 1.0
+    rope_interleave: bool = False
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (MTP layers continue the numbering) has experts."""
+        return self.moe is not None and layer >= self.moe.first_k_dense_replace
+
+    @property
+    def rotary_dim(self) -> int:
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_size(self) -> int:
@@ -78,8 +131,8 @@ class ModelConfig:
         return jnp.dtype(self.dtype)
 
     def rope_inv_freq(self) -> np.ndarray:
-        """Inverse RoPE frequencies in float64, with Llama-3 scaling applied if configured."""
-        dim = self.head_dim
+        """Inverse RoPE frequencies in float64, with Llama-3 or YaRN scaling applied if configured."""
+        dim = self.rotary_dim
         inv_freq = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
         scaling = dict(self.rope_scaling)
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -102,13 +155,72 @@ class ModelConfig:
                 inv_freq / factor,
                 np.where(wavelen < high_wavelen, inv_freq, smoothed),
             )
-        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+        if kind == "yarn":
+            return _yarn_inv_freq(inv_freq, dim, self.rope_theta, scaling, self.max_position_embeddings)
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
+
+    def rope_attention_factor(self) -> float:
+        """YaRN's scale on cos and sin (1 for every other rope type)."""
+        scaling = dict(self.rope_scaling)
+        if scaling.get("rope_type", scaling.get("type")) != "yarn":
+            return 1.0
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor = _yarn_factor(scaling, self.max_position_embeddings)
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        return _yarn_mscale(factor)
+
+    def mla_softmax_scale(self) -> float:
+        """DeepSeek's softmax scale: qk_head_dim ** -0.5, times mscale(factor,
+        mscale_all_dim) squared under YaRN (the long-context correction)."""
+        scale = self.mla.qk_head_dim**-0.5
+        scaling = dict(self.rope_scaling)
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default" and scaling.get("mscale_all_dim"):
+            mscale = _yarn_mscale(_yarn_factor(scaling, self.max_position_embeddings), scaling["mscale_all_dim"])
+            scale *= mscale * mscale
+        return scale
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_factor(scaling: dict, max_position_embeddings: int) -> float:
+    factor = scaling.get("factor")
+    return max_position_embeddings / scaling["original_max_position_embeddings"] if factor is None else factor
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, base: float, scaling: dict, max_position_embeddings: int) -> np.ndarray:
+    """YaRN (arXiv 2309.00071) as transformers computes it: interpolated frequencies
+    below the correction range, the original ones above it, a linear ramp between."""
+    factor = _yarn_factor(scaling, max_position_embeddings)
+    old_len = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def _as_tuple(value) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # DeepseekV3ForCausalLM, Glm4MoeForCausalLM
 
 
 def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
@@ -118,14 +230,14 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
         raise FileNotFoundError(f"model folder {model_dir!s} has no config.json")
     hf = json.loads(path.read_text())
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and model_type not in MOE_MODEL_TYPES:
         raise ValueError(
             f"unsupported model_type {model_type!r} (architectures {hf.get('architectures')}); "
-            f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            f"supported: {sorted([*SUPPORTED_MODEL_TYPES, *MOE_MODEL_TYPES])}"
         )
     if hf.get("use_sliding_window") and model_type in ("qwen2", "qwen3", "mimo"):
         raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
-    default_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
+    default_bias, qk_norm = SUPPORTED_MODEL_TYPES.get(model_type, (False, False))
     num_heads = hf["num_attention_heads"]
     dtype = dtype or _dtype_from_hf(hf)
     if dtype not in ("float32", "bfloat16"):
@@ -134,7 +246,13 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
     # transformers 4 writes rope_theta and rope_scaling; 5 writes rope_parameters
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    return ModelConfig(
+    # transformers 5 keeps partial_rotary_factor in rope_parameters, 4 at the top level
+    partial_rotary_factor = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if model_type == "glm4_moe":
+        partial_rotary_factor = 0.5 if partial_rotary_factor is None else partial_rotary_factor
+    elif partial_rotary_factor not in (None, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial_rotary_factor} is not supported for {model_type}")
+    cfg = ModelConfig(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -148,7 +266,7 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         qkv_bias=hf.get("attention_bias", default_bias),
-        qk_norm=qk_norm,
+        qk_norm=hf.get("use_qk_norm", False) if model_type == "glm4_moe" else qk_norm,
         dtype=dtype,
         rope_scaling=tuple(sorted(rope.items())),
         sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
@@ -156,6 +274,67 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
         eos_token_ids=_eos_token_ids(Path(model_dir), hf),
         num_mtp_modules=num_mtp,
         mtp_layout=mtp_layout,
+    )
+    if model_type in MOE_MODEL_TYPES:
+        cfg = _moe_model_config(cfg, hf, partial_rotary_factor)
+    cfg.rope_inv_freq()  # an unsupported rope type fails here, before any weights load
+    return cfg
+
+
+def _moe_model_config(cfg: ModelConfig, hf: dict, partial_rotary_factor: float | None) -> ModelConfig:
+    """The DeepSeek-V3 / GLM-4.5 facts on top of the common ones; refuses what the
+    engine does not implement, naming the field."""
+    model_type = cfg.model_type
+    refused = {
+        "topk_method": (hf.get("topk_method"), (None, "noaux_tc")),
+        "scoring_func": (hf.get("scoring_func"), (None, "sigmoid")),
+        "hidden_act": (hf.get("hidden_act", "silu"), ("silu",)),
+        "moe_layer_freq": (hf.get("moe_layer_freq"), (None, 1)),
+        "quantization_config": (hf.get("quantization_config"), (None,)),
+    }
+    if model_type == "deepseek_v3":
+        # DeepSeek's attention_bias adds biases to q_a_proj, kv_a_proj and o_proj: no
+        # released checkpoint has them
+        refused["attention_bias"] = (hf.get("attention_bias", False), (False,))
+    for field, (value, supported) in refused.items():
+        if value not in supported:
+            raise ValueError(f"{model_type} with {field}={value!r} is not supported (supported: {list(supported)})")
+    moe = MoEConfig(
+        num_experts=hf["n_routed_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        num_shared_experts=hf.get("n_shared_experts") or 0,
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
+        n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+    )
+    per_group, rem = divmod(moe.num_experts, moe.n_group)
+    if rem or per_group < 2:
+        raise ValueError(f"n_routed_experts={moe.num_experts} must split into n_group={moe.n_group} groups of at least 2")
+    if not 1 <= moe.topk_group <= moe.n_group:
+        raise ValueError(f"topk_group={moe.topk_group} must lie in 1..n_group={moe.n_group}")
+    if not 1 <= moe.num_experts_per_tok <= moe.topk_group * per_group:
+        raise ValueError(
+            f"num_experts_per_tok={moe.num_experts_per_tok} must lie in 1..{moe.topk_group * per_group} "
+            f"(the experts of topk_group={moe.topk_group} groups)"
+        )
+    if model_type == "glm4_moe":
+        return dataclasses.replace(cfg, moe=moe, partial_rotary_factor=float(partial_rotary_factor))
+    mla = MLAConfig(
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim={mla.qk_rope_head_dim} must be even")
+    # every head reads the one latent: K and V per head are expanded from it
+    return dataclasses.replace(
+        cfg, moe=moe, mla=mla, head_dim=mla.qk_head_dim, num_kv_heads=cfg.num_heads,
+        rope_interleave=bool(hf.get("rope_interleave", True)),
     )
 
 

@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import Mesh
 from safetensors import safe_open
 
-from jaxmtp.config import ModelConfig
-from jaxmtp.params import LayerParams, MTPParams, Params, param_shapes, random_params
+from jaxmtp.config import MOE_MODEL_TYPES, ModelConfig
+from jaxmtp.params import ExpertLayerParams, LayerParams, MLAParams, MoEParams, MTPParams, Params, param_shapes, random_params
 from jaxmtp.sharding import make_mesh, param_shardings
 
 ORBAX_DIR = "params"  # the engine's own checkpoints keep an orbax tree here
@@ -33,19 +33,26 @@ class TensorRef:
     shape: tuple[int, ...]
     transpose: bool = False
     row_offset: int = 0
+    dtype: str | None = None  # None: the model's dtype (the MoE router stays float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class StackedRef:
     """Tensors the checkpoint stores apart and the engine keeps as one, stacked on
-    axis 1 (gate and up: LayerParams.gate_up_proj)."""
+    `axis` (gate and up on axis 1: LayerParams.gate_up_proj; experts on axis 0:
+    MoEParams.experts_gate_up, whose parts are stacked gate and up themselves)."""
 
-    parts: tuple[TensorRef, ...]
+    parts: tuple[TensorRef | StackedRef, ...]
+    axis: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
         first = self.parts[0].shape
-        return (first[0], len(self.parts)) + first[1:]
+        return first[: self.axis] + (len(self.parts),) + first[self.axis :]
+
+    @property
+    def dtype(self) -> str | None:
+        return self.parts[0].dtype
 
 
 class TensorSource:
@@ -78,21 +85,21 @@ class TensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
-    def ref(self, name: str, transpose: bool = False, rows: tuple[int, int] | None = None) -> TensorRef:
+    def ref(self, name: str, transpose: bool = False, rows: tuple[int, int] | None = None, dtype: str | None = None) -> TensorRef:
         if name not in self.file_of:
             raise ValueError(f"checkpoint in {self.model_dir!s} is missing tensor {name!r}")
         shape = tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
         shape = shape[::-1] if transpose else shape
         if rows is not None:
             shape = (rows[1] - rows[0],) + shape[1:]
-        return TensorRef(name, shape, transpose, rows[0] if rows else 0)
+        return TensorRef(name, shape, transpose, rows[0] if rows else 0, dtype)
 
     def read(self, ref: TensorRef | StackedRef, index: tuple[slice, ...], dtype) -> np.ndarray:
         """The block `index` (slices over ref.shape, as jax.make_array_from_callback
         asks for one device's shard) of a tensor, read from disk."""
         if isinstance(ref, StackedRef):
-            rows, which, *rest = index
-            return np.stack([self.read(part, (rows, *rest), dtype) for part in ref.parts[which]], axis=1)
+            which, rest = index[ref.axis], index[: ref.axis] + index[ref.axis + 1 :]
+            return np.stack([self.read(part, rest, dtype) for part in ref.parts[which]], axis=ref.axis)
         bounds = [(s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, ref.shape)]
         bounds[0] = (bounds[0][0] + ref.row_offset, bounds[0][1] + ref.row_offset)
         stored = [slice(lo, hi) for lo, hi in (bounds[::-1] if ref.transpose else bounds)]
@@ -100,26 +107,72 @@ class TensorSource:
         return (block.T if ref.transpose else block).astype(dtype)
 
 
-def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, norm_names=("input_layernorm", "post_attention_layernorm")) -> LayerParams:
+def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
+                norm_names=("input_layernorm", "post_attention_layernorm")) -> LayerParams:
+    """Decoder layer `layer` (MTP layers continue the numbering) stored under prefix."""
     attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+    gqa, dense = cfg.mla is None, not cfg.layer_is_moe(layer)
 
-    def optional(name, enabled):
-        return src.ref(name) if enabled else None
+    def optional(name, enabled, **kwargs):
+        return src.ref(name, **kwargs) if enabled else None
 
-    return LayerParams(
+    kind = LayerParams if cfg.moe is None else ExpertLayerParams
+    extra = {} if cfg.moe is None else dict(
+        mla=None if gqa else _mla_refs(src, attn, cfg), moe=None if dense else _moe_refs(src, mlp, cfg)
+    )
+    return kind(
+        **extra,
         input_norm=src.ref(f"{prefix}.{norm_names[0]}.weight"),
-        q_proj=src.ref(f"{attn}.q_proj.weight", transpose=True),
-        k_proj=src.ref(f"{attn}.k_proj.weight", transpose=True),
-        v_proj=src.ref(f"{attn}.v_proj.weight", transpose=True),
+        q_proj=optional(f"{attn}.q_proj.weight", gqa, transpose=True),
+        k_proj=optional(f"{attn}.k_proj.weight", gqa, transpose=True),
+        v_proj=optional(f"{attn}.v_proj.weight", gqa, transpose=True),
         o_proj=src.ref(f"{attn}.o_proj.weight", transpose=True),
         post_norm=src.ref(f"{prefix}.{norm_names[1]}.weight"),
-        gate_up_proj=StackedRef(tuple(src.ref(f"{mlp}.{name}.weight", transpose=True) for name in ("gate_proj", "up_proj"))),
-        down_proj=src.ref(f"{mlp}.down_proj.weight", transpose=True),
+        gate_up_proj=_gate_up_ref(src, mlp) if dense else None,
+        down_proj=optional(f"{mlp}.down_proj.weight", dense, transpose=True),
         q_bias=optional(f"{attn}.q_proj.bias", cfg.qkv_bias),
         k_bias=optional(f"{attn}.k_proj.bias", cfg.qkv_bias),
         v_bias=optional(f"{attn}.v_proj.bias", cfg.qkv_bias),
         q_norm=optional(f"{attn}.q_norm.weight", cfg.qk_norm),
         k_norm=optional(f"{attn}.k_norm.weight", cfg.qk_norm),
+    )
+
+
+def _gate_up_ref(src: TensorSource, mlp: str) -> StackedRef:
+    return StackedRef(tuple(src.ref(f"{mlp}.{name}.weight", transpose=True) for name in ("gate_proj", "up_proj")))
+
+
+def _mla_refs(src: TensorSource, attn: str, cfg: ModelConfig) -> MLAParams:
+    lora = cfg.mla.q_lora_rank is not None
+
+    def optional(name, enabled, **kwargs):
+        return src.ref(name, **kwargs) if enabled else None
+
+    return MLAParams(
+        kv_a_proj=src.ref(f"{attn}.kv_a_proj_with_mqa.weight", transpose=True),
+        kv_a_norm=src.ref(f"{attn}.kv_a_layernorm.weight"),
+        kv_b_proj=src.ref(f"{attn}.kv_b_proj.weight", transpose=True),
+        q_proj=optional(f"{attn}.q_proj.weight", not lora, transpose=True),
+        q_a_proj=optional(f"{attn}.q_a_proj.weight", lora, transpose=True),
+        q_a_norm=optional(f"{attn}.q_a_layernorm.weight", lora),
+        q_b_proj=optional(f"{attn}.q_b_proj.weight", lora, transpose=True),
+    )
+
+
+def _moe_refs(src: TensorSource, mlp: str, cfg: ModelConfig) -> MoEParams:
+    """Checkpoints store each expert apart (mlp.experts.E.{gate,up,down}_proj); the
+    engine stacks them into one array per projection, at load time."""
+    experts = range(cfg.moe.num_experts)
+    shared = cfg.moe.num_shared_experts > 0
+    return MoEParams(
+        router=src.ref(f"{mlp}.gate.weight", transpose=True, dtype="float32"),
+        router_bias=src.ref(f"{mlp}.gate.e_score_correction_bias", dtype="float32"),
+        experts_gate_up=StackedRef(tuple(_gate_up_ref(src, f"{mlp}.experts.{e}") for e in experts), axis=0),
+        experts_down=StackedRef(
+            tuple(src.ref(f"{mlp}.experts.{e}.down_proj.weight", transpose=True) for e in experts), axis=0
+        ),
+        shared_gate_up=_gate_up_ref(src, f"{mlp}.shared_experts") if shared else None,
+        shared_down=src.ref(f"{mlp}.shared_experts.down_proj.weight", transpose=True) if shared else None,
     )
 
 
@@ -134,20 +187,23 @@ def _mtp_module_refs(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
             hidden_norm=src.ref(f"{p}.hidden_layernorm.weight"),
             proj_token=src.ref(proj, transpose=True, rows=(h, 2 * h)),
             proj_hidden=src.ref(proj, transpose=True, rows=(0, h)),
-            block=_block_refs(src, p, cfg),
+            block=_block_refs(src, p, cfg, cfg.num_layers + n),
             final_norm=src.ref(f"{p}.final_layernorm.weight"),
         )
     p = f"model.layers.{cfg.num_layers + n}"
     proj = f"{p}.eh_proj.weight"  # [2H, H] over concat(embedding, hidden)
     head = f"{p}.shared_head.head.weight"
+    # DeepSeek-V3 and GLM-4.5 store copies of the main model's embedding and head in
+    # the layer (embed_tokens, shared_head.head): the module uses the main model's
+    own_head = head in src and cfg.model_type not in MOE_MODEL_TYPES
     return MTPParams(
         token_norm=src.ref(f"{p}.enorm.weight"),
         hidden_norm=src.ref(f"{p}.hnorm.weight"),
         proj_token=src.ref(proj, transpose=True, rows=(0, h)),
         proj_hidden=src.ref(proj, transpose=True, rows=(h, 2 * h)),
-        block=_block_refs(src, p, cfg),
+        block=_block_refs(src, p, cfg, cfg.num_layers + n),
         final_norm=src.ref(f"{p}.shared_head.norm.weight"),
-        lm_head=src.ref(head, transpose=True) if head in src else None,
+        lm_head=src.ref(head, transpose=True) if own_head else None,
     )
 
 
@@ -158,14 +214,14 @@ def load_hf_params(model_dir: Path, cfg: ModelConfig, mesh: Mesh, num_mtp_module
     src = TensorSource(model_dir)
     refs = Params(
         embed=src.ref("model.embed_tokens.weight"),
-        layers=[_block_refs(src, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)],
+        layers=[_block_refs(src, f"model.layers.{i}", cfg, i) for i in range(cfg.num_layers)],
         final_norm=src.ref("model.norm.weight"),
         lm_head=None if cfg.tie_word_embeddings else src.ref("lm_head.weight", transpose=True),
         mtp=[_mtp_module_refs(src, cfg, n) for n in range(num_mtp_modules)],
     )
     return jax.tree.map(
         lambda ref, sharding: jax.make_array_from_callback(
-            ref.shape, sharding, functools.partial(src.read, ref, dtype=cfg.jnp_dtype)
+            ref.shape, sharding, functools.partial(src.read, ref, dtype=jnp.dtype(ref.dtype or cfg.dtype))
         ),
         refs, param_shardings(refs, mesh),
     )
@@ -269,6 +325,8 @@ def export_hf_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, 
     concat(embedding, hidden), shared_head.norm), which vLLM and SGLang also read."""
     from safetensors.numpy import save_file
 
+    if cfg.moe is not None:
+        raise ValueError(f"export writes Llama-family models; {cfg.model_type} (experts, MLA) is not implemented")
     if cfg.mtp_layout not in (None, "deepseek"):
         raise ValueError(f"export writes the DeepSeek layout; these modules were trained as {cfg.mtp_layout!r}")
     out = Path(out_dir)

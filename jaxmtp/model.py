@@ -1,4 +1,6 @@
-"""The decoder-only transformer (Llama family) as pure functions over a flattened ragged batch."""
+"""The decoder-only transformer as pure functions over a flattened ragged batch: the
+Llama family (GQA), GLM-4.5 (GQA with partial rotary, experts) and DeepSeek-V3 (MLA,
+experts)."""
 
 from __future__ import annotations
 
@@ -7,28 +9,45 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.attention import AttentionFn
+from jaxmtp.attention import AttentionFn, attention_fn
 from jaxmtp.batch import Batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
+from jaxmtp.layers import apply_rope, rms_norm, swiglu
+from jaxmtp.mla import mla_attention, mla_attention_fn
+from jaxmtp.moe import moe_ffn
 from jaxmtp.params import LayerParams, Params
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # As Hugging Face does it: normalise in float32, cast back, then scale.
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
+def attention_for(cfg: ModelConfig, backend: str, mesh=None, decode_rows: int = 1) -> AttentionFn:
+    """The attention the model's layers take: GQA's (jaxmtp.attention) or MLA's, whose
+    rows of sequences with at most decode_rows rows take the absorbed form."""
+    if cfg.mla is None:
+        return attention_fn(backend, cfg.head_dim, mesh)
+    return mla_attention_fn(backend, decode_rows, mesh)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotary embedding in the half-split layout: x [T, heads, D], positions [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
-    cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+def gqa_attention(
+    p: LayerParams, cfg: ModelConfig, h: jax.Array, batch: Batch, k_pages: jax.Array, v_pages: jax.Array,
+    attention: AttentionFn,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Grouped-query attention over normed rows h [T, H]; writes this step's K/V."""
+    t = h.shape[0]
+    q, k, v = h @ p.q_proj, h @ p.k_proj, h @ p.v_proj
+    if p.q_bias is not None:
+        q, k, v = q + p.q_bias, k + p.k_bias, v + p.v_bias
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if p.q_norm is not None:
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, batch.positions, cfg), apply_rope(k, batch.positions, cfg)
+    out, k_pages, v_pages = attention(
+        q, k, v, k_pages, v_pages, batch.slot_mapping, batch.kv_len, batch.page_table, batch.query_start,
+        sliding_window=cfg.sliding_window,
+    )
+    return out.reshape(t, cfg.q_size) @ p.o_proj, k_pages, v_pages
 
 
 def decoder_layer(
@@ -40,28 +59,15 @@ def decoder_layer(
     v_pages: jax.Array,
     attention: AttentionFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One pre-norm block over T rows; writes this step's K/V through batch.slot_mapping."""
-    t = x.shape[0]
+    """One pre-norm block over T rows; writes this step's K/V (MLA: latent and rope
+    key) through batch.slot_mapping. attention is the one the layer kind takes:
+    jaxmtp.attention.attention_fn for GQA, jaxmtp.mla.mla_attention_fn for MLA."""
     h = rms_norm(x, p.input_norm, cfg.rms_norm_eps)
-    q, k, v = h @ p.q_proj, h @ p.k_proj, h @ p.v_proj
-    if p.q_bias is not None:
-        q, k, v = q + p.q_bias, k + p.k_bias, v + p.v_bias
-    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    if p.q_norm is not None:
-        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
-    inv_freq = jnp.asarray(cfg.rope_inv_freq(), jnp.float32)
-    q, k = rope(q, batch.positions, inv_freq), rope(k, batch.positions, inv_freq)
-    out, k_pages, v_pages = attention(
-        q, k, v, k_pages, v_pages, batch.slot_mapping, batch.kv_len, batch.page_table, batch.query_start,
-        sliding_window=cfg.sliding_window,
-    )
-    x = x + out.reshape(t, cfg.q_size) @ p.o_proj
+    block = gqa_attention if p.mla is None else mla_attention
+    out, k_pages, v_pages = block(p, cfg, h, batch, k_pages, v_pages, attention)
+    x = x + out
     h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)
-    gate_up = jnp.einsum("th,hci->tci", h, p.gate_up_proj)
-    x = x + (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ p.down_proj
+    x = x + (swiglu(h, p.gate_up_proj, p.down_proj) if p.moe is None else moe_ffn(p.moe, cfg.moe, h))
     return x, k_pages, v_pages
 
 

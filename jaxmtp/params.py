@@ -16,23 +16,65 @@ def pytree_dataclass(cls):
 
 
 @pytree_dataclass
+class MLAParams:
+    """Multi-head latent attention's projections (DeepSeek-V3); the output projection
+    is LayerParams.o_proj. Heads are the major part of every per-head output dim."""
+
+    kv_a_proj: jax.Array  # [H, R + Dr]: the latent, then the shared rope key
+    kv_a_norm: jax.Array  # [R]
+    kv_b_proj: jax.Array  # [R, Hq*(Dn + Dv)]: per head, K's nope part then V
+    q_proj: jax.Array | None = None  # [H, Hq*(Dn + Dr)] without q_lora_rank
+    q_a_proj: jax.Array | None = None  # [H, Rq]
+    q_a_norm: jax.Array | None = None  # [Rq]
+    q_b_proj: jax.Array | None = None  # [Rq, Hq*(Dn + Dr)]
+
+
+@pytree_dataclass
+class MoEParams:
+    """Routed experts plus shared experts. The router stays float32, as the
+    checkpoints keep it: its scores pick experts, and rounding would change picks."""
+
+    router: jax.Array  # [H, E] float32
+    router_bias: jax.Array  # [E] float32: e_score_correction_bias, for selection only
+    experts_gate_up: jax.Array  # [E, H, 2, I]
+    experts_down: jax.Array  # [E, I, H]
+    shared_gate_up: jax.Array | None = None  # [H, 2, Is]
+    shared_down: jax.Array | None = None  # [Is, H]
+
+
+@pytree_dataclass
 class LayerParams:
+    """One decoder layer: GQA attention (q/k/v_proj) or MLA (mla), then a dense MLP
+    (gate_up_proj, down_proj) or experts (moe). Only ExpertLayerParams has the last
+    two: the Llama family's trees, and the checkpoints orbax wrote of them, stay as
+    they were."""
+
     input_norm: jax.Array  # [H]
-    q_proj: jax.Array  # [H, Hq*D]
-    k_proj: jax.Array  # [H, Hkv*D]
-    v_proj: jax.Array  # [H, Hkv*D]
-    o_proj: jax.Array  # [Hq*D, H]
-    post_norm: jax.Array  # [H]
+    q_proj: jax.Array | None = None  # [H, Hq*D]
+    k_proj: jax.Array | None = None  # [H, Hkv*D]
+    v_proj: jax.Array | None = None  # [H, Hkv*D]
+    o_proj: jax.Array = None  # [Hq*D, H] (MLA: [Hq*Dv, H])
+    post_norm: jax.Array = None  # [H]
     # gate and up stacked: one matmul reads both (two cost a second launch and stream at
     # a lower share of bandwidth; docs/benchmarks/README.md); [H, 2, I] rather than [H, 2I] so that
     # splitting I over devices keeps each device's gate and up columns together
-    gate_up_proj: jax.Array  # [H, 2, I]
-    down_proj: jax.Array  # [I, H]
-    q_bias: jax.Array | None = None  # Qwen2 / MiMo
+    gate_up_proj: jax.Array | None = None  # [H, 2, I]
+    down_proj: jax.Array | None = None  # [I, H]
+    q_bias: jax.Array | None = None  # Qwen2 / MiMo / GLM-4.5
     k_bias: jax.Array | None = None
     v_bias: jax.Array | None = None
-    q_norm: jax.Array | None = None  # Qwen3: RMSNorm over each head's D
+    q_norm: jax.Array | None = None  # Qwen3 / GLM-4.5: RMSNorm over each head's D
     k_norm: jax.Array | None = None
+    mla = None  # class attributes, not fields: see ExpertLayerParams
+    moe = None
+
+
+@pytree_dataclass
+class ExpertLayerParams(LayerParams):
+    """A DeepSeek-V3- or GLM-4.5-class layer (ModelConfig.moe set)."""
+
+    mla: MLAParams | None = None
+    moe: MoEParams | None = None
 
 
 @pytree_dataclass
@@ -68,19 +110,49 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
     """The parameter tree with jax.ShapeDtypeStruct leaves: every shape, no memory."""
     h, i = cfg.hidden_size, cfg.intermediate_size
 
-    def leaf(*shape):
-        return jax.ShapeDtypeStruct(shape, cfg.jnp_dtype)
+    def leaf(*shape, dtype=cfg.jnp_dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
 
-    def layer():
-        return LayerParams(
+    def mla():
+        m, heads = cfg.mla, cfg.num_heads
+        q_out = heads * m.qk_head_dim
+        lora = m.q_lora_rank
+        return MLAParams(
+            kv_a_proj=leaf(h, m.kv_lora_rank + m.qk_rope_head_dim),
+            kv_a_norm=leaf(m.kv_lora_rank),
+            kv_b_proj=leaf(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+            q_proj=leaf(h, q_out) if lora is None else None,
+            q_a_proj=leaf(h, lora) if lora is not None else None,
+            q_a_norm=leaf(lora) if lora is not None else None,
+            q_b_proj=leaf(lora, q_out) if lora is not None else None,
+        )
+
+    def moe():
+        e, mi, shared = cfg.moe.num_experts, cfg.moe.moe_intermediate_size, cfg.moe.shared_intermediate_size
+        return MoEParams(
+            router=leaf(h, e, dtype=jnp.float32),
+            router_bias=leaf(e, dtype=jnp.float32),
+            experts_gate_up=leaf(e, h, 2, mi),
+            experts_down=leaf(e, mi, h),
+            shared_gate_up=leaf(h, 2, shared) if shared else None,
+            shared_down=leaf(shared, h) if shared else None,
+        )
+
+    def layer(index):
+        gqa = cfg.mla is None
+        dense = not cfg.layer_is_moe(index)
+        kind = LayerParams if cfg.moe is None else ExpertLayerParams
+        extra = {} if cfg.moe is None else dict(mla=None if gqa else mla(), moe=None if dense else moe())
+        return kind(
+            **extra,
             input_norm=leaf(h),
-            q_proj=leaf(h, cfg.q_size),
-            k_proj=leaf(h, cfg.kv_size),
-            v_proj=leaf(h, cfg.kv_size),
-            o_proj=leaf(cfg.q_size, h),
+            q_proj=leaf(h, cfg.q_size) if gqa else None,
+            k_proj=leaf(h, cfg.kv_size) if gqa else None,
+            v_proj=leaf(h, cfg.kv_size) if gqa else None,
+            o_proj=leaf(cfg.q_size, h) if gqa else leaf(cfg.num_heads * cfg.mla.v_head_dim, h),
             post_norm=leaf(h),
-            gate_up_proj=leaf(h, 2, i),
-            down_proj=leaf(i, h),
+            gate_up_proj=leaf(h, 2, i) if dense else None,
+            down_proj=leaf(i, h) if dense else None,
             q_bias=leaf(cfg.q_size) if cfg.qkv_bias else None,
             k_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
             v_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
@@ -91,10 +163,10 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
     n_mtp = cfg.num_mtp_modules if num_mtp_modules is None else num_mtp_modules
     return Params(
         embed=leaf(cfg.vocab_size, h),
-        layers=[layer() for _ in range(cfg.num_layers)],
+        layers=[layer(n) for n in range(cfg.num_layers)],
         final_norm=leaf(h),
         lm_head=None if cfg.tie_word_embeddings else leaf(h, cfg.vocab_size),
-        mtp=[MTPParams(leaf(h), leaf(h), leaf(h, h), leaf(h, h), layer(), leaf(h)) for _ in range(n_mtp)],
+        mtp=[MTPParams(leaf(h), leaf(h), leaf(h, h), leaf(h, h), layer(cfg.num_layers + n), leaf(h)) for n in range(n_mtp)],
     )
 
 

@@ -37,6 +37,10 @@ LOGICAL_RULES: dict[str, str | None] = {
     "tokens": None,
     "pages": None,
     "page_slots": None,
+    "latent": None,  # MLA's compressed latents (kv_lora_rank, q_lora_rank)
+    "experts": TP,  # routed experts: expert parallel over the same axis
+    "router_experts": None,  # the router's scores: every device routes every token
+    "moe_ffn": None,  # one expert's intermediate stays whole on its device
 }
 
 # Parameter fields (of LayerParams, MTPParams and Params; a name means the same thing
@@ -67,6 +71,20 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "hidden_norm": ("embed",),
     "proj_token": ("embed", "embed"),
     "proj_hidden": ("embed", "embed"),
+    # MLA (MLAParams; q_proj as above): per-head outputs split by heads
+    "kv_a_proj": ("embed", "latent"),
+    "kv_a_norm": ("latent",),
+    "kv_b_proj": ("latent", "heads"),
+    "q_a_proj": ("embed", "latent"),
+    "q_a_norm": ("latent",),
+    "q_b_proj": ("latent", "heads"),
+    # mixture of experts (MoEParams)
+    "router": ("embed", "router_experts"),
+    "router_bias": ("router_experts",),
+    "experts_gate_up": ("experts", "embed", "gate_or_up", "moe_ffn"),
+    "experts_down": ("experts", "moe_ffn", "embed"),
+    "shared_gate_up": ("embed", "gate_or_up", "ffn"),
+    "shared_down": ("ffn", "embed"),
 }
 
 CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")  # one layer's K or V pages
@@ -93,6 +111,8 @@ def check_divisible(cfg: ModelConfig, tensor_parallel_size: int) -> None:
     """Heads and the MLP intermediate must split evenly: each device owns whole heads,
     and the q heads of one kv head (its GQA group) must live on the kv head's device."""
     n = tensor_parallel_size
+    if n > 1 and (cfg.mla is not None or cfg.moe is not None):
+        raise ValueError(f"tensor_parallel_size={n} is not implemented for {cfg.model_type} (MLA / mixture of experts)")
     for name, size in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
                        ("intermediate_size", cfg.intermediate_size)):
         if size % n:

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp import model, mtp
-from jaxmtp.attention import attention_fn
 from jaxmtp.batch import Batch, BatchShape, Carry, apply_carry, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
@@ -67,7 +66,8 @@ def step(
     batch = apply_carry(unpack_batch(ints, floats, shape, k, config.num_draft_modules), carry, cache.page_size)
     greedy = shape.greedy
     cfg = config.model
-    attention = attention_fn(config.attention_backend, cfg.head_dim, config.mesh)
+    # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
+    attention = model.attention_for(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
     hidden, cache = model.forward(params, cfg, batch, cache, attention)
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
     if config.mesh is not None:

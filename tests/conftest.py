@@ -67,7 +67,6 @@ def assert_no_leaks(llm):
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits at every prompt position through the engine's real paged path."""
     from jaxmtp import model
-    from jaxmtp.attention import attention_fn
     from jaxmtp.batch import BatchShape, build_batch
     from jaxmtp.sampling_params import SamplingParams
     from jaxmtp.scheduler import ScheduledRows
@@ -79,7 +78,8 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
         [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(len(ids), 1),
         engine.max_pages_per_seq, engine.page_size, engine.cache.num_slots, 0,
     )
-    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, attention_fn("reference", engine.model_config.head_dim))
+    attention = model.attention_for(engine.model_config, "reference")
+    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, attention)
     out = model.logits(engine.params.head(), engine.params.final_norm, engine.model_config, hidden)
     engine.allocator.free(pages)
     return np.asarray(out)

@@ -1,0 +1,90 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache.
+
+An MLA layer's cache layer holds, per token, the compressed latent c (kv_lora_rank
+values, after kv_a_layernorm) in KVCache.k and the shared rope key (qk_rope_head_dim
+values, after RoPE) in KVCache.v: the same pages and slots as every other layer, so
+the page table, prefix caching, copy-on-write and preemption carry it unchanged.
+
+Prefill rows attend from the expanded form (per-head keys and values rebuilt from the
+latent), decode and verify rows from the absorbed form (W_UK folded into the query,
+W_UV applied after attention): both through `mla_attention_fn`, the one entry point.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxmtp.attention import write_kv
+from jaxmtp.batch import Batch
+from jaxmtp.config import ModelConfig
+from jaxmtp.engine_config import ATTENTION_BACKENDS
+from jaxmtp.layers import apply_rope, rms_norm
+from jaxmtp.params import LayerParams
+from kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
+from kernels.reference import row_ownership
+
+# transformers and DeepSeek's own code build q_a_layernorm and kv_a_layernorm with the
+# RMSNorm default, not the config's rms_norm_eps
+LORA_NORM_EPS = 1e-6
+
+MLAAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -> MLAAttentionFn:
+    """(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
+    page_table, query_start, w_uk, w_uv, *, sm_scale) -> (out [T, Hq, Dv], latent_pages,
+    rope_pages): writes this step's latent and rope key rows into their slots, then
+    attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
+    draft rows) take the absorbed form, longer runs (prefill chunks) the expanded one.
+    The jnp references compute both forms and pick per row; a GPU kernel for the
+    absorbed form will take the decode rows alone."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"attention_backend={backend!r}: MLA models run the jnp reference (no MLA kernel yet)")
+    if mesh is not None and mesh.size > 1:
+        raise ValueError("tensor parallelism is not implemented for MLA models")
+
+    def write_and_attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
+                         page_table, query_start, w_uk, w_uv, *, sm_scale):
+        latent_pages, rope_pages = write_kv(latent_pages, rope_pages, slot_mapping, latent[:, None], rope_key[:, None])
+        cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
+        q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+        absorbed = jnp.einsum(
+            "thr,rhv->thv", mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale), w_uv
+        )
+        expanded = mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
+        seq, _ = row_ownership(query_start, q_nope.shape[0])
+        is_decode_row = (query_start[1:] - query_start[:-1])[seq] <= decode_rows
+        return jnp.where(is_decode_row[:, None, None], absorbed, expanded), latent_pages, rope_pages
+
+    return write_and_attend
+
+
+def mla_attention(
+    p: LayerParams, cfg: ModelConfig, h: jax.Array, batch: Batch, latent_pages: jax.Array, rope_pages: jax.Array,
+    attention: MLAAttentionFn,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention over normed rows h [T, H]: returns the o_proj output
+    [T, H] and the cache layer with this step's latent rows written."""
+    m, heads, t = cfg.mla, cfg.num_heads, h.shape[0]
+    if p.mla.q_proj is not None:
+        q = h @ p.mla.q_proj
+    else:
+        q = rms_norm(h @ p.mla.q_a_proj, p.mla.q_a_norm, LORA_NORM_EPS) @ p.mla.q_b_proj
+    q = q.reshape(t, heads, m.qk_head_dim)
+    q_nope, q_rope = q[..., : m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim :], batch.positions, cfg)
+    kv = h @ p.mla.kv_a_proj
+    latent = rms_norm(kv[:, : m.kv_lora_rank], p.mla.kv_a_norm, LORA_NORM_EPS)
+    rope_key = apply_rope(kv[:, None, m.kv_lora_rank :], batch.positions, cfg)[:, 0]
+    kv_b = p.mla.kv_b_proj.reshape(m.kv_lora_rank, heads, m.qk_nope_head_dim + m.v_head_dim)
+    out, latent_pages, rope_pages = attention(
+        q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, batch.slot_mapping, batch.kv_len,
+        batch.page_table, batch.query_start, kv_b[..., : m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim :],
+        sm_scale=cfg.mla_softmax_scale(),
+    )
+    return out.reshape(t, heads * m.v_head_dim) @ p.o_proj, latent_pages, rope_pages
