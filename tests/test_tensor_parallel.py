@@ -75,7 +75,7 @@ def _prefix_cache_run(tp: int, enable: bool) -> dict:
 
 def _page_accounting(engine) -> dict:
     allocator = engine.allocator
-    parked = engine.prefix_cache.num_evictable if engine.prefix_cache else 0
+    parked = len(allocator.evictable)
     return {"free_plus_parked": len(allocator.free_pages) + parked, "total": allocator.num_pages,
             "nonzero_ref_counts": sum(1 for c in allocator.ref_counts if c)}
 
