@@ -298,7 +298,11 @@ class Trainer:
 
 
 def plot_loss(history: dict, path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"train-mtp: {path.name} not drawn: matplotlib is not installed (pip install 'jaxmtp[plots]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
