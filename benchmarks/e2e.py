@@ -214,7 +214,7 @@ def last_step_replay(engine):
     """A function that runs the engine's last read-back step again on its batch (the
     cache donated and kept) and returns the tokens to wait on: timing.replay_time's step."""
     def replay():
-        return engine.runner.replay_last_step().tokens
+        return engine.runner.replay(engine.last_step).tokens
 
     return replay
 

@@ -81,12 +81,15 @@ def main() -> None:
     report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "batch": args.batch,
               "context": args.context, "configs": {}}
     for k in map(int, args.k.split(",")):
-        llm = LLM(folder, load_format="dummy", max_model_len=4096, num_pages=args.batch * (args.context + 64) // 16 + 64,
-                  max_num_seqs=args.batch, max_num_batched_tokens=max(512, args.batch * (k + 1)),
-                  num_speculative_tokens=k)
+        batched = max(512, args.batch * (k + 1))
+        # every request still decodes when the last one has prefilled: the replayed step holds the whole batch
+        max_tokens = 64 + -(-args.batch * args.context // batched)
+        llm = LLM(folder, load_format="dummy", max_model_len=4096, max_num_seqs=args.batch,
+                  num_pages=args.batch * -(-(args.context + max_tokens + 16) // 16) + 64,
+                  max_num_batched_tokens=batched, num_speculative_tokens=k)
         engine = llm.engine
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         # step until the last step read back decoded every request: that step is replayed
         while not engine.requests or not all(
             len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs

@@ -120,7 +120,9 @@ class LLMEngine:
         self._in_flight: deque[InFlightStep] = deque()
         self._step_ids = 0
         self.usable = True  # False once a failed step could not be recovered from
-        # the last step read: its schedule and output, for tests, benchmarks and debugging
+        # the last step read: its record (schedule and device arguments), rows and output,
+        # for tests, benchmarks and debugging
+        self.last_step: InFlightStep | None = None
         self.last_schedule = []
         self.last_step_output: StepResult | None = None
 
@@ -275,7 +277,7 @@ class LLMEngine:
             result = self.runner.read(record)
         except Exception as err:  # noqa: BLE001
             return self._recover(record.scheduled, err)
-        self.last_schedule, self.last_step_output = record.scheduled.rows, result
+        self.last_step, self.last_schedule, self.last_step_output = record, record.scheduled.rows, result
         self.stats.steps += 1
         # rows of the next step, already dispatched, that continue this step's output
         following = {id(item.seq): item for item in self._in_flight[0].scheduled.rows} if self._in_flight else {}

@@ -89,7 +89,6 @@ class ModelRunner:
         self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
         carry = Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens)
         self.carry = jax.device_put(carry, replicated(self.mesh))
-        self.last_args = None
 
     @property
     def cache_is_lost(self) -> bool:
@@ -138,7 +137,6 @@ class ModelRunner:
         return InFlightStep(step_id, scheduled, preemptions, output, args)
 
     def _run(self, args: tuple) -> StepOutput:
-        self.last_args = args
         self.cache, output = jitted_step(self.params, self.cache, self.carry, *args, self.step_config)
         self.carry = output.carry
         return output
@@ -153,9 +151,9 @@ class ModelRunner:
         )
         return StepResult(*host)
 
-    def replay_last_step(self) -> StepOutput:
-        """Run the last dispatched step's batch again (benchmarks time it alone)."""
-        return self._run(self.last_args)
+    def replay(self, record: InFlightStep) -> StepOutput:
+        """Run a step's batch again, on the cache as it is now (benchmarks time it alone)."""
+        return self._run(record.args)
 
     def copy_pages(self, copies: list[tuple[int, int]]) -> None:
         """Run (source, destination) page copies on the device, in order."""

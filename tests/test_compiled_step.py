@@ -153,4 +153,4 @@ def test_greedy_batches_run_a_step_without_sampling_branches(rng):
     sampled = SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True)  # outlives the greedy one
     mixed = llm.generate([prompt, prompt], [GREEDY, sampled], use_tqdm=False)
     assert token_ids(mixed)[0] == token_ids(alone)[0]
-    assert engine.runner.last_args[-1].greedy is False  # the steps ran the general program
+    assert engine.last_step.args[-1].greedy is False  # the steps ran the general program
