@@ -40,8 +40,8 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
     rope_pages): writes this step's latent and rope key rows into their slots, then
     attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
     draft rows) take the absorbed form, longer runs (prefill chunks) the expanded one.
-    The jnp references compute both forms and pick per row; a GPU kernel for the
-    absorbed form will take the decode rows alone."""
+    A step with both kinds of rows computes both forms over all rows and picks per
+    row; a GPU kernel for the absorbed form will take the decode rows alone."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
     if backend not in ("auto", "reference"):
@@ -53,14 +53,25 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
                          page_table, query_start, w_uk, w_uv, *, sm_scale):
         latent_pages, rope_pages = write_kv(latent_pages, rope_pages, slot_mapping, latent[:, None], rope_key[:, None])
         cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
-        q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
-        absorbed = jnp.einsum(
-            "thr,rhv->thv", mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale), w_uv
-        )
-        expanded = mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
-        seq, _ = row_ownership(query_start, q_nope.shape[0])
+        seq, owned = row_ownership(query_start, q_nope.shape[0])
         is_decode_row = (query_start[1:] - query_start[:-1])[seq] <= decode_rows
-        return jnp.where(is_decode_row[:, None, None], absorbed, expanded), latent_pages, rope_pages
+        out_shape = q_nope.shape[:2] + (w_uv.shape[-1],)
+
+        def absorbed():
+            q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+            out = mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale)
+            return jnp.einsum("thr,rhv->thv", out, w_uv)
+
+        def expanded():
+            return mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
+
+        def skipped():
+            return jnp.zeros(out_shape, q_nope.dtype)
+
+        # each form only where some row takes it: a decode step never expands the context
+        decode_out = jax.lax.cond(jnp.any(is_decode_row & owned), absorbed, skipped)
+        prefill_out = jax.lax.cond(jnp.any(~is_decode_row & owned), expanded, skipped)
+        return jnp.where(is_decode_row[:, None, None], decode_out, prefill_out), latent_pages, rope_pages
 
     return write_and_attend
 

@@ -261,3 +261,26 @@ def test_glm_mtp_layer_drafts_exactly(tmp_path, mtp_model, rng):
         accepted.append([o.spec_stats["accepted_per_position"] for o in outs])
     assert states[0] == states[1] and accepted[0] == accepted[1], (states, accepted)
     assert np.sum(accepted[0]) > 0, accepted
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(mtp_model, rng):
+    """A seeded request samples the same tokens, with the same log-probabilities,
+    alone and beside others: the experts' grouped matmul mixes the rows of every
+    request, and none may leak into another."""
+    from jaxmtp import SamplingParams
+
+    llm = make_llm(mtp_model[0], num_speculative_tokens=2, prefill_chunk_size=7)
+    prompts = random_prompts(rng, [23, 11, 30])
+    seed = int(rng.integers(1 << 30))
+    params = [SamplingParams(max_tokens=20, temperature=0.9, top_k=20, seed=seed + i, ignore_eos=True, logprobs=0)
+              for i in range(3)]
+
+    def tokens_and_logprobs(outs):
+        return [(o.outputs[0].token_ids, [next(iter(e.values())) for e in o.outputs[0].logprobs]) for o in outs]
+
+    together = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
+    alone = [tokens_and_logprobs(llm.generate([p], [sp], use_tqdm=False))[0] for p, sp in zip(prompts, params)]
+    for (tokens, logprobs), (alone_tokens, alone_logprobs) in zip(together, alone):
+        assert tokens == alone_tokens, f"seed={seed}"
+        np.testing.assert_allclose(logprobs, alone_logprobs, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    assert_no_leaks(llm)
