@@ -79,10 +79,12 @@ def test_logits_and_greedy_match_transformers(tmp_path, rng, family):
     out = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_out, f"seed={seed}"
 
-    # the test means something: the bias and the group limit change which experts the
-    # prompt's tokens go to in the first MoE layer
+    # the test means something: the bias and the group limit change which experts rows
+    # go to in the first MoE layer (every token's embedding and 512 random rows of the
+    # same scale, so that for no seed do all rows route alike by chance)
     cfg, moe = llm.engine.model_config, llm.engine.params.layers[1].moe
-    x = llm.engine.params.embed[jnp.asarray(ids)]
+    embed = np.asarray(llm.engine.params.embed)
+    x = jnp.asarray(np.concatenate([embed, embed.std() * rng.standard_normal((512, embed.shape[1]))]), embed.dtype)
     chosen = np.sort(np.asarray(route(x, moe.router, moe.router_bias, cfg.moe).experts))
     unbiased = np.sort(np.asarray(route(x, moe.router, 0 * moe.router_bias, cfg.moe).experts))
     ungrouped = np.sort(np.asarray(route(x, moe.router, moe.router_bias, dataclass_replace(cfg.moe, topk_group=cfg.moe.n_group)).experts))
