@@ -1,12 +1,10 @@
-"""Paged KV cache: device pages as a donated pytree, the page copy behind copy-on-write,
-and the host-side page allocator."""
+"""Paged KV cache: device pages as a donated pytree and the page copy behind
+copy-on-write (the host-side page allocator is jaxmtp/allocator.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections import deque
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +14,6 @@ from jax.sharding import Mesh
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import pytree_dataclass
 from jaxmtp.sharding import cache_sharding, hidden_pages_sharding
-
-if TYPE_CHECKING:
-    from jaxmtp.prefix_cache import PrefixCache
 
 
 @pytree_dataclass
@@ -123,47 +118,3 @@ def copy_pages(cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     source is read before any destination is written; destinations are distinct pages,
     and those past the last page are dropped (page_copy_arrays' padding)."""
     return jax.tree.map(lambda x: x.at[dst].set(x[src], mode="drop", unique_indices=True), cache)
-
-
-class PageAllocator:
-    """Page ids with reference counts: a page is free when no sequence holds it. With a
-    prefix cache, a page whose last holder lets go and that holds cached KV is parked
-    there instead of the free list, and taken back (least recently used first) only when
-    the free list is empty."""
-
-    def __init__(self, num_pages: int, prefix_cache: PrefixCache | None = None):
-        self.num_pages = num_pages
-        self.free_pages: deque[int] = deque(range(num_pages))
-        self.ref_counts = [0] * num_pages
-        self.prefix_cache = prefix_cache
-
-    @property
-    def num_free(self) -> int:
-        """Pages an allocation can take: never used, freed, or cached but unheld."""
-        return len(self.free_pages) + (self.prefix_cache.num_evictable if self.prefix_cache else 0)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > self.num_free:
-            raise MemoryError(f"asked for {n} KV pages, {self.num_free} free")
-        pages = [self.free_pages.popleft() if self.free_pages else self.prefix_cache.evict() for _ in range(n)]
-        for page in pages:
-            self.ref_counts[page] = 1
-        return pages
-
-    def share(self, pages: list[int]) -> list[int]:
-        """Take a reference on pages that hold cached KV (held by others, or parked)."""
-        for page in pages:
-            if self.ref_counts[page] == 0:
-                self.prefix_cache.unpark(page)
-            self.ref_counts[page] += 1
-        return list(pages)
-
-    def free(self, pages: list[int]) -> None:
-        """Drop one reference on each page. Last page first, so that a sequence's later
-        pages are evicted before its earlier ones (which more requests share)."""
-        for page in reversed(pages):
-            if self.ref_counts[page] <= 0:
-                raise RuntimeError(f"KV page {page} freed more often than it was allocated")
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0 and not (self.prefix_cache and self.prefix_cache.park(page)):
-                self.free_pages.append(page)

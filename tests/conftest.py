@@ -64,6 +64,17 @@ def assert_no_leaks(llm):
     assert set(allocator.evictable) == set(engine.prefix_cache.by_page if engine.prefix_cache else ())
 
 
+def until_prefill_emits(engine, prompt: list[int], request_id: str = "probe"):
+    """Add a greedy request and step until its prefill has emitted a token; returns its
+    sequence, still in the engine (abort it when done)."""
+    engine.add_request(request_id, prompt, greedy(64))
+    seq = None
+    while seq is None or not seq.output_token_ids:
+        engine.step()
+        seq = engine.requests[request_id].seqs[0]
+    return seq
+
+
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits at every prompt position through the engine's real paged path."""
     from jaxmtp import model

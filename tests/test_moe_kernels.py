@@ -3,9 +3,7 @@ references; random inputs fresh per test, the seed in every failure message."""
 
 from __future__ import annotations
 
-import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from conftest import assert_no_leaks, greedy, token_ids
+from conftest import assert_no_leaks, greedy, token_ids, until_prefill_emits
 from jaxmtp import LLM
 from test_moe_models import make_moe_model
 
@@ -99,11 +99,7 @@ def prefill_state(llm: LLM, prompt):
     """Run one request until its prefill emits: (draft latent rows, first drafts,
     the sampled token), then drop it."""
     engine = llm.engine
-    engine.add_request("probe", prompt, greedy(64))
-    seq = None
-    while seq is None or not seq.output_token_ids:
-        engine.step()
-        seq = engine.requests["probe"].seqs[0]
+    seq = until_prefill_emits(engine, prompt)
     state = draft_cache_rows(engine, seq.pages, len(prompt)), list(seq.drafts), seq.output_token_ids[0]
     engine.abort_request("probe")
     engine.step()

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import MTP_MODEL, STORIES, assert_no_leaks, greedy, make_modules_model, token_ids
+from conftest import MTP_MODEL, STORIES, assert_no_leaks, greedy, make_modules_model, token_ids, until_prefill_emits
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.engine import num_compiles
 from jaxmtp.sampling import verify_and_sample
@@ -81,11 +81,7 @@ def prefill_state(llm: LLM, prompt: list[int], k: int):
     position [2, L, MTP layers x kv heads, head_dim] (module j's heads after module
     j-1's) and the first proposals."""
     engine = llm.engine
-    engine.add_request("probe", prompt, greedy(64))
-    seq = None
-    while seq is None or not seq.output_token_ids:
-        engine.step()
-        seq = engine.requests["probe"].seqs[0]
+    seq = until_prefill_emits(engine, prompt)
     slots = np.array([seq.pages[p // engine.page_size] * engine.page_size + p % engine.page_size for p in range(len(prompt))])
     per_layer = []
     for layer in range(engine.model_config.num_layers, len(engine.cache.k)):
