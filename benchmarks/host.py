@@ -106,10 +106,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(Path(tmp))
         context = args.stream_tokens + 16
-        llm = LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=context,
-                  num_pages=8 * context // 16 + 64)
+
+        def engine():
+            # one engine per measurement: pages a measurement touched first are faster
+            # to read again (the host's memory), which would favour the stream's start
+            return LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=context,
+                       num_pages=8 * context // 16 + 64)
+
         decode = SamplingParams(max_tokens=args.steps + 30, temperature=0.0, ignore_eos=True, stop=["Once upon a midnight"])
-        steps = measure_steps(llm, decode, 8, args.steps, split_wait=args.repo is None)
+        steps = measure_steps(engine(), decode, 8, args.steps, split_wait=args.repo is None)
         stream_params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True,
                                        stop=["Once upon a midnight"])
         delta = args.repo is None  # older checkouts stream cumulative outputs only
@@ -117,7 +122,7 @@ def main() -> None:
             from jaxmtp.sampling_params import RequestOutputKind
 
             stream_params.output_kind = RequestOutputKind.DELTA
-        stream = measure_stream(llm, stream_params, delta)
+        stream = measure_stream(engine(), stream_params, delta)
     results = {
         "date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": platform.processor() or "cpu",
         "backend": jax.default_backend(), "repo": str(repo), "step": steps, "stream": stream,
