@@ -1,9 +1,11 @@
 """jaxmtp: a JAX/XLA inference engine with MTP speculative decoding that stays exact
 under chunked prefill."""
 
+__version__ = "0.2.0"
+
 from jaxmtp.api import LLM
 from jaxmtp.engine import LLMEngine
 from jaxmtp.outputs import CompletionOutput, RequestOutput
 from jaxmtp.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

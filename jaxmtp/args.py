@@ -11,7 +11,11 @@ from pathlib import Path
 
 from jaxmtp.engine_config import EngineConfig
 
-CHECKPOINTS = Path(__file__).resolve().parent.parent / "checkpoints"
+# The shipped models: checkpoints/ beside the package in a checkout (and an editable
+# install), jaxmtp/checkpoints/ inside it when installed from a wheel (pyproject's package-dir).
+_PACKAGE = Path(__file__).resolve().parent
+CHECKPOINTS = next((p for p in (_PACKAGE.parent / "checkpoints", _PACKAGE / "checkpoints") if p.is_dir()),
+                   _PACKAGE.parent / "checkpoints")
 DEFAULT_MODEL = str(CHECKPOINTS / "stories260K-mtp")  # stories260K with its trained MTP head
 DEFAULT_BASE = str(CHECKPOINTS / "stories260K")
 

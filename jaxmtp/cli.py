@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from jaxmtp import __version__
 from jaxmtp.args import DEFAULT_BASE, DEFAULT_MODEL, HelpFormatter, add_engine_args, engine_kwargs, resolve_model
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_BASE", "build_parser", "main"]
@@ -74,6 +75,7 @@ def cmd_train_mtp(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxmtp", formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jaxmtp {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", default="Once upon a time", help="the text to continue")
