@@ -242,7 +242,7 @@ class Trainer:
     def fit(self, train_tokens, train_lengths, eval_tokens, eval_lengths, checkpoint_dir: Path | None = None,
             progress: bool = True, stop_at: int | None = None) -> tuple[TrainState, dict]:
         """Train, resuming from checkpoint_dir's latest orbax step if there is one;
-        stop_at ends this session early (a checkpoint is written there)."""
+        stop_at ends this run early (a checkpoint is written there)."""
         import orbax.checkpoint as ocp
 
         config = self.config
