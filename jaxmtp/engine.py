@@ -108,9 +108,9 @@ class LLMEngine:
             self.allocator,
             self.prefix_cache,
         )
-        self.output_processor = OutputProcessor(self.tokenizer, with_spec_stats=k > 0)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
+        self.output_processor = OutputProcessor(self.tokenizer, with_spec_stats=k > 0, stats=self.stats)
         self.requests: dict[str, Request] = {}
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -306,7 +306,6 @@ class LLMEngine:
             except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
                 self._fail_request(request, err)
             touched[seq.request_id] = request
-        self.stats.generation_tokens = self.output_processor.generation_tokens
         for item in record.scheduled.rows:
             if not item.seq.finished:  # (a finished one registered its pages on release)
                 self.scheduler.register_cached(item.seq)

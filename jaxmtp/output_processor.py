@@ -30,10 +30,11 @@ class Request:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, with_spec_stats: bool):
+    def __init__(self, tokenizer, with_spec_stats: bool, stats):
+        """stats: the engine's EngineStats, whose generation_tokens this counts."""
         self.tokenizer = tokenizer
         self.with_spec_stats = with_spec_stats
-        self.generation_tokens = 0
+        self.stats = stats
 
     def start(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
@@ -46,7 +47,7 @@ class OutputProcessor:
         for j in range(int(result.num_accepted[i]) + 1):
             token = int(result.tokens[i, j])
             seq.append_token(token)
-            self.generation_tokens += 1
+            self.stats.generation_tokens += 1
             if params.logprobs is not None:
                 entry = {token: float(result.logprobs[i, j])}
                 top_ids, top_values = result.top_token_ids[i, j, : params.logprobs], result.top_logprobs[i, j, : params.logprobs]
