@@ -30,6 +30,18 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
     n: int = 1
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # logits processing, applied on the device to every verify row as plain decoding would
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt or generated tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    bad_words: list[str] | None = None  # words whose token sequences are never completed
+    allowed_token_ids: list[int] | None = None  # when set, only these tokens are sampled
+    # output text
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob and the top n
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -66,5 +78,30 @@ class SamplingParams:
             fail("stop must be a non-empty string or a list of non-empty strings")
         if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             fail(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
+                fail(f"{name} must be in [-2, 2], got {value!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty < float("inf")):
+            fail(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(is_int(t) and t >= 0 and isinstance(b, (int, float)) and abs(b) < float("inf")
+                    for t, b in self.logit_bias.items())
+        ):
+            fail(f"logit_bias must map non-negative token ids to finite numbers, got {self.logit_bias!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            fail(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+            or any(not is_int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
+            fail(f"allowed_token_ids must be a non-empty list of non-negative token ids, got {self.allowed_token_ids!r}")
+        if self.prompt_logprobs is not None and not (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= INT32_MAX):
+            fail(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
