@@ -37,6 +37,13 @@ class Batch:
     seed: jax.Array  # [B] uint32
     output_index: jax.Array  # [B] int32 tokens generated so far (keys the sampler)
     num_logprobs: jax.Array  # [B] int32 top logprobs asked for (0: none)
+    # logits processing (jaxmtp/logits_processors.py): the request's LogitsState row, or -1
+    # for a request that asks for none
+    state_slot: jax.Array  # [B] int32
+    min_tokens: jax.Array  # [B] int32
+    repetition_penalty: jax.Array  # [B] float32
+    frequency_penalty: jax.Array  # [B] float32
+    presence_penalty: jax.Array  # [B] float32
     # [B] int32: the request's row in the previous step's carry, or -1. A carried
     # request was still in flight on the device when this batch was built: its input
     # ids are placeholders and its positions assume no draft was accepted; the step
@@ -49,9 +56,9 @@ class Batch:
 INT_FIELDS = (
     "input_ids", "positions", "slot_mapping", "query_start", "kv_len", "page_table", "sample_index",
     "num_drafts", "has_output", "next_chunk_token", "top_k", "seed", "output_index", "num_logprobs",
-    "carry_index",
+    "state_slot", "min_tokens", "carry_index",
 )
-FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int) -> dict[str, tuple[int, ...]]:
@@ -167,8 +174,8 @@ def unpack_batch(ints: jax.Array, floats: jax.Array, shape: BatchShape, k: int, 
 class BatchShape:
     num_tokens: int  # T
     num_seqs: int  # B
-    # Every request greedy and none asking for top logprobs: the step is compiled without
-    # the sampling and top-logprob branches. As lax.conds they cost a device-to-host read
+    # Every request greedy, none asking for top logprobs or logits processing: the step is
+    # compiled without the sampling, top-logprob and logits-processing branches. As lax.conds they cost a device-to-host read
     # of the predicate per step wherever XLA runs them from the host (the batch-1 step
     # on the H200 did), which stalls the launch queue.
     greedy: bool = True
@@ -283,5 +290,10 @@ def build_batch(
         seed=per_request([seq.seed for seq in seqs], np.uint32),
         output_index=per_request([len(seq.output_token_ids) for seq in seqs], np.int32),
         num_logprobs=per_request([p.logprobs or 0 for p in params], np.int32),
+        state_slot=per_request([seq.state_slot if seq.params.processes_logits else -1 for seq in seqs], np.int32, -1),
+        min_tokens=per_request([p.min_tokens for p in params], np.int32),
+        repetition_penalty=per_request([p.repetition_penalty for p in params], np.float32, 1.0),
+        frequency_penalty=per_request([p.frequency_penalty for p in params], np.float32),
+        presence_penalty=per_request([p.presence_penalty for p in params], np.float32),
         carry_index=per_request([item.carry_index for item in scheduled], np.int32, -1),
     )

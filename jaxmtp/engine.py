@@ -22,6 +22,7 @@ from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.hub import resolve_model
+from jaxmtp.logits_processors import bad_words_ids
 from jaxmtp.output_processor import OutputProcessor, Request
 from jaxmtp.outputs import RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -174,6 +175,11 @@ class LLMEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context of {self.max_model_len} tokens"
             )
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids out of vocabulary (size {vocab}): {bad[:5]}")
         num_top = self.runner.step_config.num_top_logprobs
         if params.logprobs is not None and params.logprobs > num_top:
             raise ValueError(f"logprobs must be <= {num_top}, got {params.logprobs}")
@@ -191,6 +197,9 @@ class LLMEngine:
         params.validate()
         text, ids = self.encode_prompt(prompt)
         self.validate(ids, params)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"bad_words needs a tokenizer, and {self.model_dir.name} has no tokenizer.json")
+        bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -201,7 +210,8 @@ class LLMEngine:
             seqs = []
             for i in range(params.n):
                 seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**32))
-                seq = Sequence(request_id, list(ids), params, seed % 2**32, self._arrivals, frozenset(stop_ids), salt)
+                seq = Sequence(request_id, list(ids), params, seed % 2**32, self._arrivals, frozenset(stop_ids), salt,
+                               bad_words)
                 self.output_processor.start(seq)
                 seqs.append(seq)
                 self._arrivals += 1

@@ -38,7 +38,7 @@ class OutputProcessor:
 
     def start(self, seq: Sequence) -> None:
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
             seq.stop_matcher = StopStringMatcher(seq.params.stop) if seq.params.stop else None
 
     def append(self, seq: Sequence, result: StepResult, i: int) -> bool:
@@ -55,8 +55,10 @@ class OutputProcessor:
                     entry.setdefault(t, lp)
                 seq.output_logprobs.append(entry)
                 seq.cumulative_logprob += entry[token]
-            if token in seq.stop_token_ids:  # the stop token's text is not part of the output
+            if token in seq.stop_token_ids:  # its text is part of the output only when asked
                 seq.finish_reason, seq.stop_reason = "stop", token
+                if params.include_stop_str_in_output:
+                    self._add_text(seq, token)
                 self._flush_text(seq)
                 return True
             if self._add_text(seq, token):
@@ -85,7 +87,8 @@ class OutputProcessor:
         seq.text += piece
         if match is None:
             return False
-        seq.text, seq.stop_reason = seq.text[: match.start], match.stop
+        end = match.start + len(match.stop) if seq.params.include_stop_str_in_output else match.start
+        seq.text, seq.stop_reason = seq.text[:end], match.stop
         return True
 
     # ----- outputs --------------------------------------------------------------------------

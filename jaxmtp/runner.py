@@ -16,6 +16,7 @@ from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.loader import load_params
+from jaxmtp.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.memory import plan_kv_pool
 from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.sharding import check_divisible, make_mesh, replicated
@@ -59,6 +60,8 @@ class ModelRunner:
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules, mesh=self.mesh
         )
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
+        # before the pool is sized: its memory is the weights' and this state's remainder
+        self.logits_state = jax.device_put(zero_state(config.max_num_seqs, model_config.vocab_size), replicated(self.mesh))
         # sized after the weights are placed, from the memory they leave
         self.kv_pool = plan_kv_pool(
             model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
@@ -83,7 +86,8 @@ class ModelRunner:
 
     def reset(self) -> None:
         """A fresh, zeroed KV cache and carry: after a failed step whose donated cache is
-        gone, and at start-up."""
+        gone, and at start-up. The logits state needs no reset: a request's row is written
+        whenever it is admitted."""
         # committed to its devices, sharded as every cache the step returns, so the first
         # shape warmup() compiles is not compiled again for the first real request
         self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
@@ -93,7 +97,7 @@ class ModelRunner:
     @property
     def cache_is_lost(self) -> bool:
         """Whether a failed step consumed the donated cache (or the carry)."""
-        leaves = jax.tree.leaves((self.cache, self.carry))
+        leaves = jax.tree.leaves((self.cache, self.logits_state, self.carry))
         return any(x.is_deleted() for x in leaves)
 
     @property
@@ -113,7 +117,9 @@ class ModelRunner:
     # ----- one step ---------------------------------------------------------------------
 
     def shape_for(self, rows: list[ScheduledRows]) -> BatchShape:
-        greedy = all(item.seq.params.temperature == 0 and item.seq.params.logprobs is None for item in rows)
+        greedy = all(
+            p.temperature == 0 and p.logprobs is None and not p.processes_logits for p in (item.seq.params for item in rows)
+        )
         num_pages = max((len(item.seq.pages) for item in rows), default=0)
         return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages)
 
@@ -131,13 +137,31 @@ class ModelRunner:
         copies go first, also when the batch then cannot be built: the sequences they
         serve already count the copied rows as computed."""
         self.copy_pages(scheduled.page_copies)
+        self.write_logits_state([item.seq for item in scheduled.rows])
         args = self.device_batch(scheduled.rows, self.shape_for(scheduled.rows))
         output = self._run(args)
         preemptions = [item.seq.num_preemptions for item in scheduled.rows]
         return InFlightStep(step_id, scheduled, preemptions, output, args)
 
+    def write_logits_state(self, seqs) -> None:
+        """Write the LogitsState rows of sequences that ask for logits processing and were
+        admitted since their last step (padded to a power of two: few compiled shapes)."""
+        new = [seq for seq in seqs if seq.params.processes_logits and not seq.state_written]
+        if not new:
+            return
+        size = 1 << (len(new) - 1).bit_length()
+        rows = state_rows(new, self.model_config.vocab_size)
+        rows = {name: np.concatenate([row, np.zeros((size - len(new),) + row.shape[1:], row.dtype)]) for name, row in rows.items()}
+        slots = np.full(size, self.config.max_num_seqs, np.int32)
+        slots[: len(new)] = [seq.state_slot for seq in new]
+        self.logits_state = write_rows(self.logits_state, *jax.device_put((slots, rows), replicated(self.mesh)))
+        for seq in new:
+            seq.state_written = True
+
     def _run(self, args: tuple) -> StepOutput:
-        self.cache, output = jitted_step(self.params, self.cache, self.carry, *args, self.step_config)
+        self.cache, self.logits_state, output = jitted_step(
+            self.params, self.cache, self.logits_state, self.carry, *args, self.step_config
+        )
         self.carry = output.carry
         return output
 
@@ -189,7 +213,7 @@ class ModelRunner:
         """The step lowered for one bucket shape (compile it to warm up or inspect);
         its batch is placed as dispatch places it, so it is the same compiled step."""
         args = self.device_batch([], self.full_shape(shape))
-        return jitted_step.lower(self.params, self.cache, self.carry, *args, self.step_config)
+        return jitted_step.lower(self.params, self.cache, self.logits_state, self.carry, *args, self.step_config)
 
     def cache_copies(self, shape: BatchShape) -> list[str]:
         """Lines of the compiled step's optimised HLO that copy a KV page array, for

@@ -50,6 +50,14 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the step applies a logits processor (jaxmtp/logits_processors.py)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+            or self.min_tokens or self.bad_words or self.allowed_token_ids is not None
+        )
+
     def validate(self) -> None:
         def fail(message):
             raise ValueError(message)
@@ -86,10 +94,10 @@ class SamplingParams:
             fail(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty!r}")
         if self.logit_bias is not None and not (
             isinstance(self.logit_bias, dict)
-            and all(is_int(t) and t >= 0 and isinstance(b, (int, float)) and abs(b) < float("inf")
+            and all(is_int(t) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
                     for t, b in self.logit_bias.items())
         ):
-            fail(f"logit_bias must map non-negative token ids to finite numbers, got {self.logit_bias!r}")
+            fail(f"logit_bias must map non-negative token ids to numbers in [-100, 100], got {self.logit_bias!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             fail(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if self.bad_words is not None and (

@@ -71,6 +71,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._page_copies: list[tuple[int, int]] = []
+        self._free_state_slots = list(range(config.max_num_seqs - 1, -1, -1))  # a running sequence holds one
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -111,6 +112,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            seq.state_slot, seq.state_written = self._free_state_slots.pop(), False
             self.running.append(seq)
             self._reserve(seq, len(rows.token_ids), in_step)
             scheduled.append(rows)
@@ -274,6 +276,9 @@ class Scheduler:
         self.register_cached(seq)
         self.allocator.free(seq.pages)
         seq.pages, seq.cached_prefix = [], []
+        if seq.state_slot is not None:
+            self._free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def reset(self) -> list[Sequence]:
         """The device cache was rebuilt: every running sequence lost its KV. Returns them
@@ -281,5 +286,7 @@ class Scheduler:
         lost, self.running = self.running, []
         for seq in lost:
             seq.pages, seq.cached_prefix, seq.in_flight, seq.num_computed = [], [], None, 0
+            seq.state_slot = None
         self._page_copies = []
+        self._free_state_slots = list(range(self.config.max_num_seqs - 1, -1, -1))
         return lost

@@ -68,6 +68,7 @@ class Sequence:
     arrival: int  # admission order; the newest running request is preempted first
     stop_token_ids: frozenset[int]
     cache_salt: int = 0  # prefix-cache salt: the model's, mixed with the request's cache_salt
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # SamplingParams.bad_words as token sequences
     # prompt then output, appended in place (the prefix cache and recomputes read it)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
@@ -83,6 +84,10 @@ class Sequence:
     # num_computed then assumes none of its drafts is accepted.
     in_flight: InFlightRows | None = None
     status: Status = Status.WAITING
+    # the row of the device's LogitsState this sequence owns while running, and whether
+    # that row holds its state yet (written at its first step after each admission)
+    state_slot: int | None = None
+    state_written: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_preemptions: int = 0

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jaxmtp import model, mtp
 from jaxmtp.batch import Batch, BatchShape, Carry, apply_carry, unpack_batch
 from jaxmtp.cache import KVCache
+from jaxmtp.logits_processors import LogitsState, process_logits, record_emitted
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
 from jaxmtp.sharding import gather_vocab
@@ -51,17 +52,19 @@ class StepOutput:
 def step(
     params: Params,
     cache: KVCache,
+    logits_state: LogitsState,
     carry: Carry,
     ints: jax.Array,
     floats: jax.Array,
     oracle_tokens: jax.Array | None,
     shape: BatchShape,
     config: StepConfig,
-) -> tuple[KVCache, StepOutput]:
-    """carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
+) -> tuple[KVCache, LogitsState, StepOutput]:
+    """logits_state: what logits processing reads across steps, donated as the cache is;
+    carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
     batch.pack_batch; oracle_tokens: None, or a benchmark's table whose tokens replace
     the MTP drafts (oracle_drafts); shape (static): how to unpack the batch, and whether
-    no row samples or asks for top logprobs (BatchShape.greedy)."""
+    no row samples, asks for top logprobs or for logits processing (BatchShape.greedy)."""
     k = config.num_speculative_tokens
     batch = apply_carry(unpack_batch(ints, floats, shape, k, config.num_draft_modules), carry, cache.page_size)
     greedy = shape.greedy
@@ -75,9 +78,14 @@ def step(
     # the draft checked at verify row j is the input id of row j+1
     t = batch.input_ids.shape[0]
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
+    raw_logits = logits
+    if not greedy:
+        logits = process_logits(logits, logits_state, batch, drafts_in)
     tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch, greedy)
+    if not greedy:
+        logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
     num_top = 0 if greedy else config.num_top_logprobs
-    logprobs, top_values, top_ids = chosen_logprobs(logits, tokens, num_top, batch.num_logprobs)
+    logprobs, top_values, top_ids = chosen_logprobs(raw_logits, tokens, num_top, batch.num_logprobs)
     b = batch.kv_len.shape[0]
     if k:
         drafts, cache, boundary = mtp.propose(
@@ -91,7 +99,7 @@ def step(
     new_carry = jax.tree.map(
         lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
     )
-    return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry)
+    return cache, logits_state, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry)
 
 
 def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, drafts: jax.Array) -> jax.Array:
@@ -112,4 +120,4 @@ def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, draft
     return jnp.where(batch.has_output[:, None], table[row[:, None], index], drafts)
 
 
-jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=("cache",))
+jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=("cache", "logits_state"))
