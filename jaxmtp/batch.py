@@ -61,6 +61,12 @@ INT_FIELDS = (
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
+def lookahead_width(num_draft_modules: int) -> int:
+    """next_chunk_token's width: the M tokens the draft modules read, and at least the
+    one prompt logprobs score a chunk's last row with."""
+    return max(num_draft_modules, 1)
+
+
 def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int) -> dict[str, tuple[int, ...]]:
     per_request = {
         "query_start": (b + 1,), "page_table": (b, pages_per_seq), "sample_index": (b, k + 1), "next_chunk_token": (b, m),
@@ -182,6 +188,9 @@ class BatchShape:
     # P: the page table's width, a bucket of the longest scheduled request's pages (the
     # attention kernel's KV range and split count follow it); None: the widest
     pages_per_seq: int | None = None
+    # some request asks for prompt logprobs: every row's logits are computed
+    # (jaxmtp/prompt_logprobs.py); compiled on first use
+    prompt_logprobs: bool = False
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -216,13 +225,15 @@ class BucketPlan:
         self.seq_sizes = powers_of_two(1, max_num_seqs)
         self.table_widths = table_widths(max_pages_per_seq)
 
-    def shape_for(self, num_tokens: int, num_seqs: int, greedy: bool = True, num_pages: int = 0) -> BatchShape:
+    def shape_for(
+        self, num_tokens: int, num_seqs: int, greedy: bool = True, num_pages: int = 0, prompt_logprobs: bool = False
+    ) -> BatchShape:
         """The smallest shape that holds num_tokens rows of num_seqs requests, the
         longest holding num_pages pages."""
         t = next(s for s in self.token_sizes if s >= num_tokens)
         b = next(s for s in self.seq_sizes if s >= num_seqs)
         p = next(w for w in self.table_widths if w >= num_pages)
-        return BatchShape(t, b, greedy, p)
+        return BatchShape(t, b, greedy, p, prompt_logprobs)
 
     def all_shapes(self) -> list[BatchShape]:
         # every request owns at least one row, so B never exceeds T

@@ -181,8 +181,10 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"{name} has token ids out of vocabulary (size {vocab}): {bad[:5]}")
         num_top = self.runner.step_config.num_top_logprobs
-        if params.logprobs is not None and params.logprobs > num_top:
-            raise ValueError(f"logprobs must be <= {num_top}, got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > num_top:
+                raise ValueError(f"{name} must be <= {num_top}, got {value}")
         tokens = len(prompt_ids) + params.max_tokens + self.config.num_speculative_tokens
         if self.allocator.pages_for(tokens) > self.allocator.num_pages:
             raise ValueError(f"request needs more KV pages than the pool holds ({self.allocator.num_pages})")
@@ -292,13 +294,18 @@ class LLMEngine:
         # rows of the next step, already dispatched, that continue this step's output
         following = {id(item.seq): item for item in self._in_flight[0].scheduled.rows} if self._in_flight else {}
         touched: dict[str, Request] = {}
+        first_row = 0
         for i, item in enumerate(record.scheduled.rows):
             seq = item.seq
+            first_row += len(item.token_ids)
             # finished (aborted, or another sequence of its request failed) or preempted
             # since dispatch: its recompute will produce these tokens again
             if seq.finished or seq.num_preemptions != record.preemptions[i]:
                 continue
             self.stats.computed_tokens += len(item.token_ids)
+            if result.prompt_logprobs is not None and seq.params.prompt_logprobs is not None:
+                rows = len(item.token_ids)
+                self.output_processor.append_prompt_logprobs(seq, item.start, first_row - rows, rows, result)
             if not item.has_output:
                 continue
             accepted = int(result.num_accepted[i])

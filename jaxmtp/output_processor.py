@@ -37,6 +37,8 @@ class OutputProcessor:
         self.stats = stats
 
     def start(self, seq: Sequence) -> None:
+        if seq.params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
             seq.stop_matcher = StopStringMatcher(seq.params.stop) if seq.params.stop else None
@@ -70,6 +72,21 @@ class OutputProcessor:
                 return True
         return False
 
+    @staticmethod
+    def append_prompt_logprobs(seq: Sequence, start: int, first_row: int, num_rows: int, result: StepResult) -> None:
+        """Keep the prompt logprobs of seq's rows (positions start.., from batch row
+        first_row): row p scores prompt token p + 1. A recompute's rows score tokens
+        already kept, and a chunk's rows past the prompt score none."""
+        n = seq.params.prompt_logprobs
+        prompt = seq.prompt_token_ids
+        for p in range(max(start, len(seq.prompt_logprobs) - 1), min(start + num_rows, len(prompt) - 1)):
+            row = first_row + p - start
+            token = prompt[p + 1]
+            entry = {token: float(result.prompt_logprobs[row])}
+            for t, value in zip(result.prompt_top_token_ids[row, :n].tolist(), result.prompt_top_logprobs[row, :n].tolist()):
+                entry.setdefault(t, value)
+            seq.prompt_logprobs.append(entry)
+
     def _add_text(self, seq: Sequence, token: int) -> bool:
         """Detokenise one more token; True when the text reached a stop string (cut there)."""
         return seq.detokenizer is not None and self._append_text(seq, seq.detokenizer.add(token))
@@ -100,10 +117,14 @@ class OutputProcessor:
         finished = request.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        first = request.seqs[0]
+        # a stream sends the prompt's logprobs once, with its first tokens
+        with_prompt_logprobs = first.params.prompt_logprobs is not None and (
+            kind is not RequestOutputKind.DELTA or first.num_reported_tokens == 0
+        )
         completions = [self._completion(index, seq, kind) for index, seq in enumerate(request.seqs)]
         if kind is RequestOutputKind.DELTA and not finished and not any(c.token_ids or c.text for c in completions):
             return None
-        first = request.seqs[0]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -113,6 +134,7 @@ class OutputProcessor:
             spec_stats=first.spec_stats.as_dict() if self.with_spec_stats else None,
             num_cached_tokens=first.num_cached_tokens,
             error=request.error,
+            prompt_logprobs=list(first.prompt_logprobs) if with_prompt_logprobs else None,
         )
 
     def _completion(self, index: int, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:

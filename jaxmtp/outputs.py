@@ -30,3 +30,6 @@ class RequestOutput:
     spec_stats: dict | None = None  # drafted / accepted / per position / mean acceptance length
     num_cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held (the first sample's)
     error: str | None = None  # set when finish_reason is "error"
+    # with SamplingParams.prompt_logprobs: per prompt token {token id: logprob}, the
+    # prompt's token first, then the top n; None for the first token
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, pack_batch
+from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, lookahead_width, pack_batch
 from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import EngineConfig
@@ -45,6 +45,9 @@ class StepResult:
     logprobs: np.ndarray | None  # [B, k+1], when a request asked for logprobs
     top_logprobs: np.ndarray | None  # [B, k+1, n]
     top_token_ids: np.ndarray | None
+    prompt_logprobs: np.ndarray | None  # [T] per row, the token after it (BatchShape.prompt_logprobs)
+    prompt_top_logprobs: np.ndarray | None  # [T, n]
+    prompt_top_token_ids: np.ndarray | None
 
 
 class ModelRunner:
@@ -121,14 +124,15 @@ class ModelRunner:
             p.temperature == 0 and p.logprobs is None and not p.processes_logits for p in (item.seq.params for item in rows)
         )
         num_pages = max((len(item.seq.pages) for item in rows), default=0)
-        return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages)
+        prompt = any(item.seq.wants_prompt_logprobs for item in rows)
+        return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages, prompt)
 
     def device_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple:
         """The step's arguments after params, cache and carry, for rows padded to shape:
         (ints, floats, oracle tokens, shape); the batch crosses in one transfer."""
         k = self.config.num_speculative_tokens
         batch = build_batch(rows, shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
-                            self.num_draft_modules)
+                            lookahead_width(self.num_draft_modules))
         ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
         return ints, floats, self.oracle_tokens, shape
 
@@ -169,9 +173,11 @@ class ModelRunner:
         """Wait for a dispatched step and bring back what the host uses."""
         out = record.output
         wants_logprobs = any(item.seq.params.logprobs is not None for item in record.scheduled.rows)
+        prompt = out.prompt
         host = jax.device_get(
             (out.tokens, out.num_accepted, out.drafts, out.boundary_token)
             + ((out.logprobs, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None, None, None))
+            + ((prompt.logprobs, prompt.top_logprobs, prompt.top_token_ids) if prompt is not None else (None, None, None))
         )
         return StepResult(*host)
 

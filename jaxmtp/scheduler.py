@@ -153,7 +153,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> ScheduledRows | None:
         """Rows for a waiting seq, after its longest cached prefix; None, with seq left as
         it was, when its pages do not fit."""
-        copy = self._reuse_cached_prefix(seq) if self.prefix_cache else None
+        # prompt logprobs need every prompt row computed: no cached prefix for them
+        copy = self._reuse_cached_prefix(seq) if self.prefix_cache and not seq.wants_prompt_logprobs else None
         rows = self._rows_for(seq, budget)
         if rows is None or self.pages_needed(seq, len(rows.token_ids)) > self.allocator.num_free:
             self._unshare_prefix(seq)

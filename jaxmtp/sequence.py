@@ -73,6 +73,9 @@ class Sequence:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[dict] = dataclasses.field(default_factory=list)
+    # with SamplingParams.prompt_logprobs: an entry per prompt token scored so far (the
+    # first, which nothing scores, is None)
+    prompt_logprobs: list[dict | None] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     pages: list[int] = dataclasses.field(default_factory=list)
     # prefix-cache entries of the leading full pages (reused or registered), in order
@@ -107,6 +110,11 @@ class Sequence:
     def append_token(self, token: int) -> None:
         self.token_ids.append(token)
         self.output_token_ids.append(token)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens are still to be scored (prompt_logprobs asked for)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

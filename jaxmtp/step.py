@@ -15,11 +15,12 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp import model, mtp
-from jaxmtp.batch import Batch, BatchShape, Carry, apply_carry, unpack_batch
+from jaxmtp.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.logits_processors import LogitsState, process_logits, record_emitted
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
+from jaxmtp.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxmtp.sharding import gather_vocab
 from jaxmtp.sampling import chosen_logprobs, verify_and_sample
 
@@ -47,6 +48,7 @@ class StepOutput:
     drafts: jax.Array  # [B, k] next proposals (k = 0: empty; oracle_drafts when an oracle is given)
     boundary_token: jax.Array  # [B] token the draft pass used at each request's boundary row
     carry: Carry  # for the next step's carried requests
+    prompt: PromptLogprobs | None  # [T] rows, in a step compiled with BatchShape.prompt_logprobs
 
 
 def step(
@@ -66,12 +68,13 @@ def step(
     the MTP drafts (oracle_drafts); shape (static): how to unpack the batch, and whether
     no row samples, asks for top logprobs or for logits processing (BatchShape.greedy)."""
     k = config.num_speculative_tokens
-    batch = apply_carry(unpack_batch(ints, floats, shape, k, config.num_draft_modules), carry, cache.page_size)
+    batch = apply_carry(unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules)), carry, cache.page_size)
     greedy = shape.greedy
     cfg = config.model
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
     attention = model.attention_for(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
     hidden, cache = model.forward(params, cfg, batch, cache, attention)
+    prompt = prompt_logprobs(params, cfg, hidden, batch, config.num_top_logprobs, config.mesh) if shape.prompt_logprobs else None
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
     if config.mesh is not None:
         logits = gather_vocab(logits, config.mesh)
@@ -99,7 +102,9 @@ def step(
     new_carry = jax.tree.map(
         lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
     )
-    return cache, logits_state, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry)
+    return cache, logits_state, StepOutput(
+        tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry, prompt
+    )
 
 
 def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, drafts: jax.Array) -> jax.Array:

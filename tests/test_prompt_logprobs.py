@@ -1,0 +1,110 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs; the server's echo): every prompt
+token's log-probability and the top n, against transformers, across chunk boundaries,
+with MTP, with a prefix cache that holds the prompt, and after preemption."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import MTP_MODEL, STORIES, fresh_rng, random_prompts
+from jaxmtp import LLM, SamplingParams
+from jaxmtp.sampling_params import RequestOutputKind
+
+ENGINE = dict(page_size=4, max_num_seqs=4, prefill_chunk_size=7, max_num_batched_tokens=16, max_logprobs=5)
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM(MTP_MODEL, num_speculative_tokens=2, num_pages=40, enable_prefix_caching=True, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(STORIES, num_pages=40, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(STORIES, dtype="float32").eval()
+
+
+def reference(hf_model, prompt) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1).numpy()
+
+
+def check(entries, prompt, want: np.ndarray):
+    assert len(entries) == len(prompt) and entries[0] is None
+    for p in range(1, len(prompt)):
+        entry = entries[p]
+        token = prompt[p]
+        assert next(iter(entry)) == token  # the prompt's own token first
+        np.testing.assert_allclose(entry[token], want[p - 1, token], atol=1e-4, err_msg=f"position {p}")
+        top = np.argsort(-want[p - 1])[:TOP]
+        assert set(entry) == {token, *top.tolist()}, f"position {p}"
+        for t in top:
+            np.testing.assert_allclose(entry[int(t)], want[p - 1, t], atol=1e-4)
+
+
+@pytest.mark.parametrize("engine", ["plain", "spec"])
+def test_prompt_logprobs_match_transformers_across_chunks(request, hf_model, engine):
+    llm = request.getfixturevalue(engine)
+    rng = fresh_rng()
+    prompts = random_prompts(rng, [23, 2, 9])  # several chunks and pages; one token scored
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=TOP)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        check(out.prompt_logprobs, prompt, reference(hf_model, prompt))
+    plain_out = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
+    assert plain_out.prompt_logprobs is None
+
+
+def test_a_cached_prompt_is_computed_again_for_its_logprobs(spec, hf_model):
+    rng = fresh_rng()
+    prompt = random_prompts(rng, [30])[0]
+    spec.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)  # now cached
+    again = spec.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    out = spec.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=TOP), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    check(out.prompt_logprobs, prompt, reference(hf_model, prompt))
+
+
+def test_preempted_request_scores_each_prompt_token_once(spec, hf_model):
+    rng = fresh_rng()
+    prompts = random_prompts(rng, [12, 12, 12, 25])
+    engine = spec.engine
+    held = engine.allocator.allocate(engine.allocator.num_pages - 22)
+    try:
+        before = engine.scheduler.num_preemptions
+        params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 3 + [
+            SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, prompt_logprobs=TOP)
+        ]
+        outs = spec.generate(prompts, params, use_tqdm=False)
+        assert engine.scheduler.num_preemptions > before
+    finally:
+        engine.allocator.free(held)
+    check(outs[-1].prompt_logprobs, prompts[-1], reference(hf_model, prompts[-1]))
+
+
+def test_a_stream_sends_prompt_logprobs_once(plain):
+    rng = fresh_rng()
+    prompt = random_prompts(rng, [10])[0]
+    engine = plain.engine
+    engine.add_request("stream", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=1,
+                                                        output_kind=RequestOutputKind.DELTA))
+    sent = []
+    while engine.has_unfinished_requests():
+        sent += [out.prompt_logprobs for out in engine.step() if out is not None]
+    assert len(sent) > 1 and sent[0] is not None and len(sent[0]) == len(prompt)
+    assert all(p is None for p in sent[1:])
+
+
+def test_more_prompt_logprobs_than_max_logprobs_is_refused(plain):
+    with pytest.raises(ValueError, match="prompt_logprobs must be <= 5"):
+        plain.generate([[1, 5, 6]], SamplingParams(prompt_logprobs=6), use_tqdm=False)
