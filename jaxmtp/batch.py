@@ -44,6 +44,9 @@ class Batch:
     repetition_penalty: jax.Array  # [B] float32
     frequency_penalty: jax.Array  # [B] float32
     presence_penalty: jax.Array  # [B] float32
+    # structured outputs: per verify row the allowed tokens, bit v % 32 of word v // 32
+    # (all set for unconstrained requests); [B, k+1, 0] in steps with no constraint
+    token_bitmask: jax.Array  # [B, k+1, W] int32
     # [B] int32: the request's row in the previous step's carry, or -1. A carried
     # request was still in flight on the device when this batch was built: its input
     # ids are placeholders and its positions assume no draft was accepted; the step
@@ -56,7 +59,7 @@ class Batch:
 INT_FIELDS = (
     "input_ids", "positions", "slot_mapping", "query_start", "kv_len", "page_table", "sample_index",
     "num_drafts", "has_output", "next_chunk_token", "top_k", "seed", "output_index", "num_logprobs",
-    "state_slot", "min_tokens", "carry_index",
+    "state_slot", "min_tokens", "token_bitmask", "carry_index",
 )
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -67,9 +70,16 @@ def lookahead_width(num_draft_modules: int) -> int:
     return max(num_draft_modules, 1)
 
 
-def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int) -> dict[str, tuple[int, ...]]:
+def mask_words(vocab_size: int) -> int:
+    """W: int32 words of a token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int, words: int = 0) -> dict[str, tuple[int, ...]]:
+    """words: W, the token bitmask's width (0 in a step with no constraint)."""
     per_request = {
         "query_start": (b + 1,), "page_table": (b, pages_per_seq), "sample_index": (b, k + 1), "next_chunk_token": (b, m),
+        "token_bitmask": (b, k + 1, words),
     }
     per_row = ("input_ids", "positions", "slot_mapping")
     return {f: per_request.get(f, (t,) if f in per_row else (b,)) for f in INT_FIELDS + FLOAT_FIELDS}
@@ -161,10 +171,10 @@ def pack_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def unpack_batch(ints: jax.Array, floats: jax.Array, shape: BatchShape, k: int, m: int) -> Batch:
+def unpack_batch(ints: jax.Array, floats: jax.Array, shape: BatchShape, k: int, m: int, words: int) -> Batch:
     """Device side (inside the jitted step): the fields back from the two buffers, for a
-    batch of this (static) shape; k drafts, M MTP modules drafting."""
-    sizes = field_shapes(shape.num_tokens, shape.num_seqs, shape.pages_per_seq, k, m)
+    batch of this (static) shape; k drafts, M MTP modules drafting, W bitmask words."""
+    sizes = field_shapes(shape.num_tokens, shape.num_seqs, shape.pages_per_seq, k, m, words if shape.masked else 0)
     fields, offsets = {}, {"int": 0, "float": 0}
     for name, field_shape in sizes.items():
         kind, buffer = ("int", ints) if name in INT_FIELDS else ("float", floats)
@@ -191,6 +201,8 @@ class BatchShape:
     # some request asks for prompt logprobs: every row's logits are computed
     # (jaxmtp/prompt_logprobs.py); compiled on first use
     prompt_logprobs: bool = False
+    # some request is constrained (structured outputs): the batch carries token bitmasks
+    masked: bool = False
 
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
@@ -226,14 +238,15 @@ class BucketPlan:
         self.table_widths = table_widths(max_pages_per_seq)
 
     def shape_for(
-        self, num_tokens: int, num_seqs: int, greedy: bool = True, num_pages: int = 0, prompt_logprobs: bool = False
+        self, num_tokens: int, num_seqs: int, greedy: bool = True, num_pages: int = 0, prompt_logprobs: bool = False,
+        masked: bool = False,
     ) -> BatchShape:
         """The smallest shape that holds num_tokens rows of num_seqs requests, the
         longest holding num_pages pages."""
         t = next(s for s in self.token_sizes if s >= num_tokens)
         b = next(s for s in self.seq_sizes if s >= num_seqs)
         p = next(w for w in self.table_widths if w >= num_pages)
-        return BatchShape(t, b, greedy, p, prompt_logprobs)
+        return BatchShape(t, b, greedy, p, prompt_logprobs, masked)
 
     def all_shapes(self) -> list[BatchShape]:
         # every request owns at least one row, so B never exceeds T
@@ -248,11 +261,14 @@ class BucketPlan:
 
 
 def build_batch(
-    scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, num_slots: int, k: int, m: int = 1
+    scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, num_slots: int, k: int, m: int = 1,
+    words: int = 0,
 ) -> Batch:
     """Numpy arrays for one step, vectorised over requests and rows; `scheduled` is a list
     of scheduler.ScheduledRows; num_slots: the cache's slots (padding rows write past
-    them, dropped); m: MTP modules the draft pass runs (next_chunk_token's width)."""
+    them, dropped); m: MTP modules the draft pass runs (next_chunk_token's width); words:
+    the token bitmask's width in a masked shape (all tokens allowed until the runner fills
+    the constrained requests' rows)."""
     t, b, n = shape.num_tokens, shape.num_seqs, len(scheduled)
     seqs = [item.seq for item in scheduled]
     lengths = np.fromiter((len(item.token_ids) for item in scheduled), np.int32, n)
@@ -306,5 +322,6 @@ def build_batch(
         repetition_penalty=per_request([p.repetition_penalty for p in params], np.float32, 1.0),
         frequency_penalty=per_request([p.frequency_penalty for p in params], np.float32),
         presence_penalty=per_request([p.presence_penalty for p in params], np.float32),
+        token_bitmask=np.full((b, k + 1, words if shape.masked else 0), -1, np.int32),  # the runner fills constrained rows
         carry_index=per_request([item.carry_index for item in scheduled], np.int32, -1),
     )

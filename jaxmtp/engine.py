@@ -9,6 +9,7 @@ safe to call from other threads (the server's event loop); step() runs on one th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections import deque
@@ -30,6 +31,7 @@ from jaxmtp.runner import InFlightStep, ModelRunner, StepResult
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxmtp.sequence import Sequence, SpecStats
+from jaxmtp.structured_outputs import GrammarCompiler
 from jaxmtp.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxmtp.engine")
@@ -202,6 +204,9 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words needs a tokenizer, and {self.model_dir.name} has no tokenizer.json")
         bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
+        constraint = params.structured_outputs
+        grammars = self.grammars if constraint is not None else None  # compiles it: a ValueError names the problem
+        first_matcher = grammars.matcher(constraint) if grammars else None
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -214,10 +219,19 @@ class LLMEngine:
                 seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**32))
                 seq = Sequence(request_id, list(ids), params, seed % 2**32, self._arrivals, frozenset(stop_ids), salt,
                                bad_words)
+                if first_matcher is not None:
+                    seq.grammar = first_matcher if i == 0 else grammars.matcher(constraint)
                 self.output_processor.start(seq)
                 seqs.append(seq)
                 self._arrivals += 1
             self._incoming.append(Request(request_id, text, seqs))
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler, built at the first constrained request."""
+        if self.tokenizer is None:
+            raise ValueError(f"structured_outputs needs a tokenizer, and {self.model_dir.name} has no tokenizer.json")
+        return GrammarCompiler(self.tokenizer.hf.to_str(), self.model_config.vocab_size, self.eos_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         self._aborts.append(request_id)
@@ -320,6 +334,8 @@ class LLMEngine:
             try:
                 if self.output_processor.append(seq, result, i):
                     self.scheduler.finish(seq)
+                elif seq.grammar is not None:
+                    seq.drafts = seq.grammar.propose(seq.drafts, self.config.num_speculative_tokens)
             except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
                 self._fail_request(request, err)
             touched[seq.request_id] = request

@@ -63,6 +63,11 @@ class OutputProcessor:
                     self._add_text(seq, token)
                 self._flush_text(seq)
                 return True
+            if seq.grammar is not None and seq.grammar.accept(token):  # the grammar is complete
+                seq.finish_reason = "stop"
+                self._add_text(seq, token)
+                self._flush_text(seq)
+                return True
             if self._add_text(seq, token):
                 seq.finish_reason = "length" if len(seq.output_token_ids) >= params.max_tokens else "stop"
                 return True

@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, lookahead_width, pack_batch
+from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch
 from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import EngineConfig
@@ -21,6 +21,7 @@ from jaxmtp.memory import plan_kv_pool
 from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.sharding import check_divisible, make_mesh, replicated
 from jaxmtp.step import StepConfig, StepOutput, jitted_step
+from jaxmtp.structured_outputs import fill_row_masks
 
 
 @dataclasses.dataclass
@@ -120,19 +121,24 @@ class ModelRunner:
     # ----- one step ---------------------------------------------------------------------
 
     def shape_for(self, rows: list[ScheduledRows]) -> BatchShape:
-        greedy = all(
+        masked = any(item.seq.grammar is not None for item in rows)
+        greedy = not masked and all(
             p.temperature == 0 and p.logprobs is None and not p.processes_logits for p in (item.seq.params for item in rows)
         )
         num_pages = max((len(item.seq.pages) for item in rows), default=0)
         prompt = any(item.seq.wants_prompt_logprobs for item in rows)
-        return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages, prompt)
+        return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages, prompt, masked)
 
     def device_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple:
         """The step's arguments after params, cache and carry, for rows padded to shape:
         (ints, floats, oracle tokens, shape); the batch crosses in one transfer."""
         k = self.config.num_speculative_tokens
         batch = build_batch(rows, shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
-                            lookahead_width(self.num_draft_modules))
+                            lookahead_width(self.num_draft_modules), mask_words(self.model_config.vocab_size))
+        if shape.masked:  # row j of a constrained request: its grammar's mask after the drafts before j
+            masks = batch.token_bitmask.reshape(-1, batch.token_bitmask.shape[-1])
+            fill_row_masks([(item.seq.grammar, i * (k + 1), item.token_ids[1:] if item.num_drafts else [])
+                            for i, item in enumerate(rows) if item.seq.grammar is not None and item.has_output], masks)
         ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
         return ints, floats, self.oracle_tokens, shape
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from jaxmtp.structured_outputs import StructuredOutputsParams
+
 INT32_MAX = 2**31 - 1  # the device arrays that carry a request's numbers are int32
 
 
@@ -42,12 +44,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # None: none; n: each prompt token's logprob and the top n
+    structured_outputs: StructuredOutputsParams | dict | None = None  # a constraint on the output
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as err:
+                raise ValueError(f"structured_outputs: {err}") from err
         self.validate()
 
     @property
@@ -111,5 +119,7 @@ class SamplingParams:
             fail(f"allowed_token_ids must be a non-empty list of non-negative token ids, got {self.allowed_token_ids!r}")
         if self.prompt_logprobs is not None and not (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= INT32_MAX):
             fail(f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail(f"structured_outputs must be a StructuredOutputsParams or a dict, got {self.structured_outputs!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             fail(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")

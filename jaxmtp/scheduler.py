@@ -205,6 +205,8 @@ class Scheduler:
     def _rows_for(self, seq: Sequence, budget: int) -> ScheduledRows | None:
         tokens = seq.token_ids
         if seq.in_flight is not None:  # continue a step not yet read: rows come from its carry
+            if seq.grammar is not None:  # its masks need that step's tokens and drafts
+                return None
             num_rows = self.config.num_speculative_tokens + 1
             # a request that may reach max_tokens in flight waits for its result instead
             if len(seq.output_token_ids) + seq.in_flight.max_tokens >= seq.params.max_tokens or num_rows > budget:

@@ -100,6 +100,7 @@ class Sequence:
     # jaxmtp.stop_strings.StopStringMatcher (set by the output processor)
     detokenizer: object | None = None
     stop_matcher: object | None = None
+    grammar: object | None = None  # jaxmtp.structured_outputs.GrammarMatcher of a constrained request
     num_reported_tokens: int = 0  # output tokens already sent in a delta output
     num_reported_chars: int = 0
 

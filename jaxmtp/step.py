@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp import model, mtp
-from jaxmtp.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, unpack_batch
+from jaxmtp.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, mask_words, unpack_batch
 from jaxmtp.cache import KVCache
 from jaxmtp.logits_processors import LogitsState, process_logits, record_emitted
 from jaxmtp.config import ModelConfig
@@ -68,7 +68,9 @@ def step(
     the MTP drafts (oracle_drafts); shape (static): how to unpack the batch, and whether
     no row samples, asks for top logprobs or for logits processing (BatchShape.greedy)."""
     k = config.num_speculative_tokens
-    batch = apply_carry(unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules)), carry, cache.page_size)
+    words = mask_words(config.model.vocab_size)
+    batch = unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules), words)
+    batch = apply_carry(batch, carry, cache.page_size)
     greedy = shape.greedy
     cfg = config.model
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
@@ -82,6 +84,8 @@ def step(
     t = batch.input_ids.shape[0]
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
     raw_logits = logits
+    if shape.masked:
+        logits = apply_token_bitmask(logits, batch.token_bitmask)
     if not greedy:
         logits = process_logits(logits, logits_state, batch, drafts_in)
     tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch, greedy)
@@ -105,6 +109,14 @@ def step(
     return cache, logits_state, StepOutput(
         tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry, prompt
     )
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [B, R, V] with the tokens whose bit is clear in bitmask [B, R, W] at -inf."""
+    v = logits.shape[-1]
+    token = jnp.arange(v)
+    allowed = (bitmask[..., token // 32] >> (token % 32)) & 1
+    return jnp.where(allowed != 0, logits, -jnp.inf)
 
 
 def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, drafts: jax.Array) -> jax.Array:

@@ -1,0 +1,118 @@
+"""Structured outputs under MTP: every output satisfies its constraint, and greedy and
+seeded outputs are token for token the same with k = 2 speculative tokens as without
+(each verify row is masked by the grammar's state after the drafts before it), also
+through preemption and prefix-cache hits."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from conftest import MTP_MODEL, STORIES
+from jaxmtp import LLM, SamplingParams
+
+ENGINE = dict(page_size=4, max_num_seqs=4, prefill_chunk_size=7, max_num_batched_tokens=16, num_pages=60,
+              enable_prefix_caching=True)
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # the tiny model would pad JSON with newlines forever
+SCHEMAS = {
+    "nested": {
+        "type": "object", "additionalProperties": False, "required": ["name", "pet"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "pet": {"type": "object", "additionalProperties": False, "required": ["kind", "age"],
+                    "properties": {"kind": {"enum": ["cat", "dog", "bird"]},
+                                   "age": {"type": "integer", "minimum": 1, "maximum": 20}}},
+        },
+    },
+    "array": {
+        "type": "object", "additionalProperties": False, "required": ["friends"],
+        "properties": {"friends": {"type": "array", "minItems": 2, "maxItems": 3,
+                                   "items": {"type": "string", "maxLength": 6}}},
+    },
+}
+PROMPTS = ["Once upon a time", "Lily had a", "The sun"]
+
+
+def constrained(so: dict, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=80, structured_outputs=so, **{"temperature": 0.0, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(STORIES, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return LLM(MTP_MODEL, num_speculative_tokens=2, **ENGINE)
+
+
+def texts(llm, params) -> list[tuple[str, list[int]]]:
+    return [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", SCHEMAS)
+def test_json_schema_outputs_are_valid_and_spec_equals_plain(plain, spec, name):
+    schema = {**SCHEMAS[name], **COMPACT}
+    for params in (constrained({"json": schema}), constrained({"json": schema}, temperature=1.0, seed=5)):
+        want = texts(plain, params)
+        assert texts(spec, params) == want
+        for text, _, finish in want:
+            assert finish == "stop", text  # the grammar completed
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_regex_choice_and_lark(plain, spec):
+    cases = [
+        ({"regex": "[a-z]{3,8} [0-9]{2}"}, lambda t: re.fullmatch("[a-z]{3,8} [0-9]{2}", t)),
+        ({"choice": ["happy", "sad", "very sleepy"]}, lambda t: t in ("happy", "sad", "very sleepy")),
+        ({"grammar": 'start: "The " animal " is " size\nanimal: "cat" | "dog"\nsize: "big" | "small"'},
+         lambda t: re.fullmatch("The (cat|dog) is (big|small)", t)),
+        # JSON mode allows any whitespace, which this model emits until max_tokens
+        ({"json_object": True}, lambda t: t.startswith("{")),
+    ]
+    for so, valid in cases:
+        for params in (constrained(so), constrained(so, temperature=1.0, seed=9)):
+            want = texts(plain, params)
+            assert texts(spec, params) == want, so
+            assert all(valid(text) for text, _, _ in want), (so, want)
+
+
+def test_drafts_inside_the_grammar_are_accepted(spec):
+    """Tokens the grammar forces (the schema's punctuation and names) are the drafts."""
+    out = spec.generate(PROMPTS[:1], constrained({"json": {**SCHEMAS["nested"], **COMPACT}}), use_tqdm=False)[0]
+    assert out.spec_stats["mean_acceptance_length"] > 1.5, out.spec_stats
+
+
+def test_constraints_survive_preemption_and_prefix_cache_hits(spec):
+    so = {"json": {**SCHEMAS["array"], **COMPACT}}
+    want = texts(spec, constrained(so))
+    engine = spec.engine
+    held = engine.allocator.allocate(engine.allocator.num_pages - 24)
+    try:
+        before = engine.scheduler.num_preemptions
+        params = [constrained(so)] * 3 + [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+        outs = spec.generate(PROMPTS + ["Tom"], params, use_tqdm=False)
+        assert engine.scheduler.num_preemptions > before
+    finally:
+        engine.allocator.free(held)
+    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs[:3]] == want
+    assert any(o.num_cached_tokens for o in outs[:3])  # the prompts were cached by the first run
+
+
+@pytest.mark.parametrize("so, message", [
+    ({"json": {"type": "nonsense"}}, "(?s)does not compile: .*nonsense"),
+    ({"regex": "("}, "(?s)does not compile: .*unclosed group"),
+    ({"grammar": "start: ("}, "does not compile"),
+    ({"choice": []}, "choice must be a non-empty list"),
+    ({"regex": "a", "choice": ["b"]}, "exactly one of"),
+    ({"jsonn": {}}, "structured_outputs: .*jsonn"),
+])
+def test_bad_constraints_are_refused_by_name(plain, so, message):
+    with pytest.raises(ValueError, match=message):
+        plain.generate(PROMPTS[:1], SamplingParams(structured_outputs=so), use_tqdm=False)
+    assert texts(plain, SamplingParams(max_tokens=3, temperature=0.0))  # the engine still serves
