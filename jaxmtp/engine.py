@@ -18,6 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from jaxmtp import distributed
 from jaxmtp.allocator import PageAllocator, pages_for
 from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
@@ -67,6 +68,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: str | Path, **kwargs):
         self.config = config = EngineConfig(**kwargs)
+        distributed.initialize(config)  # before anything here uses JAX
         self.model_dir = model_dir = resolve_model(model, config.revision)
         self.model_config = cfg = load_config(model_dir, config.dtype)
         k = config.num_speculative_tokens
@@ -91,6 +93,7 @@ class LLMEngine:
         # room for k verify rows plus k-1 chained draft positions past the last token
         self.max_pages_per_seq = pages_for(self.max_model_len + 2 * k, self.page_size)
         self.runner = ModelRunner(model_dir, config, cfg, m, self.max_pages_per_seq)
+        distributed.attach(self.runner, config)  # on other ranks than 0: runs rank 0's steps, never returns
         self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.prefix_cache = None
         # the salt: what besides the tokens decides a page's KV in this engine
@@ -108,8 +111,7 @@ class LLMEngine:
                 num_speculative_tokens=k,
                 num_draft_modules=m,
             ),
-            self.allocator,
-            self.prefix_cache,
+            self.allocator, self.prefix_cache,
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
@@ -123,8 +125,7 @@ class LLMEngine:
         self._in_flight: deque[InFlightStep] = deque()
         self._step_ids = 0
         self.usable = True  # False once a failed step could not be recovered from
-        # the last step read: its record (schedule and device arguments), rows and output,
-        # for tests, benchmarks and debugging
+        # the last step read (its record, rows and output), for tests, benchmarks, debugging
         self.last_step: InFlightStep | None = None
         self.last_schedule = []
         self.last_step_output: StepResult | None = None
@@ -371,7 +372,7 @@ class LLMEngine:
     def _builds(self, item) -> bool:
         """Whether one request's rows make a batch on their own."""
         try:
-            self.runner.device_batch([item], self.runner.shape_for([item]))
+            self.runner.host_batch([item], self.runner.shape_for([item]))
             return True
         except Exception:  # noqa: BLE001
             return False

@@ -74,7 +74,18 @@ class EngineConfig:
         PREFIX_CACHE_BOUNDARIES,
     )
     attention_backend: str = option("auto", "auto: the Pallas kernel on GPUs, the jnp reference elsewhere", ATTENTION_BACKENDS)
-    tensor_parallel_size: int = option(1, "local devices that split heads, MLP and vocabulary (docs/tensor-parallel.md)")
+    tensor_parallel_size: int = option(
+        1, "devices that split heads, MLP and vocabulary (docs/tensor-parallel.md); with num_nodes > 1, every "
+        "node's devices together")
+    num_nodes: int = option(1, "processes, one per host, that the engine spans on jax.distributed (docs/multi-host.md)")
+    node_rank: int = option(
+        0, "this process's rank, 0..num_nodes-1: rank 0 runs the scheduler, the tokenizer and the HTTP server, "
+        "the others run rank 0's steps")
+    coordinator: str | None = option(
+        None, "HOST:PORT where rank 0 runs jax.distributed's coordinator, reachable from every node (num_nodes > 1)")
+    node_timeout: int = option(
+        100, "seconds a node may go silent (no heartbeat) before every process ends with an error; also the most a "
+        "clean shutdown waits for the other nodes")
     revision: str | None = option(None, "the Hugging Face revision (branch, tag or commit) of a model given by id")
     load_format: str = option("auto", "how to read the weights (dummy: random weights of the config's shapes)", LOAD_FORMATS)
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
@@ -104,7 +115,7 @@ class EngineConfig:
             if kind == "int" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_pages",
-                     "max_model_len", "prefill_chunk_size"):
+                     "max_model_len", "prefill_chunk_size", "num_nodes", "node_timeout"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -122,3 +133,15 @@ class EngineConfig:
             )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        self.validate_nodes()
+
+    def validate_nodes(self) -> None:
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"node_rank must be in 0..num_nodes-1 = 0..{self.num_nodes - 1}, got {self.node_rank}")
+        if self.num_nodes == 1:
+            if self.coordinator is not None:
+                raise ValueError("coordinator is for num_nodes > 1; with one node there is nothing to coordinate")
+            return
+        host, _, port = (self.coordinator or "").rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"num_nodes={self.num_nodes} needs coordinator as HOST:PORT, got {self.coordinator!r}")

@@ -9,6 +9,8 @@ import dataclasses
 import logging
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxmtp.cache import allocate_cache
 from jaxmtp.config import ModelConfig
@@ -51,9 +53,9 @@ def plan_kv_pool(
     gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, devices: list,
 ) -> KVPool:
     """devices: the mesh's; the KV heads are split over them, so each holds about
-    1/len(devices) of a page (the budget is one device's memory)."""
+    1/len(devices) of a page (the budget is one device's memory: this process's first)."""
     per_page = page_bytes(cfg, page_size, num_draft_modules)
-    device = devices[0]
+    device = next(d for d in devices if d.process_index == jax.process_index())
     if num_pages is not None:
         return KVPool(num_pages, per_page, None)
     stats = device.memory_stats() if device.platform != "cpu" else None
@@ -68,6 +70,8 @@ def plan_kv_pool(
         budget = int(gpu_memory_utilization * limit) - stats.get("bytes_in_use", 0) - active
         what = "gpu_memory_utilization"
     fit = max(budget, 0) * len(devices) // per_page
+    if jax.process_count() > 1:  # every process allocates the same pool: the one that fits them all
+        fit = int(np.min(multihost_utils.process_allgather(np.int32(min(fit, 2**31 - 1)))))
     if fit < max_pages_per_seq:
         raise ValueError(
             f"the KV cache has room for {fit} pages of {page_size} tokens ({budget / GiB:.2f} GiB by {what}), "

@@ -1,7 +1,11 @@
 """ModelRunner: everything on the device. It loads the params, owns the donated KV
 cache and the carry between steps, turns a SchedulerOutput into one jitted step (page
 copies first), reads a step's output back, compiles every bucket shape (warm-up) and
-inspects the compiled step. The engine never touches a device array."""
+inspects the compiled step. The engine never touches a device array.
+
+A step's device work is built on the host first, as StepInputs, then run (apply): on a
+mesh over several processes, rank 0's runner sends it to the others' runners, which run
+the same (self.peers; jaxmtp/distributed.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from jaxmtp.loader import load_params
 from jaxmtp.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.memory import plan_kv_pool
 from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
-from jaxmtp.sharding import check_divisible, make_mesh, replicated
+from jaxmtp.sharding import check_divisible, make_mesh, put_replicated
 from jaxmtp.step import StepConfig, StepOutput, jitted_step
 from jaxmtp.structured_outputs import fill_row_masks
 
@@ -33,6 +37,20 @@ class InFlightStep:
     preemptions: list[int]  # each sequence's num_preemptions at dispatch
     output: StepOutput  # on the device
     args: tuple  # the step's arguments after params and cache, for replays
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """A step's device work as host arrays, run in this order: page copies, the
+    LogitsState rows of newly admitted requests, the step (no shape: its batch could not
+    be built). What rank 0 sends the other processes each step."""
+
+    page_copies: list[tuple[np.ndarray, np.ndarray]]  # (src, dst), PAGE_COPY_BATCH each (cache.page_copy_arrays)
+    state_slots: np.ndarray | None = None  # [N]: the rows' slots (N a power of two; padding: past the last)
+    state_rows: dict[str, np.ndarray] | None = None  # LogitsState field -> [N, ...]
+    ints: np.ndarray | None = None  # the packed batch (batch.pack_batch)
+    floats: np.ndarray | None = None
+    shape: BatchShape | None = None
 
 
 @dataclasses.dataclass
@@ -60,12 +78,13 @@ class ModelRunner:
         self.mesh = make_mesh(config.tensor_parallel_size)
         check_divisible(model_config, config.tensor_parallel_size)
         self.num_draft_modules = num_draft_modules
+        self.peers = None  # rank 0 of several processes: what sends them its device work (distributed.Leader)
         self.params = load_params(
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules, mesh=self.mesh
         )
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
         # before the pool is sized: its memory is the weights' and this state's remainder
-        self.logits_state = jax.device_put(zero_state(config.max_num_seqs, model_config.vocab_size), replicated(self.mesh))
+        self.logits_state = put_replicated(zero_state(config.max_num_seqs, model_config.vocab_size), self.mesh)
         # sized after the weights are placed, from the memory they leave
         self.kv_pool = plan_kv_pool(
             model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
@@ -92,11 +111,13 @@ class ModelRunner:
         """A fresh, zeroed KV cache and carry: after a failed step whose donated cache is
         gone, and at start-up. The logits state needs no reset: a request's row is written
         whenever it is admitted."""
+        if self.peers is not None:
+            self.peers.cache_lost()  # the other processes' caches cannot be brought back in step
         # committed to its devices, sharded as every cache the step returns, so the first
         # shape warmup() compiles is not compiled again for the first real request
         self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
         carry = Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens)
-        self.carry = jax.device_put(carry, replicated(self.mesh))
+        self.carry = put_replicated(carry, self.mesh)
 
     @property
     def cache_is_lost(self) -> bool:
@@ -114,9 +135,10 @@ class ModelRunner:
 
     @oracle_tokens.setter
     def oracle_tokens(self, table) -> None:
-        if table is not None:
-            table = jax.device_put(np.asarray(table, np.int32), replicated(self.mesh))
-        self._oracle_tokens = table
+        table = None if table is None else np.asarray(table, np.int32)
+        if self.peers is not None:
+            self.peers.send_oracle_tokens(table)
+        self._oracle_tokens = None if table is None else put_replicated(table, self.mesh)
 
     # ----- one step ---------------------------------------------------------------------
 
@@ -129,9 +151,8 @@ class ModelRunner:
         prompt = any(item.seq.wants_prompt_logprobs for item in rows)
         return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages, prompt, masked)
 
-    def device_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple:
-        """The step's arguments after params, cache and carry, for rows padded to shape:
-        (ints, floats, oracle tokens, shape); the batch crosses in one transfer."""
+    def host_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple[np.ndarray, np.ndarray]:
+        """The packed batch (ints, floats) of rows padded to shape."""
         k = self.config.num_speculative_tokens
         batch = build_batch(rows, shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
                             lookahead_width(self.num_draft_modules), mask_words(self.model_config.vocab_size))
@@ -139,34 +160,56 @@ class ModelRunner:
             masks = batch.token_bitmask.reshape(-1, batch.token_bitmask.shape[-1])
             fill_row_masks([(item.seq.grammar, i * (k + 1), item.token_ids[1:] if item.num_drafts else [])
                             for i, item in enumerate(rows) if item.seq.grammar is not None and item.has_output], masks)
-        ints, floats = jax.device_put(pack_batch(batch), replicated(self.mesh))
-        return ints, floats, self.oracle_tokens, shape
+        return pack_batch(batch)
+
+    def device_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple:
+        """The step's arguments after params, cache and carry, for rows padded to shape:
+        (ints, floats, oracle tokens, shape); the batch crosses in one transfer."""
+        return (*put_replicated(self.host_batch(rows, shape), self.mesh), self.oracle_tokens, shape)
 
     def dispatch(self, step_id: int, scheduled: SchedulerOutput) -> InFlightStep:
-        """Queue the page copies and the step on the device; returns before it runs. The
-        copies go first, also when the batch then cannot be built: the sequences they
-        serve already count the copied rows as computed."""
-        self.copy_pages(scheduled.page_copies)
-        self.write_logits_state([item.seq for item in scheduled.rows])
-        args = self.device_batch(scheduled.rows, self.shape_for(scheduled.rows))
-        output = self._run(args)
+        """Queue the page copies, the new LogitsState rows and the step on the device;
+        returns before it runs. The copies and rows go first, also when the batch then
+        cannot be built: the sequences they serve already count the copied rows as computed."""
+        new = [item.seq for item in scheduled.rows if item.seq.params.processes_logits and not item.seq.state_written]
+        groups = range(0, len(scheduled.page_copies), PAGE_COPY_BATCH)
+        inputs = StepInputs([page_copy_arrays(scheduled.page_copies[i : i + PAGE_COPY_BATCH], self.num_pages)
+                             for i in groups], *self.state_rows(new))
+        try:
+            shape = self.shape_for(scheduled.rows)
+            (inputs.ints, inputs.floats), inputs.shape = self.host_batch(scheduled.rows, shape), shape
+        finally:
+            args, output = self.apply(inputs)
+            for seq in new:
+                seq.state_written = True
         preemptions = [item.seq.num_preemptions for item in scheduled.rows]
         return InFlightStep(step_id, scheduled, preemptions, output, args)
 
-    def write_logits_state(self, seqs) -> None:
-        """Write the LogitsState rows of sequences that ask for logits processing and were
-        admitted since their last step (padded to a power of two: few compiled shapes)."""
-        new = [seq for seq in seqs if seq.params.processes_logits and not seq.state_written]
-        if not new:
-            return
-        size = 1 << (len(new) - 1).bit_length()
-        rows = state_rows(new, self.model_config.vocab_size)
-        rows = {name: np.concatenate([row, np.zeros((size - len(new),) + row.shape[1:], row.dtype)]) for name, row in rows.items()}
+    def state_rows(self, seqs) -> tuple[np.ndarray | None, dict[str, np.ndarray] | None]:
+        """The slots and LogitsState rows of sequences that ask for logits processing and
+        were admitted since their last step, padded to a power of two (few compiled shapes)."""
+        if not seqs:
+            return None, None
+        size = 1 << (len(seqs) - 1).bit_length()
+        rows = state_rows(seqs, self.model_config.vocab_size)
+        rows = {name: np.concatenate([row, np.zeros((size - len(seqs),) + row.shape[1:], row.dtype)]) for name, row in rows.items()}
         slots = np.full(size, self.config.max_num_seqs, np.int32)
-        slots[: len(new)] = [seq.state_slot for seq in new]
-        self.logits_state = write_rows(self.logits_state, *jax.device_put((slots, rows), replicated(self.mesh)))
-        for seq in new:
-            seq.state_written = True
+        slots[: len(seqs)] = [seq.state_slot for seq in seqs]
+        return slots, rows
+
+    def apply(self, inputs: StepInputs) -> tuple[tuple | None, StepOutput | None]:
+        """Run a step's device work; returns the step's arguments after params, cache and
+        carry (placed, for replays) and its output, or (None, None) without a batch."""
+        if self.peers is not None:
+            self.peers.send_step(inputs)
+        for src, dst in inputs.page_copies:
+            self.cache = copy_pages(self.cache, src, dst)
+        if inputs.state_slots is not None:
+            self.logits_state = write_rows(self.logits_state, *put_replicated((inputs.state_slots, inputs.state_rows), self.mesh))
+        if inputs.shape is None:
+            return None, None
+        args = (*put_replicated((inputs.ints, inputs.floats), self.mesh), self.oracle_tokens, inputs.shape)
+        return args, self._run(args)
 
     def _run(self, args: tuple) -> StepOutput:
         self.cache, self.logits_state, output = jitted_step(
@@ -189,13 +232,9 @@ class ModelRunner:
 
     def replay(self, record: InFlightStep) -> StepOutput:
         """Run a step's batch again, on the cache as it is now (benchmarks time it alone)."""
+        if self.peers is not None:
+            raise ValueError("replay runs a step on one process; with num_nodes > 1 every process must run it")
         return self._run(record.args)
-
-    def copy_pages(self, copies: list[tuple[int, int]]) -> None:
-        """Run (source, destination) page copies on the device, in order."""
-        for i in range(0, len(copies), PAGE_COPY_BATCH):
-            group = copies[i : i + PAGE_COPY_BATCH]
-            self.cache = copy_pages(self.cache, *page_copy_arrays(group, self.num_pages))
 
     # ----- compilation ------------------------------------------------------------------
 
@@ -205,6 +244,8 @@ class ModelRunner:
         num_threads > 1 first compiles the shapes side by side into JAX's persistent
         compilation cache (it must be configured: jax_compilation_cache_dir), from
         which the pass that follows loads them."""
+        if self.peers is not None:
+            self.peers.send_warmup(num_threads, with_page_copies)
         shapes = self.buckets.all_shapes()
         if num_threads > 1:
             if not jax.config.jax_compilation_cache_dir:

@@ -157,6 +157,15 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def put_replicated(tree, mesh: Mesh):
+    """Host arrays whole on every device of the mesh, in one transfer. On a mesh over
+    several processes each process places its own copy on its own devices: device_put
+    would first check, with a collective, that every process passed the same value."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, replicated(mesh))
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(replicated(mesh), np.asarray(x)), tree)
+
+
 def gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
     """Vocab-sharded logits [..., V] (the head's output) whole on every device.
     Sampling reads whole rows (argmax, sort, softmax): one all-gather here instead of
