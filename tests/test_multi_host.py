@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "checkpoints" / "stories260K-mtp"  # 8 heads, 4 kv heads, ffn 172: TP=4 divides them
+MODEL = ROOT / "checkpoints" / "stories260K-mtp"  # orbax; 8 heads, 4 kv heads, ffn 172: TP=4 divides them
+STORIES = ROOT / "checkpoints" / "stories260K"  # the same base model in safetensors
 NODE_TIMEOUT = 8  # seconds without a heartbeat before a node counts as dead
 DEAD_NODE_BOUND = NODE_TIMEOUT + 40  # what a test waits for the survivor to exit (heartbeat + slack)
 ENGINE = dict(tensor_parallel_size=4, max_num_seqs=2, max_num_batched_tokens=8, num_speculative_tokens=2,
@@ -109,13 +110,16 @@ def main(argv: list[str]) -> None:
     elif role == "node":
         print(json.dumps(scenario(**node_options(int(argv[1]), int(argv[2])))))
     elif role in ("idle", "mismatch"):
-        # an engine that is built and then waits (rank 0 sleeps); "mismatch": rank 1's
-        # options differ from rank 0's
-        from jaxmtp import LLM
+        # stories260K from safetensors, rank 0 generating its first greedy tokens, then
+        # waiting; "mismatch": rank 1's options differ from rank 0's
+        from jaxmtp import LLM, SamplingParams
 
         rank = int(argv[1])
         seqs = 4 if role == "mismatch" and rank == 1 else 2
-        LLM(MODEL, **{**ENGINE, "max_num_seqs": seqs}, **node_options(rank, int(argv[2])))
+        llm = LLM(STORIES, **{**ENGINE, "max_num_seqs": seqs, "num_speculative_tokens": 0},
+                  **node_options(rank, int(argv[2])))
+        out = llm.generate([[1]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        print(json.dumps(out[0].outputs[0].token_ids), flush=True)
         print("ready", flush=True)
         time.sleep(600)
 
@@ -270,11 +274,17 @@ def test_a_dead_worker_ends_the_server_within_the_node_timeout(served):
 
 
 def test_a_dead_rank_0_ends_the_other_nodes(tmp_path):
+    """After stories260K, read from safetensors shard by shard, gave its golden greedy
+    tokens over the two processes."""
+    from conftest import golden_ids
+
     port = _free_port()
     procs = [_start([__file__, "idle", str(rank), str(port)], tmp_path / f"node{rank}.log") for rank in (0, 1)]
     try:
         log = tmp_path / "node0.log"
         _wait_for(lambda: "ready" in log.read_text(), log, procs[0])  # rank 1 is following: it said it was ready
+        tokens = [line for line in log.read_text().splitlines() if line.startswith("[")][-1]
+        assert json.loads(tokens) == golden_ids()[:8]
         procs[0].send_signal(signal.SIGKILL)
         _exit_time(procs[1], DEAD_NODE_BOUND)
         assert procs[1].returncode != 0
