@@ -19,6 +19,8 @@ import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 
 import jax
 import numpy as np
@@ -88,12 +90,14 @@ def attach(runner: ModelRunner, config: EngineConfig) -> None:
     if differences:
         raise ValueError(f"node {config.node_rank} cannot run rank 0's engine: {differences}")
     log.info("node %d of %d: running rank 0's steps", config.node_rank, config.num_nodes)
+    if threading.current_thread() is threading.main_thread():
+        # JAX's preemption service would catch SIGTERM and leave this loop running
+        signal.signal(signal.SIGTERM, lambda *_: _end(f"node {config.node_rank}: SIGTERM", 128 + signal.SIGTERM))
     try:
         follow(runner, client, config.num_nodes)
     except BaseException:  # noqa: BLE001 - rank 0 may wait in a collective: end now, and JAX ends it
-        log.exception("node %d failed; ending it, and with it every node", config.node_rank)
-        logging.shutdown()
-        os._exit(1)
+        log.exception("node %d failed", config.node_rank)
+        _end(f"node {config.node_rank} failed", 1)
     raise SystemExit(0)  # at exit JAX leaves jax.distributed, with every node
 
 
@@ -193,11 +197,16 @@ class Leader:
         """A step failed on this process's devices after the others were sent it: they
         wait in its collectives or ran it, and no message can bring the caches back in
         step. End this process, which ends the others (its coordinator goes with it)."""
-        log.critical("a step failed on rank 0's devices after the other %d node(s) were sent it; the nodes' KV "
-                     "caches cannot be brought back in step: ending rank 0, and with it every node",
-                     self.num_nodes - 1)
-        logging.shutdown()
-        os._exit(70)
+        _end(f"a step failed on rank 0's devices after the other {self.num_nodes - 1} node(s) were sent it, and "
+             "the nodes' KV caches cannot be brought back in step", 70)
+
+
+def _end(why: str, status: int) -> None:
+    """End this process now, which ends every node (JAX's coordination service): it
+    may not wait for the others at jax.distributed's shutdown, as a normal exit does."""
+    log.critical("%s: ending this process, and with it every node", why)
+    logging.shutdown()
+    os._exit(status)
 
 
 def _receive(client, key: str) -> bytes:

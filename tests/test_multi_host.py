@@ -261,11 +261,13 @@ def test_serve_over_two_processes_answers_as_one_process(served, reference):
 
 
 def test_a_dead_worker_ends_the_server_within_the_node_timeout(served):
-    """Rank 1 killed: JAX's coordination service misses its heartbeats, and rank 0
-    (the server, here idle) exits with an error."""
+    """Rank 1 sent SIGTERM ends at once (JAX's preemption service would swallow it);
+    JAX's coordination service then misses its heartbeats, and rank 0 (the server, here
+    idle) exits with an error."""
     worker, server = served["procs"][1], served["procs"][0]
-    worker.send_signal(signal.SIGKILL)
-    worker.wait()
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 128 + signal.SIGTERM
+    assert "node 1: SIGTERM: ending this process, and with it every node" in served["logs"][1].read_text()
     elapsed = _exit_time(server, DEAD_NODE_BOUND)
     assert server.returncode != 0
     log = served["logs"][0].read_text()
