@@ -174,13 +174,14 @@ class ModelRunner:
         new = [item.seq for item in scheduled.rows if item.seq.params.processes_logits and not item.seq.state_written]
         groups = range(0, len(scheduled.page_copies), PAGE_COPY_BATCH)
         inputs = StepInputs([page_copy_arrays(scheduled.page_copies[i : i + PAGE_COPY_BATCH], self.num_pages)
-                             for i in groups], *self.state_rows(new))
+                             for i in groups])
         try:
+            inputs.state_slots, inputs.state_rows = self.state_rows(new)
             shape = self.shape_for(scheduled.rows)
             (inputs.ints, inputs.floats), inputs.shape = self.host_batch(scheduled.rows, shape), shape
-        finally:
+        finally:  # what was built runs, also when the rest raised
             args, output = self.apply(inputs)
-            for seq in new:
+            for seq in new if inputs.state_slots is not None else ():
                 seq.state_written = True
         preemptions = [item.seq.num_preemptions for item in scheduled.rows]
         return InFlightStep(step_id, scheduled, preemptions, output, args)

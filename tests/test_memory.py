@@ -21,6 +21,7 @@ CFG = load_config(STORIES)
 class FakeGPU:
     stats: dict
     platform: str = "gpu"
+    process_index: int = 0  # plan_kv_pool reads this process's first device
 
     def memory_stats(self):
         return self.stats
