@@ -289,9 +289,11 @@ def test_a_dead_rank_0_ends_the_other_nodes(tmp_path):
         assert json.loads(tokens) == golden_ids()[:8]
         procs[0].send_signal(signal.SIGKILL)
         _exit_time(procs[1], DEAD_NODE_BOUND)
-        assert procs[1].returncode != 0
-        assert "Terminating process because the JAX distributed service detected fatal errors" in \
-            (tmp_path / "node1.log").read_text()
+        worker_log = (tmp_path / "node1.log").read_text()
+        assert procs[1].returncode != 0, worker_log[-3000:]
+        # JAX's error polling ends it, or first its wait for the next message fails
+        assert "Terminating process because the JAX distributed service detected fatal errors" in worker_log \
+            or "node 1 failed: ending this process" in worker_log, worker_log[-3000:]
     finally:
         for proc in procs:
             if proc.poll() is None:
