@@ -7,5 +7,6 @@ from jaxmtp.api import LLM
 from jaxmtp.engine import LLMEngine
 from jaxmtp.outputs import CompletionOutput, RequestOutput
 from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.structured_outputs import StructuredOutputsParams
 
-__all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "StructuredOutputsParams"]
