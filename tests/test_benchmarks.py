@@ -47,3 +47,13 @@ def test_profile_step_replays_the_engines_step(tmp_path):
     configs = json.loads((tmp_path / "profile.json").read_text())["configs"]
     assert set(configs) == {"k=0", "k=1"}
     assert all(c["replayed_step_ms"] > 0 and c["replayed_step_requests"] == 1 for c in configs.values())
+
+
+def test_defaults_starts_a_131072_context_model_with_every_default(tmp_path):
+    """Issue 18's new user: a 131072-token config, no options. The CPU pool is the
+    kv_cache_memory_bytes default's, capped at max_num_seqs requests of max_model_len."""
+    run_script("defaults.py", "--tiny", "--out", str(tmp_path))
+    (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("*_defaults_tiny.json")]
+    assert result["max_model_len"] == 131072 and result["sized_by"] == "kv_cache_memory_bytes"
+    assert result["pool_tokens"] >= 131072 and result["pool_gib"] <= 2.0
+    assert result["peak_rss_gib"] < 8  # it was 17.8 GiB before the pool was sized from memory
