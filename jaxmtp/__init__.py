@@ -5,7 +5,7 @@ __version__ = "0.2.0"
 
 from jaxmtp.api import LLM
 from jaxmtp.engine import LLMEngine
-from jaxmtp.outputs import CompletionOutput, RequestOutput
+from jaxmtp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxmtp.sampling_params import SamplingParams
 
-__all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

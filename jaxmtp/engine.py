@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.hub import resolve_model
 from jaxmtp.output_processor import OutputProcessor, Request
-from jaxmtp.outputs import RequestOutput
+from jaxmtp.outputs import RequestMetrics, RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.runner import InFlightStep, ModelRunner, StepResult
 from jaxmtp.sampling_params import SamplingParams
@@ -183,10 +184,13 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, arrival_time: float | None = None,
     ) -> None:
         """cache_salt: requests reuse each other's cached KV only when their salts are equal
-        (the server salts by API key, so one tenant's prompts cannot be probed by another)."""
+        (the server salts by API key, so one tenant's prompts cannot be probed by another).
+        arrival_time: when the request arrived, in time.monotonic() seconds (default: now);
+        the server gives the time its HTTP request came in."""
+        metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         params = params or SamplingParams()
         params.validate()
         text, ids = self.encode_prompt(prompt)
@@ -205,7 +209,7 @@ class LLMEngine:
                 self.output_processor.start(seq)
                 seqs.append(seq)
                 self._arrivals += 1
-            self._incoming.append(Request(request_id, text, seqs))
+            self._incoming.append(Request(request_id, text, seqs, metrics))
 
     def abort_request(self, request_id: str) -> None:
         self._aborts.append(request_id)
@@ -270,6 +274,11 @@ class LLMEngine:
             return
         self.scheduler.on_dispatch(self._step_ids, scheduled)
         self._in_flight.append(record)
+        now = time.monotonic()
+        for item in scheduled.rows:
+            metrics = self.requests[item.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
 
     def _postprocess(self, record: InFlightStep) -> list[RequestOutput | None]:
         """Read a dispatched step back and apply it to its sequences."""
@@ -282,6 +291,7 @@ class LLMEngine:
         # rows of the next step, already dispatched, that continue this step's output
         following = {id(item.seq): item for item in self._in_flight[0].scheduled.rows} if self._in_flight else {}
         touched: dict[str, Request] = {}
+        now = time.monotonic()  # when this step's tokens reached the host
         for i, item in enumerate(record.scheduled.rows):
             seq = item.seq
             # finished (aborted, or another sequence of its request failed) or preempted
@@ -300,6 +310,9 @@ class LLMEngine:
                 seq.spec_stats.record(item.num_drafts, accepted)
                 self.stats.spec.record(item.num_drafts, accepted)
             request = self.requests[seq.request_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
             try:
                 if self.output_processor.append(seq, result, i):
                     self.scheduler.finish(seq)
@@ -363,4 +376,5 @@ class LLMEngine:
     def _finish(self, request: Request) -> RequestOutput | None:
         self.requests.pop(request.request_id, None)
         self.stats.requests_finished += 1
+        request.metrics.finished_time = time.monotonic()
         return self.output_processor.output(request)

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmtp.detokenizer import IncrementalDetokenizer
-from jaxmtp.outputs import CompletionOutput, RequestOutput
+from jaxmtp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxmtp.runner import StepResult
 from jaxmtp.sampling_params import RequestOutputKind
 from jaxmtp.sequence import Sequence
 from jaxmtp.stop_strings import StopStringMatcher
+
+TEXT_CONTEXT = 4  # tokens before a logprob's token decoded with it, for its leading space
 
 
 @dataclasses.dataclass
@@ -22,6 +24,7 @@ class Request:
     request_id: str
     prompt: str | None
     seqs: list[Sequence]
+    metrics: RequestMetrics
     error: str | None = None  # why the engine failed it (finish_reason "error")
 
     @property
@@ -49,12 +52,9 @@ class OutputProcessor:
             seq.append_token(token)
             self.stats.generation_tokens += 1
             if params.logprobs is not None:
-                entry = {token: float(result.logprobs[i, j])}
-                top_ids, top_values = result.top_token_ids[i, j, : params.logprobs], result.top_logprobs[i, j, : params.logprobs]
-                for t, lp in zip(top_ids.tolist(), top_values.tolist()):
-                    entry.setdefault(t, lp)
+                entry = self._token_logprobs(seq, result, i, j)
                 seq.output_logprobs.append(entry)
-                seq.cumulative_logprob += entry[token]
+                seq.cumulative_logprob += entry[token].logprob
             if token in seq.stop_token_ids:  # the stop token's text is not part of the output
                 seq.finish_reason, seq.stop_reason = "stop", token
                 self._flush_text(seq)
@@ -67,6 +67,23 @@ class OutputProcessor:
                 self._flush_text(seq)
                 return True
         return False
+
+    def _token_logprobs(self, seq: Sequence, result: StepResult, i: int, j: int) -> dict[int, Logprob]:
+        """The Logprob of the token seq just appended (row j of request i), its rank from
+        the device, then those of the top n (ranks 1..n) it is not one of; each with the
+        text it adds after the tokens before it."""
+        n = seq.params.logprobs
+        ids = [seq.token_ids[-1]] + (result.top_token_ids[i, j, :n].tolist() if n else [])
+        values = [float(result.logprobs[i, j])] + (result.top_logprobs[i, j, :n].tolist() if n else [])
+        ranks = [int(result.ranks[i, j])] + list(range(1, n + 1))
+        found: dict[int, tuple[float, int]] = {}
+        for token, logprob, rank in zip(ids, values, ranks):
+            found.setdefault(token, (logprob, rank))
+        if self.tokenizer is None:
+            texts = [None] * len(found)
+        else:  # special tokens by name: the logprobs show what was sampled
+            texts = self.tokenizer.token_texts(seq.token_ids[-TEXT_CONTEXT - 1 : -1], list(found), TEXT_CONTEXT, False)
+        return {token: Logprob(logprob, rank, text) for (token, (logprob, rank)), text in zip(found.items(), texts)}
 
     def _add_text(self, seq: Sequence, token: int) -> bool:
         """Detokenise one more token; True when the text reached a stop string (cut there)."""
@@ -110,6 +127,7 @@ class OutputProcessor:
             spec_stats=first.spec_stats.as_dict() if self.with_spec_stats else None,
             num_cached_tokens=first.num_cached_tokens,
             error=request.error,
+            metrics=dataclasses.replace(request.metrics),
         )
 
     def _completion(self, index: int, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:

@@ -42,6 +42,7 @@ class StepResult:
     drafts: np.ndarray  # [B, k]
     boundary_token: np.ndarray  # [B]
     logprobs: np.ndarray | None  # [B, k+1], when a request asked for logprobs
+    ranks: np.ndarray | None  # [B, k+1] each token's rank in the model's distribution (1: its top)
     top_logprobs: np.ndarray | None  # [B, k+1, n]
     top_token_ids: np.ndarray | None
 
@@ -147,7 +148,7 @@ class ModelRunner:
         wants_logprobs = any(item.seq.params.logprobs is not None for item in record.scheduled.rows)
         host = jax.device_get(
             (out.tokens, out.num_accepted, out.drafts, out.boundary_token)
-            + ((out.logprobs, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None, None, None))
+            + ((out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None,) * 4)
         )
         return StepResult(*host)
 

@@ -41,6 +41,7 @@ class StepOutput:
     tokens: jax.Array  # [B, k+1] emitted tokens; request b emits tokens[b, :num_accepted[b] + 1]
     num_accepted: jax.Array  # [B]
     logprobs: jax.Array  # [B, k+1] log-probability of each emitted token
+    ranks: jax.Array | None  # [B, k+1] its rank in the model's distribution (None in greedy shapes)
     top_logprobs: jax.Array | None  # [B, k+1, n]
     top_token_ids: jax.Array | None  # [B, k+1, n]
     drafts: jax.Array  # [B, k] next proposals (k = 0: empty; oracle_drafts when an oracle is given)
@@ -77,7 +78,8 @@ def step(
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
     tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch, greedy)
     num_top = 0 if greedy else config.num_top_logprobs
-    logprobs, top_values, top_ids = chosen_logprobs(logits, tokens, num_top, batch.num_logprobs)
+    # a greedy shape has no request asking for logprobs, so no rank is read
+    logprobs, ranks, top_values, top_ids = chosen_logprobs(logits, tokens, num_top, batch.num_logprobs, not greedy)
     b = batch.kv_len.shape[0]
     if k:
         drafts, cache, boundary = mtp.propose(
@@ -91,7 +93,7 @@ def step(
     new_carry = jax.tree.map(
         lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
     )
-    return cache, StepOutput(tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry)
+    return cache, StepOutput(tokens, num_accepted, logprobs, ranks, top_values, top_ids, drafts, boundary, new_carry)
 
 
 def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, drafts: jax.Array) -> jax.Array:
