@@ -8,4 +8,6 @@ from jaxmtp.engine import LLMEngine
 from jaxmtp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxmtp.sampling_params import SamplingParams
 
-__all__ = ["__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]
+__all__ = [
+    "__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",
+]

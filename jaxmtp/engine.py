@@ -170,6 +170,10 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):  # ids the step indexes its logits with
+            bad = [t for t in getattr(params, name) or () if not t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids out of vocabulary (size {vocab}): {bad[:5]}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "

@@ -175,3 +175,27 @@ def test_async_step_returns_a_step_late_while_the_next_runs():
     assert_no_leaks(llm)
 
 
+
+
+def test_request_metrics_time_each_stage():
+    """RequestOutput.metrics: arrival (the caller's, when given), first scheduled, first
+    and last token, finished, in that order, and the stages between them."""
+    import time
+
+    llm = make_llm()
+    arrival = time.monotonic() - 5.0  # as a server passes the time its HTTP request came in
+    llm.engine.add_request("timed", [1, 403, 407], SamplingParams(max_tokens=6, temperature=0.0), arrival_time=arrival)
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += llm.engine.step()
+    timings = outputs[-1].metrics
+    assert outputs[-1].finished and timings.arrival_time == arrival
+    stages = [timings.arrival_time, timings.first_scheduled_time, timings.first_token_time, timings.last_token_time,
+              timings.finished_time]
+    assert stages == sorted(stages) and timings.queue_time >= 5.0
+    assert timings.e2e_latency == pytest.approx(
+        timings.queue_time + timings.prefill_time + timings.decode_time + timings.finished_time - timings.last_token_time
+    )
+    assert timings.decode_time > 0  # six tokens take more than the first step
+    # each output holds a copy as of its step: an early one saw no end yet
+    assert outputs[0].metrics.finished_time is None or len(outputs) == 1
