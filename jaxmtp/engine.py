@@ -232,8 +232,11 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences not yet running: queued in the scheduler or not yet admitted."""
-        return len(self.scheduler.waiting) + sum(len(r.seqs) for r in self._incoming)
+        """Sequences not yet running: queued in the scheduler or not yet admitted. Safe from
+        any thread (the server's metrics and stats line read it while the engine steps)."""
+        with self._lock:  # the engine thread empties _incoming under it
+            incoming = sum(len(r.seqs) for r in self._incoming)
+        return len(self.scheduler.waiting) + incoming
 
     # ----- the loop -------------------------------------------------------------------
 

@@ -40,7 +40,10 @@ class StatsLogger:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            self.log()
+            try:
+                self.log()
+            except Exception:  # noqa: BLE001 - a line it could not make must not end the next ones
+                log.exception("could not log the stats line")
 
     def log(self) -> None:
         """One line: at INFO while there is work (or was, the interval before), else at
