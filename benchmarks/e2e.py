@@ -710,7 +710,8 @@ def gpu_checks(results) -> None:
             ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
             n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
             agree.append(n)
-            diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())) - next(iter(b.outputs[0].logprobs[i].values())))
+            diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())).logprob
+                          - next(iter(b.outputs[0].logprobs[i].values())).logprob)
                       for i in range(min(n + 1, len(ta)))]
         results["bf16_pallas_vs_reference"] = {"tokens_equal_before_first_difference": agree, "of": 32,
                                                "max_logprob_diff_on_shared_prefix": float(max(diffs))}

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from jaxmtp.engine_config import EngineConfig
 from jaxmtp.hub import resolve_model
 from jaxmtp.logits_processors import bad_words_ids
 from jaxmtp.output_processor import OutputProcessor, Request
-from jaxmtp.outputs import RequestOutput
+from jaxmtp.outputs import RequestMetrics, RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.runner import InFlightStep, ModelRunner, StepResult
 from jaxmtp.sampling_params import SamplingParams
@@ -172,6 +173,10 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}")
+        for name in ("logit_bias", "allowed_token_ids"):  # ids the step indexes its logits with
+            bad = [t for t in getattr(params, name) or () if not t < vocab]
+            if bad:
+                raise ValueError(f"{name} token ids out of vocabulary (size {vocab}): {bad[:5]}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -193,10 +198,13 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, arrival_time: float | None = None,
     ) -> None:
         """cache_salt: requests reuse each other's cached KV only when their salts are equal
-        (the server salts by API key, so one tenant's prompts cannot be probed by another)."""
+        (the server salts by API key, so one tenant's prompts cannot be probed by another).
+        arrival_time: when the request arrived, in time.monotonic() seconds (default: now);
+        the server gives the time its HTTP request came in."""
+        metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         params = params or SamplingParams()
         params.validate()
         text, ids = self.encode_prompt(prompt)
@@ -224,7 +232,7 @@ class LLMEngine:
                 self.output_processor.start(seq)
                 seqs.append(seq)
                 self._arrivals += 1
-            self._incoming.append(Request(request_id, text, seqs))
+            self._incoming.append(Request(request_id, text, seqs, metrics))
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
@@ -250,8 +258,11 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences not yet running: queued in the scheduler or not yet admitted."""
-        return len(self.scheduler.waiting) + sum(len(r.seqs) for r in self._incoming)
+        """Sequences not yet running: queued in the scheduler or not yet admitted. Safe from
+        any thread (the server's metrics and stats line read it while the engine steps)."""
+        with self._lock:  # the engine thread empties _incoming under it
+            incoming = sum(len(r.seqs) for r in self._incoming)
+        return len(self.scheduler.waiting) + incoming
 
     # ----- the loop -------------------------------------------------------------------
 
@@ -296,6 +307,11 @@ class LLMEngine:
             return
         self.scheduler.on_dispatch(self._step_ids, scheduled)
         self._in_flight.append(record)
+        now = time.monotonic()
+        for item in scheduled.rows:
+            metrics = self.requests[item.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
 
     def _postprocess(self, record: InFlightStep) -> list[RequestOutput | None]:
         """Read a dispatched step back and apply it to its sequences."""
@@ -309,6 +325,7 @@ class LLMEngine:
         following = {id(item.seq): item for item in self._in_flight[0].scheduled.rows} if self._in_flight else {}
         touched: dict[str, Request] = {}
         first_row = 0
+        now = time.monotonic()  # when this step's tokens reached the host
         for i, item in enumerate(record.scheduled.rows):
             seq = item.seq
             first_row += len(item.token_ids)
@@ -331,6 +348,9 @@ class LLMEngine:
                 seq.spec_stats.record(item.num_drafts, accepted)
                 self.stats.spec.record(item.num_drafts, accepted)
             request = self.requests[seq.request_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
             try:
                 if self.output_processor.append(seq, result, i):
                     self.scheduler.finish(seq)
@@ -396,4 +416,5 @@ class LLMEngine:
     def _finish(self, request: Request) -> RequestOutput | None:
         self.requests.pop(request.request_id, None)
         self.stats.requests_finished += 1
+        request.metrics.finished_time = time.monotonic()
         return self.output_processor.output(request)

@@ -20,6 +20,7 @@ ROWS_PER_BLOCK = 256
 @pytree_dataclass
 class PromptLogprobs:
     logprobs: jax.Array  # [T] of the token after each row
+    ranks: jax.Array  # [T] its rank: 1 + the tokens with a higher logprob
     top_logprobs: jax.Array  # [T, n]
     top_token_ids: jax.Array  # [T, n]
 
@@ -47,10 +48,11 @@ def prompt_logprobs(params, cfg, hidden, batch, num_top: int, mesh) -> PromptLog
             logits = gather_vocab(logits, mesh)
         logp = jax.nn.log_softmax(logits, axis=-1)
         chosen = jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
         top_values, top_ids = jax.lax.top_k(logp, num_top) if num_top else (logp[:, :0], jnp.zeros((block, 0), jnp.int32))
-        return chosen, top_values, top_ids
+        return chosen, rank, top_values, top_ids
 
     blocks = (hidden.reshape(t // block, block, -1), targets.reshape(t // block, block))
-    chosen, top_values, top_ids = jax.lax.map(one_block, blocks)
+    chosen, rank, top_values, top_ids = jax.lax.map(one_block, blocks)
     n = top_values.shape[-1]
-    return PromptLogprobs(chosen.reshape(t), top_values.reshape(t, n), top_ids.reshape(t, n).astype(jnp.int32))
+    return PromptLogprobs(chosen.reshape(t), rank.reshape(t), top_values.reshape(t, n), top_ids.reshape(t, n).astype(jnp.int32))

@@ -44,9 +44,11 @@ class StepResult:
     drafts: np.ndarray  # [B, k]
     boundary_token: np.ndarray  # [B]
     logprobs: np.ndarray | None  # [B, k+1], when a request asked for logprobs
+    ranks: np.ndarray | None  # [B, k+1] each token's rank in the model's distribution (1: its top)
     top_logprobs: np.ndarray | None  # [B, k+1, n]
     top_token_ids: np.ndarray | None
     prompt_logprobs: np.ndarray | None  # [T] per row, the token after it (BatchShape.prompt_logprobs)
+    prompt_ranks: np.ndarray | None  # [T]
     prompt_top_logprobs: np.ndarray | None  # [T, n]
     prompt_top_token_ids: np.ndarray | None
 
@@ -182,8 +184,8 @@ class ModelRunner:
         prompt = out.prompt
         host = jax.device_get(
             (out.tokens, out.num_accepted, out.drafts, out.boundary_token)
-            + ((out.logprobs, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None, None, None))
-            + ((prompt.logprobs, prompt.top_logprobs, prompt.top_token_ids) if prompt is not None else (None, None, None))
+            + ((out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None,) * 4)
+            + ((prompt.logprobs, prompt.ranks, prompt.top_logprobs, prompt.top_token_ids) if prompt is not None else (None,) * 4)
         )
         return StepResult(*host)
 

@@ -95,14 +95,20 @@ def verify_and_sample(logits, drafts, num_drafts, batch, greedy_batch: bool = Fa
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
-def chosen_logprobs(logits, tokens, num_top: int, num_requested):
-    """Log-probabilities (of the raw model distribution) of tokens [B, R], and the top
-    num_top alternatives per row, computed only when some request asked for them."""
+def chosen_logprobs(logits, tokens, num_top: int, num_requested, with_ranks: bool = True):
+    """Log-probabilities (of the raw model distribution) of tokens [B, R], their ranks
+    (1 + the number of logits strictly greater than the token's, as vLLM ranks a chosen
+    token; None unless with_ranks, static), and the top num_top alternatives per row,
+    computed only when some request asked for them."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    ranks = None
+    if with_ranks:
+        chosen_logits = jnp.take_along_axis(logits, tokens[..., None], axis=-1)
+        ranks = jnp.sum(logits > chosen_logits, axis=-1, dtype=jnp.int32) + 1
     if num_top == 0:
-        return chosen, None, None
+        return chosen, ranks, None, None
     shape = logp.shape[:-1] + (num_top,)
     none = lambda x: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int32))  # noqa: E731
     top_values, top_ids = jax.lax.cond(jnp.any(num_requested > 0), lambda x: tuple(jax.lax.top_k(x, num_top)), none, logp)
-    return chosen, top_values, top_ids
+    return chosen, ranks, top_values, top_ids

@@ -43,6 +43,7 @@ class StepOutput:
     tokens: jax.Array  # [B, k+1] emitted tokens; request b emits tokens[b, :num_accepted[b] + 1]
     num_accepted: jax.Array  # [B]
     logprobs: jax.Array  # [B, k+1] log-probability of each emitted token
+    ranks: jax.Array | None  # [B, k+1] its rank in the model's distribution (None in greedy shapes)
     top_logprobs: jax.Array | None  # [B, k+1, n]
     top_token_ids: jax.Array | None  # [B, k+1, n]
     drafts: jax.Array  # [B, k] next proposals (k = 0: empty; oracle_drafts when an oracle is given)
@@ -92,7 +93,8 @@ def step(
     if not greedy:
         logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
     num_top = 0 if greedy else config.num_top_logprobs
-    logprobs, top_values, top_ids = chosen_logprobs(raw_logits, tokens, num_top, batch.num_logprobs)
+    # a greedy shape has no request asking for logprobs, so no rank is read
+    logprobs, ranks, top_values, top_ids = chosen_logprobs(raw_logits, tokens, num_top, batch.num_logprobs, not greedy)
     b = batch.kv_len.shape[0]
     if k:
         drafts, cache, boundary = mtp.propose(
@@ -107,7 +109,7 @@ def step(
         lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
     )
     return cache, logits_state, StepOutput(
-        tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry, prompt
+        tokens, num_accepted, logprobs, ranks, top_values, top_ids, drafts, boundary, new_carry, prompt
     )
 
 

@@ -272,7 +272,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(mtp_model, rng):
               for i in range(3)]
 
     def tokens_and_logprobs(outs):
-        return [(o.outputs[0].token_ids, [next(iter(e.values())) for e in o.outputs[0].logprobs]) for o in outs]
+        return [(o.outputs[0].token_ids, [next(iter(e.values())).logprob for e in o.outputs[0].logprobs]) for o in outs]
 
     together = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
     alone = [tokens_and_logprobs(llm.generate([p], [sp], use_tqdm=False))[0] for p, sp in zip(prompts, params)]

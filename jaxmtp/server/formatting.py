@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from jaxmtp.outputs import Logprob
 from jaxmtp.server.generation import Choice
 
 
@@ -18,26 +19,22 @@ class TokenLogprob:
     top: list[tuple[str, float]]
 
 
-def token_text(tokenizer, previous: list[int], token: int) -> str:
-    """The text `token` adds after `previous`, special tokens included; a model without
-    a tokenizer names its tokens as vLLM's --return-tokens-as-token-ids does."""
-    if tokenizer is None:
-        return f"token_id:{token}"
-    return tokenizer.decode_continuation(previous, [token], skip_special_tokens=False)
+def token_text(token: int, logprob: Logprob) -> str:
+    """The text the token adds (the engine's decoded_token); a model without a tokenizer
+    names its tokens as vLLM's --return-tokens-as-token-ids does."""
+    return f"token_id:{token}" if logprob.decoded_token is None else logprob.decoded_token
 
 
-def top_entries(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    # the engine's entry is the chosen token first, then the top n not already in it
-    return sorted(entry.items(), key=lambda item: -item[1])[:n]
-
-
-def token_logprobs(tokenizer, choice: Choice, first_token: int, num_top: int) -> list[TokenLogprob]:
+def token_logprobs(choice: Choice, first_token: int, num_top: int) -> list[TokenLogprob]:
     """The logprobs of the choice's tokens from first_token on."""
-    ids, entries = choice.token_ids, []
+    entries = []
     for position in range(first_token, len(choice.logprobs)):
-        entry, previous = choice.logprobs[position], ids[:position]
-        top = [(token_text(tokenizer, previous, t), lp) for t, lp in top_entries(entry, num_top)]
-        entries.append(TokenLogprob(token_text(tokenizer, previous, ids[position]), entry[ids[position]], top))
+        entry, token = choice.logprobs[position], choice.token_ids[position]
+        # the engine's entry is the chosen token (its own rank) and the top n (ranks 1..n)
+        top = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
+        chosen = entry[token]
+        alternatives = [(token_text(t, lp), lp.logprob) for t, lp in top]
+        entries.append(TokenLogprob(token_text(token, chosen), chosen.logprob, alternatives))
     return entries
 
 
@@ -45,8 +42,7 @@ class CompletionFormat:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, tokenizer, num_logprobs: int | None):
-        self.tokenizer = tokenizer
+    def __init__(self, num_logprobs: int | None):
         self.num_logprobs = num_logprobs
 
     def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
@@ -65,7 +61,7 @@ class CompletionFormat:
     def logprobs(self, choice: Choice, first_token: int) -> dict | None:
         if self.num_logprobs is None or choice.logprobs is None:
             return None
-        return self.logprobs_body(token_logprobs(self.tokenizer, choice, first_token, self.num_logprobs))
+        return self.logprobs_body(token_logprobs(choice, first_token, self.num_logprobs))
 
     def logprobs_body(self, entries: list[TokenLogprob]) -> dict:
         return {
