@@ -9,7 +9,6 @@ safe to call from other threads (the server's event loop); step() runs on one th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -24,7 +23,7 @@ from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.hub import resolve_model
-from jaxmtp.logits_processors import bad_words_ids
+from jaxmtp.intake import RequestIntake
 from jaxmtp.output_processor import OutputProcessor, Request
 from jaxmtp.outputs import RequestMetrics, RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -32,7 +31,6 @@ from jaxmtp.runner import InFlightStep, ModelRunner, StepResult
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxmtp.sequence import Sequence, SpecStats
-from jaxmtp.structured_outputs import GrammarCompiler
 from jaxmtp.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxmtp.engine")
@@ -113,14 +111,16 @@ class LLMEngine:
             self.prefix_cache,
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.intake = RequestIntake(
+            self.tokenizer, model_dir.name, cfg.vocab_size, self.max_model_len, self.runner.step_config.num_top_logprobs,
+            self.eos_token_ids, config.seed,
+        )
         self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
         self.output_processor = OutputProcessor(self.tokenizer, with_spec_stats=k > 0, stats=self.stats)
         self.requests: dict[str, Request] = {}
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
-        self._rng = np.random.default_rng(config.seed)
-        self._arrivals = 0
         self._in_flight: deque[InFlightStep] = deque()
         self._step_ids = 0
         self.usable = True  # False once a failed step could not be recovered from
@@ -155,43 +155,10 @@ class LLMEngine:
     # ----- requests -------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir.name} has no tokenizer.json: pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in ids):
-            raise ValueError("prompt token ids must be integers")
-        return None, [int(t) for t in ids]
+        return self.intake.encode_prompt(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}")
-        for name in ("logit_bias", "allowed_token_ids"):  # ids the step indexes its logits with
-            bad = [t for t in getattr(params, name) or () if not t < vocab]
-            if bad:
-                raise ValueError(f"{name} token ids out of vocabulary (size {vocab}): {bad[:5]}")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids out of vocabulary (size {vocab}): {bad[:5]}")
-        num_top = self.runner.step_config.num_top_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > num_top:
-                raise ValueError(f"{name} must be <= {num_top}, got {value}")
+        self.intake.validate(prompt_ids, params)
         tokens = len(prompt_ids) + params.max_tokens + self.config.num_speculative_tokens
         if self.allocator.pages_for(tokens) > self.allocator.num_pages:
             raise ValueError(f"request needs more KV pages than the pool holds ({self.allocator.num_pages})")
@@ -209,37 +176,14 @@ class LLMEngine:
         params.validate()
         text, ids = self.encode_prompt(prompt)
         self.validate(ids, params)
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"bad_words needs a tokenizer, and {self.model_dir.name} has no tokenizer.json")
-        bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
-        constraint = params.structured_outputs
-        grammars = self.grammars if constraint is not None else None  # compiles it: a ValueError names the problem
-        first_matcher = grammars.matcher(constraint) if grammars else None
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
         salt = self._salt if cache_salt is None else model_salt(self._salt, cache_salt)
         with self._lock:
             if request_id in self.requests or any(r.request_id == request_id for r in self._incoming):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            seqs = []
-            for i in range(params.n):
-                seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**32))
-                seq = Sequence(request_id, list(ids), params, seed % 2**32, self._arrivals, frozenset(stop_ids), salt,
-                               bad_words)
-                if first_matcher is not None:
-                    seq.grammar = first_matcher if i == 0 else grammars.matcher(constraint)
+            seqs = self.intake.sequences(request_id, ids, params, salt)
+            for seq in seqs:
                 self.output_processor.start(seq)
-                seqs.append(seq)
-                self._arrivals += 1
             self._incoming.append(Request(request_id, text, seqs, metrics))
-
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """Structured outputs' compiler, built at the first constrained request."""
-        if self.tokenizer is None:
-            raise ValueError(f"structured_outputs needs a tokenizer, and {self.model_dir.name} has no tokenizer.json")
-        return GrammarCompiler(self.tokenizer.hf.to_str(), self.model_config.vocab_size, self.eos_token_ids)
 
     def abort_request(self, request_id: str) -> None:
         self._aborts.append(request_id)
