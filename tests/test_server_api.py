@@ -112,13 +112,13 @@ BAD_VALUES = [
     ("repetition_penalty", 0, "repetition_penalty must be > 0"),
     ("logit_bias", {"cat": 1}, "keys must be token ids (decimal integers), got 'cat'"),
     ("logit_bias", {"-1": 1}, "got '-1'"),
-    ("logit_bias", {"512": 1}, "logit_bias token ids out of vocabulary (size 512): [512]"),
+    ("logit_bias", {"512": 1}, "logit_bias has token ids out of vocabulary (size 512): [512]"),
     ("logit_bias", {"5": "up"}, "valid number"),
     ("min_tokens", 20, "min_tokens must be an integer in [0, max_tokens=16]"),
     ("bad_words", [""], "bad_words must be a list of non-empty strings"),
     ("bad_words", ["\ud800"], "lone surrogate"),
     ("allowed_token_ids", [], "allowed_token_ids must be a non-empty list"),
-    ("allowed_token_ids", [3, 9999], "allowed_token_ids token ids out of vocabulary"),
+    ("allowed_token_ids", [3, 9999], "allowed_token_ids has token ids out of vocabulary"),
     ("stop_token_ids", [-1], "greater than or equal to 0"),
     ("include_stop_str_in_output", "yes", "valid boolean"),
 ]
@@ -136,15 +136,11 @@ def test_bad_sampling_values_get_a_400_naming_the_field(http, path, field, value
 
 UNSUPPORTED = [
     # path, field, value, a piece of the message
-    ("chat/completions", "response_format", {"type": "json_object"}, "response_format is not supported yet"),
-    ("completions", "response_format", {"type": "json_schema"}, "response_format is not supported yet"),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "tools is not supported yet"),
     ("chat/completions", "tool_choice", "auto", "tool_choice is not supported yet"),
     ("chat/completions", "parallel_tool_calls", False, "parallel_tool_calls is not supported yet"),
     ("chat/completions", "functions", [{"name": "f"}], "functions is not supported yet"),
     ("chat/completions", "function_call", "auto", "function_call is not supported yet"),
-    ("completions", "echo", True, "echo is not supported yet"),
-    ("completions", "prompt_logprobs", 1, "prompt_logprobs is not supported yet"),
     ("completions", "suffix", "The end.", "suffix is not a field this server implements"),
     ("completions", "best_of", 2, "best_of is not a field this server implements"),
     ("chat/completions", "store", True, "store is not a field this server implements"),
@@ -178,8 +174,6 @@ def test_the_openai_client_gets_the_refusal(http):
     with pytest.raises(openai.BadRequestError, match="tools is not supported yet") as caught:
         client.chat.completions.create(messages=HI, tools=[tool], **GREEDY)
     assert caught.value.body["param"] == "tools"
-    with pytest.raises(openai.BadRequestError, match="echo is not supported yet"):
-        client.completions.create(prompt="Hi", echo=True, logprobs=1, max_tokens=0, **GREEDY)
 
 
 def test_values_that_ask_for_nothing_are_accepted(http):
@@ -313,3 +307,96 @@ def test_the_server_logs_a_stats_line_every_interval(engine, caplog):
     with serving(engine, disable_log_stats=True):
         time.sleep(0.2)
     assert not [r for r in caplog.records if "throughput" in r.getMessage()]
+
+
+# ----- echo, prompt logprobs and structured outputs -------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"],
+          "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+
+
+def reference_logprobs(ids: list[int]):
+    """float64 log-softmax of transformers' logits for the stories260K body."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from conftest import STORIES
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(STORIES, dtype="float32").eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double().numpy()
+    return logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+
+
+def test_echo_scores_the_prompt_as_lm_eval_harness_asks(http, engine):
+    """lm-eval-harness's loglikelihood request: token ids (context + continuation),
+    max_tokens 0, echo, logprobs 1; the continuation's logprobs are read off the echo."""
+    import numpy as np
+
+    ids = engine.tokenizer.encode("Once upon a time there was a girl")
+    body = dict(model=MODEL_ID, prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0.0, seed=1234)
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["text"] == engine.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    assert response.json()["usage"]["completion_tokens"] == 0
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
+    want = reference_logprobs(ids)
+    np.testing.assert_allclose(logprobs["token_logprobs"][1:], want[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+    greedy = [max(top, key=top.get) for top in logprobs["top_logprobs"][1:]]
+    assert greedy == [engine.tokenizer.token_texts(ids[:p], [int(np.argmax(want[p - 1]))], 4, False)[0]
+                      for p in range(1, len(ids))]  # is_greedy, as the harness computes it
+
+
+def test_echo_with_a_completion_and_the_openai_client(http):
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    out = client.completions.create(prompt="Once upon a time", max_tokens=3, echo=True, logprobs=2, **GREEDY)
+    plain = client.completions.create(prompt="Once upon a time", max_tokens=3, logprobs=2, **GREEDY)
+    choice = out.choices[0]
+    assert choice.text == "Once upon a time" + plain.choices[0].text
+    assert choice.logprobs.token_logprobs[-3:] == plain.choices[0].logprobs.token_logprobs
+    assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == out.usage.prompt_tokens + 3
+
+
+def test_prompt_logprobs_field_as_vllm(http):
+    response = http.post("/v1/completions", json=dict(prompt="Once upon", max_tokens=1, prompt_logprobs=1, **GREEDY))
+    entries = response.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and all(
+        {"logprob", "rank", "decoded_token"} <= set(lp) for entry in entries[1:] for lp in entry.values()
+    )
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_response_format_json_schema_constrains_the_output(http, path):
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+    if path == "completions":
+        text = client.completions.create(prompt="Lily", max_tokens=40, extra_body={"response_format": fmt},
+                                         **GREEDY).choices[0].text
+    else:
+        text = client.chat.completions.create(messages=HI, max_tokens=40, response_format=fmt,
+                                              **GREEDY).choices[0].message.content
+    assert set(json.loads(text)) == {"name"}
+
+
+def test_structured_outputs_and_guided_fields(http):
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    for extra in ({"structured_outputs": {"choice": ["cat", "dog"]}}, {"guided_choice": ["cat", "dog"]}):
+        out = client.completions.create(prompt="Lily", max_tokens=8, extra_body=extra, **GREEDY).choices[0]
+        assert out.text in ("cat", "dog") and out.finish_reason == "stop"
+    out = client.completions.create(prompt="Lily", max_tokens=8, extra_body={"guided_regex": "[0-9]{3}"}, **GREEDY)
+    assert re.fullmatch("[0-9]{3}", out.choices[0].text)
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format", "one constraint at most"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, None, "does not compile"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+    ({"echo": True, "stream": True}, "echo", "echo with stream is not supported yet"),
+    ({"max_tokens": 0}, "max_tokens", "0 only with echo"),
+])
+def test_bad_constraints_and_echo_get_400s(http, body, param, message):
+    error = assert_openai_error(http.post("/v1/completions", json={"prompt": "Hi", **body}), 400)
+    assert message in error["message"] and (param is None or error["param"] == param), error

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 import jaxmtp
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.server.config import ServerConfig
-from jaxmtp.server.formatting import ChatFormat, CompletionFormat
+from jaxmtp.server.formatting import ChatFormat, CompletionFormat, EchoFormat
 from jaxmtp.server.gate import RequestGate
 from jaxmtp.server.protocol import (
     DEFAULT_COMPLETION_TOKENS, APIError, ChatCompletionRequest, CompletionRequest, bad_request, check_prompt_texts,
@@ -139,12 +139,20 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             raise bad(err, CompletionRequest) from None
         check_prompt_texts(prompts)
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+        for name in ("echo", "prompt_logprobs"):
+            if body.stream and getattr(body, name) not in (None, False):
+                raise APIError(400, f"{name} with stream is not supported yet", name)
         server.check_limits(body, len(prompts), max_tokens, "max_tokens")
         server.check_admission(len(prompts) * body.n)
+        # echo shows the prompt's logprobs with the completion's (lm-eval-harness's loglikelihood)
+        echoed = body.logprobs if body.echo else None
+        prompt_logprobs = max((x for x in (body.prompt_logprobs, echoed) if x is not None), default=None)
 
         def prepare():
             ids = [engine.encode_prompt(p)[1] for p in prompts]
-            params = server.sampling_params(body, max_tokens, body.logprobs)
+            params = server.sampling_params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs)
             server.validate_prompts(ids, params)
             return ids, params
 
@@ -153,7 +161,11 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             generation = server.submit(body, ids, params, request.state.cache_salt, request.state.arrival)
         except ValueError as err:
             raise bad(err, CompletionRequest) from None
-        return await server.respond(request, generation, CompletionFormat(body.logprobs), body)
+        with_prompt_logprobs = body.prompt_logprobs is not None
+        decode = engine.tokenizer.decode if engine.tokenizer else str
+        fmt = (EchoFormat(body.logprobs, with_prompt_logprobs, decode, max_tokens == 0) if body.echo
+               else CompletionFormat(body.logprobs, with_prompt_logprobs))
+        return await server.respond(request, generation, fmt, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -165,6 +177,8 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             raise APIError(400, f"top_logprobs must be <= {max_logprobs}, got {body.top_logprobs}", "top_logprobs")
         if engine.tokenizer is None:
             raise APIError(400, "the model has no tokenizer.json, so no chat template")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs with stream is not supported yet", "prompt_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens_given = body.max_completion_tokens or body.max_tokens
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
@@ -175,7 +189,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             prompt = server.chat_prompt(body, body.messages)
             # by default a reply may fill the context; a prompt that already does gets the context error
             max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n)
-            params = server.sampling_params(body, max_tokens, logprobs)
+            params = server.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
             server.validate_prompts([prompt], params)
             return prompt, params
 
@@ -184,7 +198,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             generation = server.submit(body, [prompt], params, request.state.cache_salt, request.state.arrival)
         except ValueError as err:
             raise bad(err, ChatCompletionRequest, prompt_field="messages") from None
-        return await server.respond(request, generation, ChatFormat(logprobs), body)
+        return await server.respond(request, generation, ChatFormat(logprobs, body.prompt_logprobs is not None), body)
 
     add_tokenization_routes(app, server, bad)
 

@@ -41,6 +41,9 @@ class Choice:
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     spec_stats: dict | None = None
     streamed_chars: int = 0
@@ -59,6 +62,9 @@ class Choice:
                     metrics.inter_token_latency.observe((now - self.last_token_time) / new_tokens)
             self.last_token_time = now
         self.text, self.token_ids, self.logprobs = completion.text, completion.token_ids, completion.logprobs
+        self.prompt, self.prompt_token_ids = out.prompt, out.prompt_token_ids
+        if out.prompt_logprobs is not None:  # a stream's first output has them
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = completion.finish_reason
         self.spec_stats = out.spec_stats
 

@@ -20,14 +20,11 @@ Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 # request that sets one gets a 400 naming it; the values that ask for nothing (null, and
 # the listed ones) are accepted as if the field were absent.
 NOT_SUPPORTED_YET = {
-    "response_format": ("structured outputs", ({"type": "text"},)),
     "tools": ("tool parsing", ([],)),
     "tool_choice": ("tool parsing", ("none",)),
     "parallel_tool_calls": ("tool parsing", ()),
     "functions": ("tool parsing", ([],)),
     "function_call": ("tool parsing", ("none",)),
-    "echo": ("prompt logprobs in responses", (False,)),
-    "prompt_logprobs": ("prompt logprobs in responses", ()),
 }
 
 
@@ -47,6 +44,28 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="accepted: the schema is always enforced")
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsFields(StrictModel):
+    """vLLM's structured_outputs (extra_body); exactly one of them."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 # the fields of GenerationFields that are SamplingParams' fields of the same name
@@ -79,6 +98,15 @@ class GenerationFields(StrictModel):
     allowed_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's: each prompt token's and the top n")
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    # older guided_* fields; one of them at most
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = Field(None, description="OpenAI's end-user id: accepted, and it changes nothing")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -99,8 +127,11 @@ class GenerationFields(StrictModel):
 
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Count | None = Field(DEFAULT_COMPLETION_TOKENS, description=f"null: {DEFAULT_COMPLETION_TOKENS}")
+    max_tokens: int | None = Field(
+        DEFAULT_COMPLETION_TOKENS, ge=0, le=INT32_MAX, description=f"null: {DEFAULT_COMPLETION_TOKENS}; 0 only with echo"
+    )
     logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    echo: bool = Field(False, description="the prompt before the completion, with its logprobs when logprobs is set")
 
 
 class TextPart(StrictModel):
@@ -230,3 +261,28 @@ def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | No
     if bad:
         raise APIError(400, f"logit_bias: keys must be token ids (decimal integers), got {bad[0]!r}", "logit_bias")
     return {int(key): bias for key, bias in logit_bias.items()}
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(body: GenerationFields) -> dict | None:
+    """The request's constraint as SamplingParams.structured_outputs takes it, from
+    whichever field gave it; two fields giving one are a 400 naming both."""
+    given = {}
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
+        given["response_format"] = {"json": fmt.json_schema.schema_}
+    if body.structured_outputs is not None:
+        fields = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given["structured_outputs"] = {k: v for k, v in fields.items() if v is not False}
+    for name, kind in GUIDED.items():
+        if getattr(body, name) is not None:
+            given[name] = {kind: getattr(body, name)}
+    if len(given) > 1:
+        raise APIError(400, f"one constraint at most: {', '.join(given)} each give one", next(iter(given)))
+    return next(iter(given.values()), None)

@@ -21,7 +21,7 @@ from jaxmtp.server.generation import SHUTDOWN, Generation, Interrupted
 from jaxmtp.server.metrics import Metrics
 from jaxmtp.server.protocol import (
     SAMPLING_FIELDS, APIError, ChatMessage, ChatTemplateFields, GenerationFields, chat_conversation, check_text,
-    logit_bias_ids,
+    logit_bias_ids, structured_outputs_of,
 )
 
 log = logging.getLogger("jaxmtp.server")
@@ -114,11 +114,14 @@ class Server:
         return max(1, min(self.engine.max_model_len - len(prompt), self.config.max_request_tokens // n))
 
     @staticmethod
-    def sampling_params(body: GenerationFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        body: GenerationFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The request's SamplingParams: each sampling field under its own name (None:
         SamplingParams' default); a value it refuses is a ValueError naming the field."""
         given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
-        given.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=logit_bias_ids(body.logit_bias))
+        given.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=logit_bias_ids(body.logit_bias),
+                     structured_outputs=structured_outputs_of(body), prompt_logprobs=prompt_logprobs)
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
     def chat_prompt(self, body: ChatTemplateFields, messages: list[ChatMessage], tools: list[dict] | None = None):
@@ -181,7 +184,7 @@ class Server:
 
         def body_of_the_response():  # off the event loop: logprobs of many tokens take a while
             choices = [fmt.choice(c, c.text, 0, True, False) for c in generation.choices]
-            return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": generation.usage()})
+            return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": fmt.usage(generation)})
 
         return await asyncio.to_thread(body_of_the_response)
 
