@@ -14,8 +14,8 @@ forced CPU devices (no accelerator needed).
 
 Both compute the same output (checked, float32). The FFN alone is timed (one jitted
 call, median of 11 after warm-up), DeepSeek-V3's routing (8 groups, 4 kept, top-8) at a
-smaller width. Writes moe_tp.json and moe_tp.md under --out (default docs/benchmarks/)
-and prints the table.
+smaller width. Writes <date>_cpu_moe_tp.json and .md under --out (default
+docs/benchmarks/) and prints the table.
 """
 
 from __future__ import annotations
@@ -138,9 +138,11 @@ def main() -> None:
                      f"{ratio:.2f} | {r['gathered (psum) MB']:.3g} / {r['all-to-all MB']:.3g} |")
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_tp.json").write_text(json.dumps({"date": str(datetime.date.today()), "shape": shape, "rows": rows},
-                                                     indent=2) + "\n")
-    (args.out / "moe_tp.md").write_text(f"Routed experts on forced CPU devices, shape {shape}\n\n{table}\n")
+    date, load = str(datetime.date.today()), os.getloadavg()[0]  # the CPU is shared: its load says how noisy
+    (args.out / f"{date}_cpu_moe_tp.json").write_text(
+        json.dumps({"date": date, "shape": shape, "load_average_after": load, "rows": rows}, indent=2) + "\n")
+    (args.out / f"{date}_cpu_moe_tp.md").write_text(
+        f"Routed experts on forced CPU devices, shape {shape}, load average {load:.1f} after the run\n\n{table}\n")
     print(table)
 
 

@@ -12,7 +12,7 @@ import jax
 
 from jaxmtp.cache import allocate_cache
 from jaxmtp.config import ModelConfig
-from jaxmtp.sharding import HIDDEN_PAGE_AXES, cache_axes, devices_holding_one_copy
+from jaxmtp.sharding import HIDDEN_PAGE_AXES, cache_axes, shards_of
 
 log = logging.getLogger("jaxmtp.memory")
 
@@ -39,7 +39,7 @@ def page_bytes(cfg: ModelConfig, page_size: int, num_draft_modules: int, tensor_
     shapes = jax.eval_shape(lambda: allocate_cache(cfg, 1, page_size, num_draft_modules))
 
     def nbytes(arrays, axes):
-        return sum(x.size * x.dtype.itemsize for x in arrays) // devices_holding_one_copy(axes, tensor_parallel_size)
+        return sum(x.size * x.dtype.itemsize for x in arrays) // shards_of(axes, tensor_parallel_size)
 
     return nbytes(shapes.k + shapes.v, cache_axes(cfg)) + nbytes(shapes.hidden, HIDDEN_PAGE_AXES)
 

@@ -174,8 +174,8 @@ def cache_axes(cfg: ModelConfig) -> tuple[str, ...]:
     return CACHE_AXES if cfg.mla is None else LATENT_CACHE_AXES
 
 
-def devices_holding_one_copy(axes: tuple[str, ...], tensor_parallel_size: int) -> int:
-    """Over how many devices an array of these axes is split (1: each holds all of it)."""
+def shards_of(axes: tuple[str, ...], tensor_parallel_size: int) -> int:
+    """How many shards an array of these axes is split into (1: whole on every device)."""
     return tensor_parallel_size if TP in logical_to_spec(axes) else 1
 
 

@@ -47,3 +47,12 @@ def test_profile_step_replays_the_engines_step(tmp_path):
     configs = json.loads((tmp_path / "profile.json").read_text())["configs"]
     assert set(configs) == {"k=0", "k=1"}
     assert all(c["replayed_step_ms"] > 0 and c["replayed_step_requests"] == 1 for c in configs.values())
+
+
+def test_moe_tp_times_both_ways_of_meeting_the_experts(tmp_path):
+    """The gathered form (the engine's) and the all-to-all alternative agree (the script
+    checks it) and are both timed."""
+    run_script("moe_tp.py", "--tiny", "--out", str(tmp_path))
+    rows = json.loads(next(tmp_path.glob("*_cpu_moe_tp.json")).read_text())["rows"]
+    assert [(r["devices"], r["tokens"]) for r in rows] == [(2, 8)]
+    assert rows[0]["gathered (psum) ms"] > 0 and rows[0]["all-to-all ms"] > 0
