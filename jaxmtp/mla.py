@@ -34,8 +34,8 @@ LORA_NORM_EPS = 1e-6
 
 MLAAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
-# The attention backends MLA runs: the jnp reference alone, until an MLA kernel lands
-# (its decode form would add "pallas" here, and the branch below that picks it).
+# The attention backends MLA runs: the jnp reference alone until an MLA kernel lands;
+# the kernel lifts the refusal by adding its backend here and picking it in mla_attention_fn.
 MLA_ATTENTION_BACKENDS = ("auto", "reference")
 
 
