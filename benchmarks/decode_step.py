@@ -94,10 +94,10 @@ def time_step(params, cfg, batch, cache, kernel_config, backend, profile):
     from profile_step import profile_kernels
     from timing import replay_time
 
-    attention = attention_fn(backend, cfg.head_dim, kernel_config=kernel_config)
+    ops = model.LayerOps(attention_fn(backend, cfg.head_dim, kernel_config=kernel_config))
 
     def step(params, cache, batch):
-        hidden, cache = model.forward(params, cfg, batch, cache, attention)
+        hidden, cache = model.forward(params, cfg, batch, cache, ops)
         return cache, jnp.argmax(model.logits(params.head(), params.final_norm, cfg, hidden), axis=-1)
 
     compiled = jax.jit(step, donate_argnums=1).lower(params, cache, batch).compile()

@@ -19,11 +19,11 @@ import jax
 import numpy as np
 
 from jaxmtp.allocator import PageAllocator, pages_for
-from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.hub import resolve_model
 from jaxmtp.intake import RequestIntake
+from jaxmtp.model import check_backend
 from jaxmtp.output_processor import OutputProcessor, Request
 from jaxmtp.outputs import RequestMetrics, RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -84,7 +84,7 @@ class LLMEngine:
                 f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
                 f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
             )
-        resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
+        check_backend(cfg, config.attention_backend)  # fail early on a bad choice
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = config.page_size
         # room for k verify rows plus k-1 chained draft positions past the last token

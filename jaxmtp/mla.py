@@ -24,6 +24,7 @@ from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import ATTENTION_BACKENDS
 from jaxmtp.layers import apply_rope, rms_norm
 from jaxmtp.params import LayerParams
+from jaxmtp.sharding import shard_mla_over_heads
 from kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from kernels.reference import row_ownership
 
@@ -33,6 +34,22 @@ LORA_NORM_EPS = 1e-6
 
 MLAAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
+# The attention backends MLA runs: the jnp reference alone until an MLA kernel lands;
+# the kernel lifts the refusal by adding its backend here and picking it in mla_attention_fn.
+MLA_ATTENTION_BACKENDS = ("auto", "reference")
+
+
+def check_mla_backend(backend: str) -> None:
+    """The one refusal of an attention backend MLA does not run: the engine calls it
+    when it is constructed, before any weights load, and mla_attention_fn again."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    if backend not in MLA_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attention_backend={backend!r} has no MLA kernel (DeepSeek-V3-class models run "
+            f"{MLA_ATTENTION_BACKENDS}: the jnp reference)"
+        )
+
 
 def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -> MLAAttentionFn:
     """(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
@@ -41,13 +58,10 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
     attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
     draft rows) take the absorbed form, longer runs (prefill chunks) the expanded one.
     A step with both kinds of rows computes both forms over all rows and picks per
-    row; a GPU kernel for the absorbed form will take the decode rows alone."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
-    if backend not in ("auto", "reference"):
-        raise ValueError(f"attention_backend={backend!r}: MLA models run the jnp reference (no MLA kernel yet)")
-    if mesh is not None and mesh.size > 1:
-        raise ValueError("tensor parallelism is not implemented for MLA models")
+    row; a GPU kernel for the absorbed form will take the decode rows alone. With a
+    mesh, each device runs it on its own q heads and a whole copy of the latent cache
+    (sharding.shard_mla_over_heads)."""
+    check_mla_backend(backend)
 
     def write_and_attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
                          page_table, query_start, w_uk, w_uv, *, sm_scale):
@@ -73,7 +87,7 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
         prefill_out = jax.lax.cond(jnp.any(~is_decode_row & owned), expanded, skipped)
         return jnp.where(is_decode_row[:, None, None], decode_out, prefill_out), latent_pages, rope_pages
 
-    return write_and_attend
+    return write_and_attend if mesh is None else shard_mla_over_heads(write_and_attend, mesh)
 
 
 def mla_attention(

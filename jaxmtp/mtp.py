@@ -37,11 +37,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.attention import AttentionFn
 from jaxmtp.batch import Batch, row_owner, slot_of, with_rows_before
 from jaxmtp.cache import KVCache, dropped_index, read_hidden, write_slots
 from jaxmtp.config import MTP_LAYOUTS, ModelConfig
-from jaxmtp.model import decoder_layer, logits, rms_norm
+from jaxmtp.model import LayerOps, decoder_layer, logits, rms_norm
 from jaxmtp.params import MTPParams, Params
 
 def module_forward(
@@ -53,14 +52,14 @@ def module_forward(
     batch: Batch,
     k_pages: jax.Array,
     v_pages: jax.Array,
-    attention: AttentionFn,
+    ops: LayerOps,
 ):
     """x = proj(concat(norm(embed(t_{i+1})), norm(h_i))), then one decoder block.
     Returns the block's output (before the module's final norm) and its K/V pages."""
     e = rms_norm(embed[next_ids], module.token_norm, cfg.rms_norm_eps)
     h = rms_norm(prev_hidden, module.hidden_norm, cfg.rms_norm_eps)
     x = e @ module.proj_token + h @ module.proj_hidden
-    return decoder_layer(module.block, cfg, x, batch, k_pages, v_pages, attention)
+    return decoder_layer(module.block, cfg, x, batch, k_pages, v_pages, ops)
 
 
 def module_logits(params: Params, module: MTPParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -95,7 +94,7 @@ def propose(
     tokens: jax.Array,
     num_accepted: jax.Array,
     cache: KVCache,
-    attention: AttentionFn,
+    ops: LayerOps,
     num_drafts: int,
     boundary_mode: str,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
@@ -131,7 +130,7 @@ def propose(
             prev = read_hidden(hidden_pages[j - 2], rows.slot_mapping)
         x, k_layers[layer], v_layers[layer] = module_forward(
             module, params.embed, cfg, prev, tokens_ahead(rows, j, last, beyond), rows,
-            k_layers[layer], v_layers[layer], attention,
+            k_layers[layer], v_layers[layer], ops,
         )
         if j < m:
             hidden_pages[j - 1] = write_slots(hidden_pages[j - 1], rows.slot_mapping, x)
@@ -162,7 +161,7 @@ def propose(
             kv_len=jnp.where(proposing, position + 1, 1),
         )
         x, k_layers[layer], v_layers[layer] = module_forward(
-            module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], attention
+            module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], ops
         )
         draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
         drafts.append(draft)

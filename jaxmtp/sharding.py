@@ -7,11 +7,13 @@ so q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (XLA
 one all-reduce after each), and the KV cache is split by kv head so that each device
 attends with its own heads. The vocabulary is split too: the LM head is the largest
 single matrix a decode step reads, and a tied embedding must shard like its head.
-Everything else (norms, the residual stream, the batch) is replicated.
+Routed experts are split over the same axis (expert parallel), each device holding
+whole experts. MLA's latent cache has no head dimension: it is whole on every device.
+Everything else (norms, the residual stream, the router, the batch) is replicated.
 
 The model code never names a mesh axis: XLA's SPMD partitioner propagates these
-shardings through the matmuls, and the attention (KV write plus kernel) runs per shard
-under shard_map (jaxmtp.attention), with specs from the same rules.
+shardings through the matmuls, and the attention (KV write plus kernel) and the routed
+experts run per shard under shard_map (shard_per_device), with specs from the same rules.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "pages": None,
     "page_slots": None,
     "latent": None,  # MLA's compressed latents (kv_lora_rank, q_lora_rank)
+    "latent_heads": None,  # MLA's cache: one latent "kv head" that every q head reads
     "experts": TP,  # routed experts: expert parallel over the same axis
     "router_experts": None,  # the router's scores: every device routes every token
     "moe_ffn": None,  # one expert's intermediate stays whole on its device
@@ -88,9 +91,16 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
 }
 
 CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")  # one layer's K or V pages
+# one MLA layer's latent (or rope key) pages: whole on every device, as every device's
+# q heads read all of it; split by its latent dim instead, the softmax would need an
+# all-reduce of partial scores in every layer (docs/tensor-parallel.md)
+LATENT_CACHE_AXES = ("pages", "page_slots", "latent_heads", "latent")
 HIDDEN_PAGE_AXES = ("pages", "page_slots", "embed")  # one MTP module's output hidden states, paged
 QUERY_AXES = ("tokens", "heads", "head_dim")  # attention's q rows and its output
 NEW_KV_AXES = ("tokens", "kv_heads", "head_dim")  # this step's K/V rows, before the write
+NEW_LATENT_AXES = ("tokens", "latent")  # this step's MLA latent or rope key rows, before the write
+MLA_UP_AXES = ("latent", "heads", "head_dim")  # kv_b_proj per head (W_UK, W_UV)
+ROWS_AXES = ("tokens", "embed")  # the residual stream's rows
 
 
 def make_mesh(tensor_parallel_size: int) -> Mesh:
@@ -108,13 +118,20 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
 
 
 def check_divisible(cfg: ModelConfig, tensor_parallel_size: int) -> None:
-    """Heads and the MLP intermediate must split evenly: each device owns whole heads,
-    and the q heads of one kv head (its GQA group) must live on the kv head's device."""
+    """Heads, the MLP intermediates and the experts must split evenly: each device owns
+    whole heads, the q heads of one kv head (its GQA group) must live on the kv head's
+    device, and each device whole experts."""
     n = tensor_parallel_size
-    if n > 1 and (cfg.mla is not None or cfg.moe is not None):
-        raise ValueError(f"tensor_parallel_size={n} is not implemented for {cfg.model_type} (MLA / mixture of experts)")
-    for name, size in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
-                       ("intermediate_size", cfg.intermediate_size)):
+    sizes = [("num_heads", cfg.num_heads)] if cfg.mla is not None else [
+        ("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads)]
+    if cfg.moe is None or cfg.moe.first_k_dense_replace:  # a dense MLP somewhere
+        sizes.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.moe is not None:
+        sizes.append(("n_routed_experts", cfg.moe.num_experts))
+        if cfg.moe.num_shared_experts:
+            sizes.append(("shared experts' intermediate (moe_intermediate_size * n_shared_experts)",
+                          cfg.moe.shared_intermediate_size))
+    for name, size in sizes:
         if size % n:
             raise ValueError(f"tensor_parallel_size={n} does not divide the model's {name}={size}")
 
@@ -132,21 +149,38 @@ def logical_to_spec(axes: tuple[str, ...], shape: tuple[int, ...] | None = None,
     return PartitionSpec(*mesh_axes)
 
 
-def param_shardings(params, mesh: Mesh) -> object:
-    """NamedSharding of every parameter, as a tree shaped like params. params may hold
-    arrays, ShapeDtypeStructs or the loader's tensor references: anything with .shape.
-    The rule is found by field name (list indices come before it in the path)."""
-    def sharding(path, leaf):
+def param_specs(params, mesh: Mesh) -> object:
+    """PartitionSpec of every parameter, as a tree shaped like params. params may hold
+    arrays (also traced ones), ShapeDtypeStructs or the loader's tensor references:
+    anything with .shape. The rule is found by field name (list indices come before it
+    in the path)."""
+    def spec(path, leaf):
         axes = PARAM_AXES[path[-1].name]
         if len(axes) != len(leaf.shape):
             raise ValueError(f"{jax.tree_util.keystr(path)} has shape {leaf.shape}; the rules say {axes}")
-        return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh))
+        return logical_to_spec(axes, leaf.shape, mesh)
 
-    return jax.tree_util.tree_map_with_path(sharding, params)
+    return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def cache_sharding(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(CACHE_AXES))
+def param_shardings(params, mesh: Mesh) -> object:
+    """NamedSharding of every parameter, as a tree shaped like params (param_specs)."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), param_specs(params, mesh),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def cache_axes(cfg: ModelConfig) -> tuple[str, ...]:
+    """One cache layer's logical axes: K or V pages by kv head, or MLA's latent."""
+    return CACHE_AXES if cfg.mla is None else LATENT_CACHE_AXES
+
+
+def shards_of(axes: tuple[str, ...], tensor_parallel_size: int) -> int:
+    """How many shards an array of these axes is split into (1: whole on every device)."""
+    return tensor_parallel_size if TP in logical_to_spec(axes) else 1
+
+
+def cache_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(cache_axes(cfg)))
 
 
 def hidden_pages_sharding(mesh: Mesh) -> NamedSharding:
@@ -168,21 +202,48 @@ def gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, replicated(mesh))
 
 
-def shard_over_heads(write_and_attend, mesh: Mesh):
-    """write_and_attend(q, k, v, k_pages, v_pages, *batch_arrays, **static) run per
-    device on its own heads and cache pages: the Pallas kernel and the KV scatter see
-    one shard's arrays, exactly as on one device, and need no collective (each q head's
-    kv head lives on its device). Returns (out, k_pages, v_pages), sharded alike."""
-    q_spec, kv_spec, cache_spec = (logical_to_spec(a) for a in (QUERY_AXES, NEW_KV_AXES, CACHE_AXES))
+def _specs(axes):
+    """Logical axes (a tuple of names; () replicated) as a PartitionSpec; a tuple of
+    them as a tuple of specs; a tree of PartitionSpecs (param_specs) as it is."""
+    if isinstance(axes, tuple) and not isinstance(axes, PartitionSpec):
+        return logical_to_spec(axes) if all(isinstance(a, str) for a in axes) else tuple(map(_specs, axes))
+    return axes
 
-    def sharded(q, k, v, k_pages, v_pages, *batch_arrays, **static):
+
+def shard_per_device(fn, mesh: Mesh, in_axes: tuple, out_axes: tuple):
+    """fn(*args, **static) run per device under shard_map: argument i arrives as the
+    device's shard of what in_axes[i] says (logical axes, or param_specs of a parameter
+    tree), and the output leaves split as out_axes says (one array's logical axes, or a
+    tuple of them). check_vma=False: the Pallas calls carry no varying-axis annotations
+    for the checker."""
+    def sharded(*args, **static):
         return jax.shard_map(
-            functools.partial(write_and_attend, **static),
-            mesh=mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, cache_spec, cache_spec) + (PartitionSpec(),) * len(batch_arrays),
-            out_specs=(q_spec, cache_spec, cache_spec),
-            # the Pallas call carries no varying-axis annotations for the checker
+            functools.partial(fn, **static), mesh=mesh, in_specs=_specs(in_axes), out_specs=_specs(out_axes),
             check_vma=False,
-        )(q, k, v, k_pages, v_pages, *batch_arrays)
+        )(*args)
 
     return sharded
+
+
+def shard_over_heads(write_and_attend, mesh: Mesh):
+    """write_and_attend(q, k, v, k_pages, v_pages, slot_mapping, kv_lens, page_table,
+    query_start, **static) run per device on its own heads and cache pages: the Pallas
+    kernel and the KV scatter see one shard's arrays, exactly as on one device, and need
+    no collective (each q head's kv head lives on its device). Returns (out, k_pages,
+    v_pages), sharded alike."""
+    return shard_per_device(
+        write_and_attend, mesh, (QUERY_AXES, NEW_KV_AXES, NEW_KV_AXES, CACHE_AXES, CACHE_AXES) + ((),) * 4,
+        (QUERY_AXES, CACHE_AXES, CACHE_AXES),
+    )
+
+
+def shard_mla_over_heads(write_and_attend, mesh: Mesh):
+    """MLA's write_and_attend (jaxmtp.mla.mla_attention_fn) run per device on its own q
+    heads and its own columns of kv_b_proj (W_UK, W_UV), with the whole latent cache:
+    every device writes the same latent rows into its copy, and attends with no collective."""
+    return shard_per_device(
+        write_and_attend, mesh,
+        (QUERY_AXES, QUERY_AXES, NEW_LATENT_AXES, NEW_LATENT_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES)
+        + ((),) * 4 + (MLA_UP_AXES, MLA_UP_AXES),
+        (QUERY_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES),
+    )

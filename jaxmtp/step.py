@@ -75,8 +75,8 @@ def step(
     greedy = shape.greedy
     cfg = config.model
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
-    attention = model.attention_for(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
-    hidden, cache = model.forward(params, cfg, batch, cache, attention)
+    ops = model.layer_ops(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
+    hidden, cache = model.forward(params, cfg, batch, cache, ops)
     prompt = prompt_logprobs(params, cfg, hidden, batch, config.num_top_logprobs, config.mesh) if shape.prompt_logprobs else None
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
     if config.mesh is not None:
@@ -98,7 +98,7 @@ def step(
     b = batch.kv_len.shape[0]
     if k:
         drafts, cache, boundary = mtp.propose(
-            params, cfg, hidden, batch, tokens, num_accepted, cache, attention, k, config.mtp_boundary
+            params, cfg, hidden, batch, tokens, num_accepted, cache, ops, k, config.mtp_boundary
         )
         if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
             drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)

@@ -21,7 +21,6 @@ import optax
 from tqdm import tqdm
 
 from jaxmtp import model, mtp
-from jaxmtp.attention import attention_fn
 from jaxmtp.allocator import pages_for
 from jaxmtp.batch import Batch, slot_of
 from jaxmtp.cache import allocate_cache
@@ -105,9 +104,9 @@ def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: ja
     s, length = tokens.shape
     batch = jax.tree.map(jnp.asarray, packed_batch(s, length, page_size))
     batch = dataclasses.replace(batch, input_ids=tokens.reshape(-1))
-    attention = attention_fn("reference", cfg.head_dim)
+    ops = model.layer_ops(cfg, "reference")
     cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=1)
-    hidden, cache = model.forward(params, cfg, batch, cache, attention)
+    hidden, cache = model.forward(params, cfg, batch, cache, ops)
     hidden = jax.lax.stop_gradient(hidden)
     main_logits = model.logits(params.head(), params.final_norm, cfg, hidden).reshape(s, length, -1)
     prev = mtp.main_hidden_for_mtp(params, cfg, hidden)
@@ -116,7 +115,7 @@ def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: ja
     for d in range(1, depths + 1):
         next_ids = jnp.concatenate([tokens[:, d:], jnp.zeros((s, d), tokens.dtype)], axis=1).reshape(-1)
         prev, k_pages, v_pages = mtp.module_forward(
-            module, params.embed, cfg, prev, next_ids, batch, k_pages, v_pages, attention
+            module, params.embed, cfg, prev, next_ids, batch, k_pages, v_pages, ops
         )
         drafts.append(mtp.module_logits(params, module, cfg, prev).reshape(s, length, -1))
         teachers.append(jnp.concatenate([main_logits[:, d:], jnp.zeros_like(main_logits[:, :d])], axis=1))

@@ -57,3 +57,12 @@ def test_defaults_starts_a_131072_context_model_with_every_default(tmp_path):
     assert result["max_model_len"] == 131072 and result["sized_by"] == "kv_cache_memory_bytes"
     assert result["pool_tokens"] >= 131072 and result["pool_gib"] <= 2.0
     assert result["peak_rss_gib"] < 8  # it was 17.8 GiB before the pool was sized from memory
+
+
+def test_moe_tp_times_both_ways_of_meeting_the_experts(tmp_path):
+    """The gathered form (the engine's) and the all-to-all alternative agree (the script
+    checks it) and are both timed."""
+    run_script("moe_tp.py", "--tiny", "--out", str(tmp_path))
+    rows = json.loads(next(tmp_path.glob("*_cpu_moe_tp.json")).read_text())["rows"]
+    assert [(r["devices"], r["tokens"]) for r in rows] == [(2, 8)]
+    assert rows[0]["gathered (psum) ms"] > 0 and rows[0]["all-to-all ms"] > 0

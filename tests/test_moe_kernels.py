@@ -170,6 +170,30 @@ def test_routed_experts_match_a_per_token_loop():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_experts_held_apart_add_up_to_all_experts(num_devices):
+    """Expert parallelism's split, on one device: each device's routed_experts over the
+    experts it holds (from first_expert; the pairs of others weigh nothing) sums to
+    all experts' output, also when a device's experts get no row or every row."""
+    from jaxmtp.moe import Routing
+
+    rng, seed = seeded()
+    t, h, inter, num_experts, k = 20, 12, 8, 6, 3
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    gate_up = jnp.asarray(0.5 * rng.standard_normal((num_experts, h, 2, inter)), jnp.float32)
+    down = jnp.asarray(0.5 * rng.standard_normal((num_experts, inter, h)), jnp.float32)
+    experts = np.stack([rng.choice(num_experts - 2, size=k, replace=False) for _ in range(t)])  # the last two unused
+    experts[:, 0] = 0  # every row goes to expert 0
+    routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32))
+    whole = np.asarray(routed_experts(x, routing, gate_up, down))
+    held = num_experts // num_devices
+    parts = [routed_experts(x, routing, gate_up[s * held:(s + 1) * held], down[s * held:(s + 1) * held], s * held)
+             for s in range(num_devices)]
+    np.testing.assert_allclose(np.sum(parts, axis=0), whole, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    if num_devices == 3:  # the last device holds experts 4 and 5, which no row goes to
+        assert not np.asarray(parts[-1]).any()
+
+
 # ----- MLA attention ----------------------------------------------------------------------
 
 R, DR, DN, DV, HEADS = 12, 6, 8, 10, 4
