@@ -22,6 +22,7 @@ from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.hub import resolve_model
+from jaxmtp.mla import resolve_mla_backend
 from jaxmtp.output_processor import OutputProcessor, Request
 from jaxmtp.outputs import RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -82,7 +83,11 @@ class LLMEngine:
                 f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
                 f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
             )
-        resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
+        # fail early on a bad choice
+        if cfg.mla is None:
+            resolve_backend(config.attention_backend, cfg.head_dim)
+        else:
+            resolve_mla_backend(config.attention_backend, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim)
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = config.page_size
         # room for k verify rows plus k-1 chained draft positions past the last token

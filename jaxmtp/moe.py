@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxmtp.config import MoEConfig
 from jaxmtp.layers import swiglu
 from jaxmtp.params import MoEParams
-from kernels.grouped_matmul import grouped_matmul
+from kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,19 +41,23 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: MoEConfig) -> R
     return Routing(experts.astype(jnp.int32), weights * cfg.routed_scaling_factor)
 
 
-def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array, *,
+                   expert_swiglu=grouped_swiglu, expert_matmul=grouped_matmul) -> jax.Array:
     """sum over a row's k experts of weight * expert(x). The T*k (row, expert) pairs are
-    sorted by expert so that each expert's rows are contiguous, both FFN matmuls run as
-    one grouped matmul each, and the outputs are summed back onto their rows."""
+    sorted by expert so that each expert's rows are contiguous; the gate/up projection
+    and SiLU-and-multiply run as one grouped call that gathers its rows from x itself,
+    the down projection as another, and the outputs are summed back onto their rows.
+    expert_swiglu, expert_matmul: kernels/grouped_matmul.py's entry points (the Pallas
+    kernel on GPUs), or its references or kernels of the same signature (tests,
+    benchmarks)."""
     t, h = x.shape
-    num_experts, _, _, inter = gate_up.shape
+    num_experts = gate_up.shape[0]
     k = routing.experts.shape[1]
     flat = routing.experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     row = order // k
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    up = grouped_matmul(x[row], gate_up.reshape(num_experts, h, 2 * inter), group_sizes).reshape(-1, 2, inter)
-    out = grouped_matmul(jax.nn.silu(up[:, 0]) * up[:, 1], down, group_sizes)
+    out = expert_matmul(expert_swiglu(x, gate_up, group_sizes, rows=row), down, group_sizes)
     weighted = out.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, h), jnp.float32).at[row].add(weighted).astype(x.dtype)
 
