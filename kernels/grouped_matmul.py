@@ -149,7 +149,8 @@ def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups:
     # rhs rows of this group: [G * K, N] (swiglu: [G * K, 2N], up n columns after gate)
     rhs_row = jnp.minimum(group, num_groups - 1) * k_total
     # the padding group and blocks with no rows run no K steps: their tile stays 0
-    k_steps = jnp.where((group < num_groups) & (rows_here > 0), k_total // block_k, 0)
+    # (a product, not where(): the Triton lowering types a select of two literals as i1)
+    k_steps = (k_total // block_k) * ((group < num_groups) & (rows_here > 0)).astype(jnp.int32)
 
     def step(i, accs):
         kk = i * block_k + depth
