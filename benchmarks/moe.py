@@ -358,7 +358,7 @@ def part_experts(run: Run):
                 note=f"{touched:.1f} experts touched, {nbytes / 1e6:.0f} MB, {flops / t_ours / 1e12:.0f} TFLOP/s, "
                      f"{nbytes / t_ours / 1e12:.2f} TB/s; XLA ragged_dot {t_xla * 1e6:.0f} us "
                      f"({t_xla / t_ours:.1f}x ours); torch {fmt_peer(peer.get(f'layer_{tokens}'))}")
-        if run.args.sweep and tokens != 8:
+        if run.args.sweep and tokens in SWEEP_TOKENS:
             sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)
 
     for tokens in s.gate_up_tokens:  # the gate/up projection alone, as the issue measured it
@@ -409,11 +409,12 @@ def time_mosaic_ragged_dot(flat_gate_up, sorted_inputs):
 
 
 SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)
-    "decode": [(16, 64, 128, 4, 4), (16, 16, 256, 4, 4), (16, 32, 128, 4, 3), (16, 128, 64, 4, 4)],
+    "decode": [(16, 64, 128, 4, 4), (16, 16, 256, 4, 4), (16, 128, 64, 4, 4)],
     "middle": [(32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (16, 64, 128, 4, 4)],
-    "prefill": [(128, 128, 64, 8, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)],
+    "prefill": [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)],
 }
-SWEEP_DOWN_TOKENS = (1, 2048, 8192)
+SWEEP_TOKENS = (1, 256, 2048)
+SWEEP_DOWN_TOKENS = (1, 2048)
 
 
 def sweep_tiling(run: Run, tokens, x, routing, gate_up, down):
@@ -508,7 +509,7 @@ def part_mla(run: Run, cases):
         run.row("mla", f"MLA {kind}, batch {batch}, context {context}", seconds, run.bytes_s(case["bytes"]), p,
                 target, note=f"{case['bytes'] / seconds / 1e9:.0f} GB/s over the latent cache; torch SDPA over "
                              f"expanded K/V {fmt_peer(p)}")
-        if run.args.sweep and rows == 1 and (context == 4096 or (batch == 1 and context > 4096)):
+        if run.args.sweep and rows == 1 and (context == 4096 and batch > 1 or (batch == 1 and context > 4096)):
             base = default_config(batch, s.heads, rows, context)
             times = {str(dataclasses.astuple(base)): seconds * 1e6}
             for block_h, block_kv, splits, warps, stages in MLA_SWEEP:
@@ -634,13 +635,14 @@ def markdown(results) -> str:
     checks = "".join(f"- {c['kernel']}, {c['case']}: relative error {c['rel_err']:.2e}, finite {c['finite']}, "
                      f"padding rows 0 {c['padding_rows_zero']}\n" for c in results.get("checks", []))
     sweep = "".join(f"- {json.dumps(entry)}\n" for entry in results.get("sweep", []))
-    extra = {k: v for k, v in results.items() if k.startswith(("e2e_", "engine_", "skipped"))}
+    extra = {k: v for k, v in results.items() if k.startswith(("e2e_", "engine_", "skipped", "failed"))}
     return (head + "\n".join(lines) + ("\n\nGPU checks against the references:\n\n" + checks if checks else "")
             + ("\n\nTilings swept (us):\n\n" + sweep if sweep else "")
             + "".join(f"\n- {k}: {v}" for k, v in extra.items()) + "\n")
 
 
-PARTS = {"checks": part_checks, "experts": part_experts, "mla": None, "e2e": part_e2e}
+PARTS = {"checks": part_checks, "experts": part_experts, "mla": lambda run: part_mla(run, mla_cases(run.shapes)),
+         "e2e": part_e2e}
 
 
 def main() -> None:
@@ -658,9 +660,8 @@ def main() -> None:
     unknown = sorted(set(parts) - set(PARTS))
     if unknown:
         raise SystemExit(f"unknown parts {unknown}; choose from {list(PARTS)}")
-    cases = mla_cases(run.shapes)
     use_torch = not (args.tiny or args.no_peer)
-    run.results["peer"] = run_peer(run.shapes, cases) if use_torch and {"experts", "mla"} & set(parts) else {}
+    run.results["peer"] = run_peer(run.shapes, mla_cases(run.shapes)) if use_torch and {"experts", "mla"} & set(parts) else {}
     print("peer", run.results["peer"], flush=True)
 
     import jax
@@ -675,10 +676,14 @@ def main() -> None:
     for name in parts:
         if run.budget_left() < 30:
             run.results.setdefault("skipped_over_budget", []).append(name)
-        elif name == "mla":
-            part_mla(run, cases)
-        else:
+            continue
+        try:
             PARTS[name](run)
+        except Exception as e:  # noqa: BLE001 - one part's failure is recorded; the others still run
+            import traceback
+
+            traceback.print_exc()
+            run.results.setdefault("failed_parts", {})[name] = repr(e)[:500]
     run.save()
     (run.out_dir / f"moe{args.tag}.md").write_text(markdown(run.results))
     print("\n" + markdown(run.results))
