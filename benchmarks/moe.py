@@ -81,8 +81,8 @@ class Shapes:
     batch_new_tokens: int = 24
 
 
-TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(4,), heads=4, rank=32,
-              rope=16, mla_batches=(1, 3), mla_contexts=(40,), page_size=8, prompt=24, new_tokens=8, batch=3,
+TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(8,), heads=4, rank=32,
+              rope=16, mla_batches=(2,), mla_contexts=(40,), page_size=8, prompt=24, new_tokens=8, batch=3,
               batch_prompt=16, batch_new_tokens=6)
 
 PEER_SCRIPT = r"""
@@ -434,8 +434,10 @@ def sweep_tiling(run: Run, tokens, x, routing, gate_up, down):
         for tiling in [None] + SWEEP[kind]:
             config = None if tiling is None else gm.GroupedMatmulConfig(*tiling)
             try:
-                times[str(tiling)] = programs_over(lambda w, a, sz, c=config: fn(a, w, sz, config=c, interpret=interpret), (rhs,),
-                                                   [(lhs, sizes)]) * 1e6
+                def call(w, a, sz, c=config):
+                    return fn(a, w, sz, config=c, interpret=interpret)
+
+                times[str(tiling)] = programs_over(call, (rhs,), [(lhs, sizes)]) * 1e6
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
                 times[str(tiling)] = repr(e)[:120]
         default = gm.default_config(lhs.shape[0], s.experts, rhs.shape[1], rhs.shape[-1], name == "swiglu")
@@ -551,12 +553,8 @@ def step_bytes(params, cfg, batch: int, context: int) -> float:
 
 
 def part_e2e(run: Run):
-    from e2e import (
-        device_step_time,
-        robust_greedy_weights,
-        run_decode,
-        write_bpe_tokenizer,
-    )
+    import numpy as np
+    from e2e import device_step_time, robust_greedy_weights, run_decode, write_bpe_tokenizer
 
     from jaxmtp import LLM
 
@@ -564,7 +562,7 @@ def part_e2e(run: Run):
     folder = tempfile.mkdtemp()
     Path(folder, "config.json").write_text(json.dumps(config))
     write_bpe_tokenizer(Path(folder), config["vocab_size"])
-    rng = __import__("numpy").random.default_rng(5)
+    rng = np.random.default_rng(5)
 
     def engine(**kwargs):
         gc.collect()
@@ -593,7 +591,10 @@ def part_e2e(run: Run):
             target="<= 1.35x bytes floor", note=f"bytes floor {floor * 1e3:.2f} ms; jitted step alone "
                                                  f"{device_s * 1e3:.2f} ms ({floor / device_s:.2f} of floor)")
     del plain
-    if run.budget_left() > 90:
+    skipped = run.results.setdefault("skipped_over_budget", [])
+    if run.budget_left() <= 90:
+        skipped.append("e2e b1 MTP k=1")
+    else:
         spec = engine(max_num_seqs=1, max_num_batched_tokens=s.prompt, num_speculative_tokens=1)
         run_decode(spec, prompt, 4)
         spec_s, _, spec_tokens, outs = run_decode(spec, prompt, s.new_tokens, oracle=tokens)
@@ -602,7 +603,9 @@ def part_e2e(run: Run):
                 target=">= 1.7x", note=f"acceptance length {acc:.2f}; {spec_s * 1e3:.2f} ms/step; output equal to "
                                       f"plain: {spec_tokens == tokens}")
         del spec
-    if run.budget_left() > 90:
+    if run.budget_left() <= 90:
+        skipped.append(f"e2e b{s.batch} decode")
+    else:
         batched = engine(max_num_seqs=s.batch, max_num_batched_tokens=max(512, s.batch_prompt) if not run.args.tiny
                          else 64)
         step_s, tps, _, _ = run_decode(batched, prompts(s.batch, s.batch_prompt), s.batch_new_tokens)
@@ -661,7 +664,8 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown parts {unknown}; choose from {list(PARTS)}")
     use_torch = not (args.tiny or args.no_peer)
-    run.results["peer"] = run_peer(run.shapes, mla_cases(run.shapes)) if use_torch and {"experts", "mla"} & set(parts) else {}
+    wants_peer = use_torch and {"experts", "mla"} & set(parts)
+    run.results["peer"] = run_peer(run.shapes, mla_cases(run.shapes)) if wants_peer else {}
     print("peer", run.results["peer"], flush=True)
 
     import jax

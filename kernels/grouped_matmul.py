@@ -39,11 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.ragged_paged_attention import (
-    _cdiv,
-    _next_power_of_2,
-    _TritonCompilerParams,
-)
+from kernels.ragged_paged_attention import _TritonCompilerParams, _cdiv, _next_power_of_2
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -225,7 +221,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows:
     return impl(lhs, rhs, group_sizes, rows)
 
 
-def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
+                   rows: jax.Array | None = None) -> jax.Array:
     """The kernel on GPUs where it tiles the shapes, the reference elsewhere."""
     impl = grouped_swiglu_kernel if _use_kernel(gate_up.shape[1], gate_up.shape[3]) else grouped_swiglu_reference
     return impl(lhs, gate_up, group_sizes, rows)

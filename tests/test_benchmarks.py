@@ -47,3 +47,19 @@ def test_profile_step_replays_the_engines_step(tmp_path):
     configs = json.loads((tmp_path / "profile.json").read_text())["configs"]
     assert set(configs) == {"k=0", "k=1"}
     assert all(c["replayed_step_ms"] > 0 and c["replayed_step_requests"] == 1 for c in configs.values())
+
+
+def test_moe_kernels_and_the_moonlight_shaped_model_end_to_end(tmp_path):
+    """The MoE/MLA benchmark's rows: the kernels (interpret mode) and the tiny DeepSeek-V3
+    engine, MTP k=1 with oracle drafts accepting every draft."""
+    run_script("moe.py", "--tiny", "--parts", "experts,mla,e2e", "--out", str(tmp_path), "--tag", "_smoke")
+    results = json.loads((tmp_path / "moe_smoke.json").read_text())
+    rows = {row["scenario"]: row for row in results["rows"]}
+    assert {row["part"] for row in rows.values()} == {"experts", "mla", "e2e"}
+    assert all(math.isfinite(row["value"]) and row["value"] > 0 for row in rows.values())
+    assert any(name.startswith("expert layer, 8 tokens") for name in rows)
+    assert any(name.startswith("MLA verify k+1=2") for name in rows)
+    mtp = rows["b1 MTP k=1 oracle drafts: tokens/s over plain"]
+    assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]
+    assert not results.get("failed_parts") and not results.get("skipped_over_budget")
+    assert "| e2e | b3 decode" in (tmp_path / "moe_smoke.md").read_text()
