@@ -98,7 +98,8 @@ def supports(k: int, n: int) -> bool:
 
 
 def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool = False) -> GroupedMatmulConfig:
-    """Tiling from static shapes (measured on an H200, docs/kernels.md, "Grouped matmul").
+    """Tiling from static shapes (first choices; docs/kernels.md, "Grouped matmul", has
+    the H200 sweep and its leads).
 
     block_m follows the average rows per group, 16 (the MMA minimum) to 128. Small
     blocks are a weight stream: narrow column tiles (many programs to keep enough

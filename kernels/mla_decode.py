@@ -35,9 +35,11 @@ from kernels.ragged_paged_attention import _NUM_SMS, _TritonCompilerParams, _cdi
 from kernels.reference import row_ownership
 
 _LOG2E = math.log2(math.e)
-# Splits aim at about two programs per multiprocessor (as the GQA kernel's decode rule).
+# Splits aim at about two programs per multiprocessor (as the GQA kernel's decode rule),
+# at most 32: batch 1 at context 16k took 140 / 89 / 71 us in 8 / 16 / 32 splits (H200,
+# docs/kernels.md, "MLA decode"); the merge reads R + 2 floats per row and head a split.
 _TARGET_PROGRAMS = 2 * _NUM_SMS
-_MAX_SPLITS = 16
+_MAX_SPLITS = 32
 _MIN_TILE_ROWS = 16  # a Triton MMA minimum
 
 
@@ -58,7 +60,7 @@ def supports(kv_lora_rank: int, rope_dim: int) -> bool:
 
 
 def default_config(num_seqs: int, num_heads: int, decode_rows: int, max_context: int) -> MLAKernelConfig:
-    """Tiling from static shapes (measured on an H200, docs/kernels.md, "MLA decode"):
+    """Tiling from static shapes (first choices but the split cap; docs/kernels.md, "MLA decode"):
     tiles of at most 32 rows (the float32 accumulator is 32 x R), 64 tokens a step,
     splits until the grid has about two programs per multiprocessor."""
     rows_pad = _next_power_of_2(decode_rows)
