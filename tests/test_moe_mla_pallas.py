@@ -197,3 +197,19 @@ def test_mla_entry_point_takes_the_kernel_for_decode_rows():
     want, want_latent, _ = mla_attention_fn("reference", decode_rows=2)(*args, sm_scale=0.3)
     np.testing.assert_array_equal(np.asarray(got_latent), np.asarray(want_latent))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
+
+
+def test_engine_refuses_the_mla_kernel_for_sizes_it_cannot_tile(tmp_path):
+    """At construction, before any weights load, naming the sizes."""
+    import json
+
+    from jaxmtp import LLM
+
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 32,
+              "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+              "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "vocab_size": 97,
+              "max_position_embeddings": 64, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="qk_rope_head_dim powers of two >= 16, got 16 and 8"):
+        LLM(tmp_path, load_format="dummy", attention_backend="pallas")
