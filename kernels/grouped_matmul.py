@@ -92,9 +92,14 @@ def _largest_dividing(n: int, preferred: int) -> int:
     return block
 
 
-def supports(k: int, n: int) -> bool:
-    """The kernel tiles K and N in powers of 2 of at least 16 (a Triton MMA minimum)."""
-    return k % 16 == 0 and n % 16 == 0
+# The kernel's element offsets are int32.
+_MAX_ELEMENTS = 2**31 - 1
+
+
+def supports(num_groups: int, k: int, n: int) -> bool:
+    """K and N multiples of 16 (tiles are powers of 2 of at least 16, a Triton MMA
+    minimum), and rhs ([G, K, N]; swiglu: N = 2 x the output columns) indexable in int32."""
+    return k % 16 == 0 and n % 16 == 0 and num_groups * k * n <= _MAX_ELEMENTS
 
 
 def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool = False) -> GroupedMatmulConfig:
@@ -170,8 +175,10 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
     num_groups, k, n = rhs.shape[0], rhs.shape[1], rhs.shape[-1]
     if lhs.shape[1] != k:
         raise ValueError(f"lhs has {lhs.shape[1]} columns, rhs {k} rows")
-    if not supports(k, n):
+    if k % 16 or n % 16:
         raise ValueError(f"the grouped matmul kernel needs K and N multiples of 16, got K={k}, N={n}")
+    if not supports(num_groups, k, rhs.size // (num_groups * k)):
+        raise ValueError(f"the grouped matmul kernel indexes in int32: rhs of {rhs.size} elements is too large")
     num_rows = lhs.shape[0] if rows is None else rows.shape[0]
     if config is None:
         config = default_config(num_rows, num_groups, k, n, swiglu)
@@ -212,18 +219,19 @@ def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.A
 # ----- the model's entry points -----------------------------------------------------------
 
 
-def _use_kernel(k: int, n: int) -> bool:
-    return jax.default_backend() == "gpu" and supports(k, n)
+def _use_kernel(rhs: jax.Array) -> bool:
+    num_groups, k = rhs.shape[:2]
+    return jax.default_backend() == "gpu" and supports(num_groups, k, rhs.size // (num_groups * k))
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """The kernel on GPUs where it tiles the shapes, the reference elsewhere."""
-    impl = grouped_matmul_kernel if _use_kernel(rhs.shape[1], rhs.shape[2]) else grouped_matmul_reference
+    impl = grouped_matmul_kernel if _use_kernel(rhs) else grouped_matmul_reference
     return impl(lhs, rhs, group_sizes, rows)
 
 
 def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
                    rows: jax.Array | None = None) -> jax.Array:
     """The kernel on GPUs where it tiles the shapes, the reference elsewhere."""
-    impl = grouped_swiglu_kernel if _use_kernel(gate_up.shape[1], gate_up.shape[3]) else grouped_swiglu_reference
+    impl = grouped_swiglu_kernel if _use_kernel(gate_up) else grouped_swiglu_reference
     return impl(lhs, gate_up, group_sizes, rows)

@@ -169,6 +169,9 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, pa
     if not supports(rank, rope_dim):
         raise ValueError(f"the MLA decode kernel needs kv_lora_rank and the rope dim powers of 2 >= 16, "
                          f"got {rank} and {rope_dim}")
+    if latent_pages.size > 2**31 - 1:  # the kernel's element offsets are int32
+        raise ValueError(f"the MLA decode kernel indexes in int32: a cache layer of {latent_pages.size} latent "
+                         f"values is too large")
     if config is None:
         config = default_config(num_seqs, num_heads, decode_rows, pages_per_seq * page_size)
     flat_rows = num_rows * num_heads

@@ -103,6 +103,7 @@ def test_shapes_the_kernels_do_not_tile_are_refused():
     lhs, sizes = jnp.zeros((8, 12)), jnp.zeros(2, jnp.int32)
     with pytest.raises(ValueError, match="K and N multiples of 16, got K=12"):
         gm.grouped_matmul_kernel(lhs, jnp.zeros((2, 12, 16)), sizes, interpret=True)
+    assert gm.supports(64, 2048, 2 * 1408) and not gm.supports(256, 7168, 2 * 2048)  # DeepSeek-V3: past int32
     with pytest.raises(ValueError, match="kv_lora_rank and the rope dim powers of 2"):
         mla_decode_attention(jnp.zeros((2, 4, 12)), jnp.zeros((2, 4, 16)), jnp.zeros((4, 4, 1, 12)),
                              jnp.zeros((4, 4, 1, 16)), jnp.ones(2, jnp.int32), jnp.zeros((2, 1), jnp.int32),
