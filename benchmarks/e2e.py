@@ -235,10 +235,17 @@ def robust_greedy_weights(params):
     put near-ties everywhere, and a verify step (batch x (k+1) rows) rounds differently
     from a plain one (batch rows), so a plain run's tokens would not be the oracle for
     the spec run. A step costs the same whatever the weights' values; the MTP module is
-    left random."""
-    layers = [dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, down_proj=layer.down_proj * 1e-3)
-              for layer in params.layers]
-    return dataclasses.replace(params, layers=layers, lm_head=params.embed.T)
+    left random. Expert layers have their routed and shared experts' down projections
+    scaled instead of the dense one."""
+    def scaled(layer):
+        if layer.moe is None:
+            return dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, down_proj=layer.down_proj * 1e-3)
+        moe = layer.moe
+        moe = dataclasses.replace(moe, experts_down=moe.experts_down * 1e-3,
+                                  shared_down=None if moe.shared_down is None else moe.shared_down * 1e-3)
+        return dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, moe=moe)
+
+    return dataclasses.replace(params, layers=[scaled(layer) for layer in params.layers], lm_head=params.embed.T)
 
 
 # Stop strings every decode request carries, so that checking them is part of the host's

@@ -16,7 +16,6 @@ from collections import deque
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxmtp.allocator import PageAllocator, pages_for
 from jaxmtp.config import load_config
@@ -30,7 +29,7 @@ from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.runner import InFlightStep, ModelRunner, StepResult
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jaxmtp.sequence import Sequence, SpecStats
+from jaxmtp.sequence import SpecStats
 from jaxmtp.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxmtp.engine")

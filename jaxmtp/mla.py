@@ -8,6 +8,8 @@ the page table, prefix caching, copy-on-write and preemption carry it unchanged.
 Prefill rows attend from the expanded form (per-head keys and values rebuilt from the
 latent), decode and verify rows from the absorbed form (W_UK folded into the query,
 W_UV applied after attention): both through `mla_attention_fn`, the one entry point.
+The absorbed form runs the Pallas kernel (kernels/mla_decode.py) on GPUs, the jnp
+reference elsewhere; the expanded form is the jnp reference on every backend.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from jaxmtp.engine_config import ATTENTION_BACKENDS
 from jaxmtp.layers import apply_rope, rms_norm
 from jaxmtp.params import LayerParams
 from jaxmtp.sharding import shard_mla_over_heads
+from kernels.mla_decode import mla_decode_attention, supports
 from kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from kernels.reference import row_ownership
 
@@ -34,21 +37,17 @@ LORA_NORM_EPS = 1e-6
 
 MLAAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
-# The attention backends MLA runs: the jnp reference alone until an MLA kernel lands;
-# the kernel lifts the refusal by adding its backend here and picking it in mla_attention_fn.
-MLA_ATTENTION_BACKENDS = ("auto", "reference")
-
-
-def check_mla_backend(backend: str) -> None:
-    """The one refusal of an attention backend MLA does not run: the engine calls it
-    when it is constructed, before any weights load, and mla_attention_fn again."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
-    if backend not in MLA_ATTENTION_BACKENDS:
-        raise ValueError(
-            f"attention_backend={backend!r} has no MLA kernel (DeepSeek-V3-class models run "
-            f"{MLA_ATTENTION_BACKENDS}: the jnp reference)"
-        )
+def resolve_mla_backend(name: str, kv_lora_rank: int, rope_dim: int) -> str:
+    """The absorbed form's backend: "auto" is the Pallas kernel on GPUs where it tiles
+    the latent and rope sizes, else the jnp reference."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {ATTENTION_BACKENDS}")
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and supports(kv_lora_rank, rope_dim) else "reference"
+    if name.startswith("pallas") and not supports(kv_lora_rank, rope_dim):
+        raise ValueError(f"the Pallas MLA decode kernel needs kv_lora_rank and qk_rope_head_dim powers of two "
+                         f">= 16, got {kv_lora_rank} and {rope_dim}")
+    return name
 
 
 def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -> MLAAttentionFn:
@@ -57,11 +56,12 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
     rope_pages): writes this step's latent and rope key rows into their slots, then
     attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
     draft rows) take the absorbed form, longer runs (prefill chunks) the expanded one.
-    A step with both kinds of rows computes both forms over all rows and picks per
-    row; a GPU kernel for the absorbed form will take the decode rows alone. With a
-    mesh, each device runs it on its own q heads and a whole copy of the latent cache
+    A step with both kinds of rows runs each form where some row takes it and picks
+    per row (the kernel computes the decode rows alone, the references all rows). With
+    a mesh, each device runs it on its own q heads and a whole copy of the latent cache
     (sharding.shard_mla_over_heads)."""
-    check_mla_backend(backend)
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
 
     def write_and_attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
                          page_table, query_start, w_uk, w_uv, *, sm_scale):
@@ -73,7 +73,12 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
 
         def absorbed():
             q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
-            out = mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale)
+            kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
+            if kind == "reference":
+                out = mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale)
+            else:
+                out = mla_decode_attention(q_latent, q_rope, *cache_args, sm_scale=sm_scale, decode_rows=decode_rows,
+                                           interpret=kind == "pallas_interpret")
             return jnp.einsum("thr,rhv->thv", out, w_uv)
 
         def expanded():

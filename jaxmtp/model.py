@@ -14,7 +14,7 @@ from jaxmtp.batch import Batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
 from jaxmtp.layers import apply_rope, rms_norm, swiglu
-from jaxmtp.mla import check_mla_backend, mla_attention, mla_attention_fn
+from jaxmtp.mla import mla_attention, mla_attention_fn, resolve_mla_backend
 from jaxmtp.moe import ExpertsFn, experts_fn
 from jaxmtp.params import LayerParams, Params
 
@@ -35,7 +35,7 @@ def check_backend(cfg: ModelConfig, backend: str) -> None:
     if cfg.mla is None:
         resolve_backend(backend, cfg.head_dim)
     else:
-        check_mla_backend(backend)
+        resolve_mla_backend(backend, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim)
 
 
 def layer_ops(cfg: ModelConfig, backend: str, mesh=None, decode_rows: int = 1) -> LayerOps:

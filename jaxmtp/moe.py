@@ -15,7 +15,7 @@ from jaxmtp.config import MoEConfig
 from jaxmtp.layers import swiglu
 from jaxmtp.params import MoEParams
 from jaxmtp.sharding import ROWS_AXES, TP, param_specs, shard_per_device
-from kernels.grouped_matmul import grouped_matmul
+from kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +46,20 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: MoEConfig) -> R
 
 
 def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
-                   first_expert: jax.Array | int = 0) -> jax.Array:
+                   first_expert: jax.Array | int = 0, *, expert_swiglu=grouped_swiglu,
+                   expert_matmul=grouped_matmul) -> jax.Array:
     """sum over a row's k experts of weight * expert(x), in float32, over the experts
     gate_up and down hold: first_expert .. first_expert + len(gate_up) - 1 (all of them
     on one device, a device's own under expert parallelism; pairs routed to other
     experts add nothing). The T*k (row, expert) pairs are sorted by expert so that each
-    expert's rows are contiguous (those of experts held elsewhere last), both FFN
-    matmuls run as one grouped matmul each, and the outputs are summed back onto their
-    rows."""
+    expert's rows are contiguous (those of experts held elsewhere last); the gate/up
+    projection and SiLU-and-multiply run as one grouped call that gathers its rows from
+    x itself, the down projection as another, and the outputs are summed back onto
+    their rows. expert_swiglu, expert_matmul: kernels/grouped_matmul.py's entry points
+    (the Pallas kernel on GPUs), or its references or kernels of the same signature
+    (tests, benchmarks)."""
     t, h = x.shape
-    num_held, _, _, inter = gate_up.shape
+    num_held = gate_up.shape[0]
     k = routing.experts.shape[1]
     local = routing.experts.reshape(-1) - first_expert
     held = (local >= 0) & (local < num_held)
@@ -63,9 +67,8 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
     order = jnp.argsort(local, stable=True)
     row = order // k
     group_sizes = jnp.bincount(local, length=num_held).astype(jnp.int32)  # counts no pair held elsewhere
-    up = grouped_matmul(x[row], gate_up.reshape(num_held, h, 2 * inter), group_sizes).reshape(-1, 2, inter)
-    out = grouped_matmul(jax.nn.silu(up[:, 0]) * up[:, 1], down, group_sizes)
-    # the pairs held elsewhere lie past every group: grouped_matmul's rows there are 0
+    # the pairs held elsewhere lie past every group: the grouped calls' rows there are 0
+    out = expert_matmul(expert_swiglu(x, gate_up, group_sizes, rows=row), down, group_sizes)
     weighted = out.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, h), jnp.float32).at[row].add(weighted)
 

@@ -241,17 +241,3 @@ def test_bfloat16_deepseek_within_bf16_tolerance(tmp_path, rng):
     assert (str(llm.engine.cache.k[0].dtype), str(moe.router.dtype), str(moe.router_bias.dtype)) == ("bfloat16", "float32", "float32")
     ours = np.abs(prompt_logits(llm.engine, ids) - expected).max()
     assert ours <= 1.5 * theirs + 1e-3 * np.abs(expected).max(), (ours, theirs, seed)
-
-
-@pytest.mark.parametrize("backend", ["pallas", "pallas_interpret"])
-def test_a_pallas_backend_is_refused_for_mla_when_the_engine_is_built(tmp_path, backend):
-    """No MLA kernel yet: the engine refuses the backend by name before it reads any
-    weights (the folder holds config.json alone, so a later check would fail on the
-    missing weights instead). GLM-4.5's GQA runs the Pallas kernel (head_dim 128)."""
-    from jaxmtp.model import check_backend
-
-    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3_CONFIG))
-    with pytest.raises(ValueError, match=f"attention_backend='{backend}' has no MLA kernel"):
-        LLM(tmp_path, attention_backend=backend)
-    (tmp_path / "config.json").write_text(json.dumps(GLM_45_AIR_CONFIG))
-    check_backend(load_config(tmp_path), backend)
