@@ -215,6 +215,12 @@ class LLMEngine:
         read on the next call: step N+1 is scheduled, built and queued on the device
         before step N's tokens are read, so the host's work overlaps the device's."""
         outputs = self._admit_and_abort()
+        # A constrained request's next rows need its in-flight step's tokens (its grammar
+        # masks): scheduling without them would leave it out of the next step, and
+        # constrained requests would split into groups taking turns, each in half-full
+        # steps. Its step is read first instead.
+        while self._in_flight and any(item.seq.grammar is not None for item in self._in_flight[0].scheduled.rows):
+            outputs += self._postprocess(self._in_flight.popleft())
         scheduled = self.scheduler.schedule()
         if scheduled.rows:
             self._dispatch(scheduled, outputs)
