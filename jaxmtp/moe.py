@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxmtp.config import MoEConfig
 from jaxmtp.layers import swiglu
 from jaxmtp.params import MoEParams
-from kernels.grouped_matmul import grouped_matmul
+from jaxmtp.kernels.grouped_matmul import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
