@@ -6,6 +6,7 @@ from an editable install."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,9 +15,12 @@ from conftest import ROOT
 
 
 def test_a_wheel_install_generates_with_the_shipped_model_from_another_folder(tmp_path):
+    # built from a copy: setuptools packs whatever an earlier build left in build/lib
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".*cache"))
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"),
-         str(ROOT)], capture_output=True, text=True, timeout=300,
+         str(source)], capture_output=True, text=True, timeout=300,
     )
     assert build.returncode == 0, build.stderr[-2000:]
     wheel, = (tmp_path / "wheel").glob("jaxmtp-*.whl")
