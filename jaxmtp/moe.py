@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import MoEConfig
-from jaxmtp.layers import swiglu
+from jaxmtp.layers import gated_mlp
 from jaxmtp.params import MoEParams
 from jaxmtp.kernels.grouped_matmul import grouped_matmul
 
@@ -61,5 +61,5 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
 def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array) -> jax.Array:
     out = routed_experts(h, route(h, p.router, p.router_bias, cfg), p.experts_gate_up, p.experts_down)
     if p.shared_gate_up is not None:
-        out = out + swiglu(h, p.shared_gate_up, p.shared_down)
+        out = out + gated_mlp(h, p.shared_gate_up, p.shared_down)
     return out
