@@ -9,7 +9,7 @@ shape BxC is B requests decoding at context C, padded as the engine pads a batch
 least 8 rows, padding rows' writes dropped). The timed function is the main
 model's forward, final norm, LM head and argmax: the decode work without sampling or
 MTP. Every tiling is the kernel's default for the shape with the named fields replaced
-(kernels.KernelConfig), and is reported as its step time over the default's, measured
+(jaxmtp.kernels.KernelConfig), and is reported as its step time over the default's, measured
 in the same run. --profile adds the per-kernel device time of the default tiling
 (profile_step.kernel_table). Writes decode_step.json to --out.
 """
@@ -129,7 +129,7 @@ def main() -> None:
     from e2e import LLAMA3_8B, TINY
     from jaxmtp.config import load_config
     from jaxmtp.params import random_params
-    from kernels import default_config
+    from jaxmtp.kernels import default_config
 
     folder = tempfile.mkdtemp()
     Path(folder, "config.json").write_text(json.dumps(TINY if args.tiny else LLAMA3_8B))

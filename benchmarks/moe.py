@@ -216,9 +216,9 @@ def part_checks(run: Run):
     import jax.numpy as jnp
     import numpy as np
 
-    from kernels import grouped_matmul as gm
-    from kernels.mla_decode import mla_decode_attention
-    from kernels.mla_reference import mla_absorbed_attention_reference
+    from jaxmtp.kernels import grouped_matmul as gm
+    from jaxmtp.kernels.mla_decode import mla_decode_attention
+    from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 
     rng, s, interpret = np.random.default_rng(1), run.shapes, run.args.tiny
     checks = []
@@ -322,7 +322,7 @@ def part_experts(run: Run):
     import numpy as np
 
     from jaxmtp.moe import Routing, routed_experts
-    from kernels import grouped_matmul as gm
+    from jaxmtp.kernels import grouped_matmul as gm
 
     s, rng, interpret = run.shapes, np.random.default_rng(2), run.args.tiny
     peer = run.results["peer"]
@@ -419,7 +419,7 @@ SWEEP_DOWN_TOKENS = (1, 2048)
 
 def sweep_tiling(run: Run, tokens, x, routing, gate_up, down):
     """Each kernel alone over a few tilings, on one input set, against the default."""
-    from kernels import grouped_matmul as gm
+    from jaxmtp.kernels import grouped_matmul as gm
 
     s = run.shapes
     xs, sizes = sorted_rows(x, routing, s.experts)
@@ -483,7 +483,7 @@ MLA_SWEEP = [(16, 32, None, 4, 3), (16, 64, None, 8, 2), (16, 64, "half", 4, 2),
 
 
 def time_mla(run: Run, case, rows_per_seq, config=None):
-    from kernels.mla_decode import mla_decode_attention
+    from jaxmtp.kernels.mla_decode import mla_decode_attention
 
     def call(latent, rope, kv_lens, query_start, q_latent, q_rope, table):
         return mla_decode_attention(q_latent, q_rope, latent, rope, kv_lens, table, query_start, sm_scale=0.1,
@@ -496,7 +496,7 @@ def time_mla(run: Run, case, rows_per_seq, config=None):
 def part_mla(run: Run, cases):
     import numpy as np
 
-    from kernels.mla_decode import MLAKernelConfig, default_config
+    from jaxmtp.kernels.mla_decode import MLAKernelConfig, default_config
 
     s, rng, peer = run.shapes, np.random.default_rng(4), run.results["peer"]
     for batch, context, rows in cases:

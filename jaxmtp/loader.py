@@ -14,9 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 from safetensors import safe_open
+from tqdm import tqdm
 
 from jaxmtp.config import MOE_MODEL_TYPES, ModelConfig
-from jaxmtp.params import ExpertLayerParams, LayerParams, MLAParams, MoEParams, MTPParams, Params, param_shapes, random_params
+from jaxmtp.params import (
+    BiasedLayerParams, ExpertLayerParams, LayerParams, MLAParams, MoEParams, MTPParams, Params, layer_params_class,
+    param_shapes, random_params,
+)
 from jaxmtp.sharding import make_mesh, param_shardings
 
 ORBAX_DIR = "params"  # the engine's own checkpoints keep an orbax tree here
@@ -116,10 +120,15 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
     def optional(name, enabled, **kwargs):
         return src.ref(name, **kwargs) if enabled else None
 
-    kind = LayerParams if cfg.moe is None else ExpertLayerParams
-    extra = {} if cfg.moe is None else dict(
-        mla=None if gqa else _mla_refs(src, attn, cfg), moe=None if dense else _moe_refs(src, mlp, cfg)
-    )
+    kind, extra = layer_params_class(cfg), {}
+    if kind is ExpertLayerParams:
+        extra = dict(mla=None if gqa else _mla_refs(src, attn, cfg), moe=None if dense else _moe_refs(src, mlp, cfg))
+    elif kind is BiasedLayerParams:
+        extra = dict(
+            o_bias=optional(f"{attn}.o_proj.bias", cfg.o_bias),
+            gate_up_bias=_gate_up_ref(src, mlp, "bias", axis=0) if cfg.mlp_bias else None,
+            down_bias=optional(f"{mlp}.down_proj.bias", cfg.mlp_bias),
+        )
     return kind(
         **extra,
         input_norm=src.ref(f"{prefix}.{norm_names[0]}.weight"),
@@ -138,8 +147,10 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
     )
 
 
-def _gate_up_ref(src: TensorSource, mlp: str) -> StackedRef:
-    return StackedRef(tuple(src.ref(f"{mlp}.{name}.weight", transpose=True) for name in ("gate_proj", "up_proj")))
+def _gate_up_ref(src: TensorSource, mlp: str, kind: str = "weight", axis: int = 1) -> StackedRef:
+    """gate_proj and up_proj stacked: weights [H, 2, I], biases [2, I]."""
+    return StackedRef(tuple(src.ref(f"{mlp}.{name}.{kind}", transpose=kind == "weight")
+                            for name in ("gate_proj", "up_proj")), axis=axis)
 
 
 def _mla_refs(src: TensorSource, attn: str, cfg: ModelConfig) -> MLAParams:
@@ -219,12 +230,16 @@ def load_hf_params(model_dir: Path, cfg: ModelConfig, mesh: Mesh, num_mtp_module
         lm_head=None if cfg.tie_word_embeddings else src.ref("lm_head.weight", transpose=True),
         mtp=[_mtp_module_refs(src, cfg, n) for n in range(num_mtp_modules)],
     )
-    return jax.tree.map(
-        lambda ref, sharding: jax.make_array_from_callback(
-            ref.shape, sharding, functools.partial(src.read, ref, dtype=jnp.dtype(ref.dtype or cfg.dtype))
-        ),
-        refs, param_shardings(refs, mesh),
-    )
+    # a progress bar on a terminal (tqdm leaves it out when stderr is not one)
+    with tqdm(total=len(jax.tree.leaves(refs)), desc=f"loading {model_dir.name}", unit="tensor", disable=None) as bar:
+        def place(ref, sharding):
+            array = jax.make_array_from_callback(
+                ref.shape, sharding, functools.partial(src.read, ref, dtype=jnp.dtype(ref.dtype or cfg.dtype))
+            )
+            bar.update()
+            return array
+
+        return jax.tree.map(place, refs, param_shardings(refs, mesh))
 
 
 def _orbax():
@@ -315,6 +330,10 @@ def _block_tensors(prefix: str, p: LayerParams) -> dict:
         "self_attn.v_proj.bias": (p.v_bias, False),
         "self_attn.q_norm.weight": (p.q_norm, False),
         "self_attn.k_norm.weight": (p.k_norm, False),
+        "self_attn.o_proj.bias": (p.o_bias, False),
+        "mlp.gate_proj.bias": (None if p.gate_up_bias is None else p.gate_up_bias[0], False),
+        "mlp.up_proj.bias": (None if p.gate_up_bias is None else p.gate_up_bias[1], False),
+        "mlp.down_proj.bias": (p.down_bias, False),
     }
     return {f"{prefix}.{name}": (w.T if transpose else w) for name, (w, transpose) in names.items() if w is not None}
 

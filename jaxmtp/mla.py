@@ -26,10 +26,10 @@ from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import ATTENTION_BACKENDS
 from jaxmtp.layers import apply_rope, rms_norm
 from jaxmtp.params import LayerParams
+from jaxmtp.kernels.mla_decode import mla_decode_attention, supports
+from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
+from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.sharding import shard_mla_over_heads
-from kernels.mla_decode import mla_decode_attention, supports
-from kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
-from kernels.reference import row_ownership
 
 # transformers and DeepSeek's own code build q_a_layernorm and kv_a_layernorm with the
 # RMSNorm default, not the config's rms_norm_eps

@@ -13,7 +13,8 @@ from jaxmtp.attention import AttentionFn, attention_fn, resolve_backend
 from jaxmtp.batch import Batch
 from jaxmtp.cache import KVCache
 from jaxmtp.config import ModelConfig
-from jaxmtp.layers import apply_rope, rms_norm, swiglu
+from jaxmtp.layers import apply_rope, gated_mlp, rms_norm
+from jaxmtp.linear import linear
 from jaxmtp.mla import mla_attention, mla_attention_fn, resolve_mla_backend
 from jaxmtp.moe import ExpertsFn, experts_fn
 from jaxmtp.params import LayerParams, Params
@@ -54,9 +55,7 @@ def gqa_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Grouped-query attention over normed rows h [T, H]; writes this step's K/V."""
     t = h.shape[0]
-    q, k, v = h @ p.q_proj, h @ p.k_proj, h @ p.v_proj
-    if p.q_bias is not None:
-        q, k, v = q + p.q_bias, k + p.k_bias, v + p.v_bias
+    q, k, v = linear(h, p.q_proj, p.q_bias), linear(h, p.k_proj, p.k_bias), linear(h, p.v_proj, p.v_bias)
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -68,7 +67,7 @@ def gqa_attention(
         q, k, v, k_pages, v_pages, batch.slot_mapping, batch.kv_len, batch.page_table, batch.query_start,
         sliding_window=cfg.sliding_window,
     )
-    return out.reshape(t, cfg.q_size) @ p.o_proj, k_pages, v_pages
+    return linear(out.reshape(t, cfg.q_size), p.o_proj, p.o_bias), k_pages, v_pages
 
 
 def decoder_layer(
@@ -88,8 +87,11 @@ def decoder_layer(
     out, k_pages, v_pages = block(p, cfg, h, batch, k_pages, v_pages, ops.attention)
     x = x + out
     h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)
-    x = x + (swiglu(h, p.gate_up_proj, p.down_proj) if p.moe is None else ops.experts(p.moe, cfg.moe, h))
-    return x, k_pages, v_pages
+    if p.moe is None:
+        ffn = gated_mlp(h, p.gate_up_proj, p.down_proj, cfg.hidden_act, p.gate_up_bias, p.down_bias)
+    else:
+        ffn = ops.experts(p.moe, cfg.moe, h)
+    return x + ffn, k_pages, v_pages
 
 
 def forward(

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp.config import MoEConfig
-from jaxmtp.layers import swiglu
+from jaxmtp.layers import gated_mlp
 from jaxmtp.params import MoEParams
+from jaxmtp.kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 from jaxmtp.sharding import ROWS_AXES, TP, param_specs, shard_per_device
-from kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     """The routed experts p holds (from first_expert) plus the shared experts, in float32."""
     out = routed_experts(h, route(h, p.router, p.router_bias, cfg), p.experts_gate_up, p.experts_down, first_expert)
     if p.shared_gate_up is not None:
-        out = out + swiglu(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
+        out = out + gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
     return out
 
 

@@ -45,9 +45,9 @@ class MoEParams:
 @pytree_dataclass
 class LayerParams:
     """One decoder layer: GQA attention (q/k/v_proj) or MLA (mla), then a dense MLP
-    (gate_up_proj, down_proj) or experts (moe). Only ExpertLayerParams has the last
-    two: the Llama family's trees, and the checkpoints orbax wrote of them, stay as
-    they were."""
+    (gate_up_proj, down_proj) or experts (moe). Only the subclasses have the fields
+    most layers lack (experts, MLA, the o_proj and MLP biases): the Llama family's
+    trees, and the checkpoints orbax wrote of them, stay as they were."""
 
     input_norm: jax.Array  # [H]
     q_proj: jax.Array | None = None  # [H, Hq*D]
@@ -65,8 +65,11 @@ class LayerParams:
     v_bias: jax.Array | None = None
     q_norm: jax.Array | None = None  # Qwen3 / GLM-4.5: RMSNorm over each head's D
     k_norm: jax.Array | None = None
-    mla = None  # class attributes, not fields: see ExpertLayerParams
+    mla = None  # class attributes, not fields: see the subclasses
     moe = None
+    o_bias = None
+    gate_up_bias = None
+    down_bias = None
 
 
 @pytree_dataclass
@@ -75,6 +78,22 @@ class ExpertLayerParams(LayerParams):
 
     mla: MLAParams | None = None
     moe: MoEParams | None = None
+
+
+@pytree_dataclass
+class BiasedLayerParams(LayerParams):
+    """A Llama-family layer with biases beyond q/k/v's (ModelConfig.o_bias or mlp_bias)."""
+
+    o_bias: jax.Array | None = None  # [H]: Llama's and Qwen3's attention_bias
+    gate_up_bias: jax.Array | None = None  # [2, I]: Llama's mlp_bias
+    down_bias: jax.Array | None = None  # [H]
+
+
+def layer_params_class(cfg: ModelConfig) -> type[LayerParams]:
+    """The decoder layers' pytree class: the fields the config's layers may have."""
+    if cfg.moe is not None:
+        return ExpertLayerParams
+    return BiasedLayerParams if cfg.o_bias or cfg.mlp_bias else LayerParams
 
 
 @pytree_dataclass
@@ -141,8 +160,12 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
     def layer(index):
         gqa = cfg.mla is None
         dense = not cfg.layer_is_moe(index)
-        kind = LayerParams if cfg.moe is None else ExpertLayerParams
-        extra = {} if cfg.moe is None else dict(mla=None if gqa else mla(), moe=None if dense else moe())
+        kind, extra = layer_params_class(cfg), {}
+        if kind is ExpertLayerParams:
+            extra = dict(mla=None if gqa else mla(), moe=None if dense else moe())
+        elif kind is BiasedLayerParams:
+            extra = dict(o_bias=leaf(h) if cfg.o_bias else None, gate_up_bias=leaf(2, i) if cfg.mlp_bias else None,
+                         down_bias=leaf(h) if cfg.mlp_bias else None)
         return kind(
             **extra,
             input_norm=leaf(h),

@@ -67,6 +67,9 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "k_norm": ("head_dim",),
     "gate_up_proj": ("embed", "gate_or_up", "ffn"),
     "down_proj": ("ffn", "embed"),
+    "o_bias": ("embed",),  # added once, after the all-reduce
+    "gate_up_bias": ("gate_or_up", "ffn"),
+    "down_bias": ("embed",),
     # MTP module: its block is a LayerParams and shards like a decoder layer. The two
     # [H, H] input projections stay whole: split, they would add an all-reduce of the
     # rows for about 15% of the block's weights.

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.ragged_paged_attention import _TritonCompilerParams, _cdiv, _next_power_of_2
+from jaxmtp.kernels.ragged_paged_attention import _TritonCompilerParams, _cdiv, _next_power_of_2
 
 HIGHEST = lax.Precision.HIGHEST
 

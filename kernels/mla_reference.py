@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.reference import row_ownership
+from jaxmtp.kernels.reference import row_ownership
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -12,8 +12,8 @@ from conftest import fresh_rng
 from jaxmtp.config import MoEConfig
 from jaxmtp.mla import mla_attention_fn
 from jaxmtp.moe import route, routed_experts
-from kernels.grouped_matmul import grouped_matmul_reference
-from kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
+from jaxmtp.kernels.grouped_matmul import grouped_matmul_reference
+from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from test_kernels import make_case
 
 
@@ -280,7 +280,7 @@ def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
     want = mla_float64(q_nope, q_rope, new_latent, new_rope, kv_lens, page_table, query_start, w_uk, w_uv, 0.3)
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
 
-    import kernels.mla_reference as ref
+    import jaxmtp.kernels.mla_reference as ref
     import jaxmtp.mla as mla
 
     original = mla.mla_absorbed_attention_reference

@@ -13,9 +13,9 @@ import pytest
 
 from jaxmtp.mla import mla_attention_fn, resolve_mla_backend
 from jaxmtp.moe import Routing, routed_experts
-from kernels import grouped_matmul as gm
-from kernels.mla_decode import MLAKernelConfig, mla_decode_attention
-from kernels.mla_reference import mla_absorbed_attention_reference
+from jaxmtp.kernels import grouped_matmul as gm
+from jaxmtp.kernels.mla_decode import MLAKernelConfig, mla_decode_attention
+from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 from test_kernels import make_case, relative_error
 from test_moe_kernels import grouped_matmul_float64, seeded
 

@@ -12,7 +12,7 @@ from conftest import ROOT
 PACKAGE = ROOT / "jaxmtp"
 HOST_ONLY = (
     "scheduler", "allocator", "prefix_cache", "sequence", "sampling_params", "engine_config", "outputs", "intake",
-    "structured_outputs",
+    "structured_outputs", "quantization",
 )
 
 
