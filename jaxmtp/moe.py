@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 from jaxmtp.config import MoEConfig
 from jaxmtp.layers import gated_mlp
+from jaxmtp.linear import grouped_linear
 from jaxmtp.params import MoEParams
-from jaxmtp.kernels.grouped_matmul import grouped_matmul
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +52,8 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
     order = jnp.argsort(flat, stable=True)
     row = order // k
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    up = grouped_matmul(x[row], gate_up.reshape(num_experts, h, 2 * inter), group_sizes).reshape(-1, 2, inter)
-    out = grouped_matmul(jax.nn.silu(up[:, 0]) * up[:, 1], down, group_sizes)
+    up = grouped_linear(x[row], gate_up, group_sizes).reshape(-1, 2, inter)
+    out = grouped_linear(jax.nn.silu(up[:, 0]) * up[:, 1], down, group_sizes)
     weighted = out.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, h), jnp.float32).at[row].add(weighted).astype(x.dtype)
 

@@ -15,6 +15,7 @@ from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, pack_batch
 from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import EngineConfig
+from jaxmtp.linear import fp8_matmul_for, with_fp8_matmul
 from jaxmtp.loader import load_params
 from jaxmtp.memory import plan_kv_pool
 from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
@@ -58,6 +59,9 @@ class ModelRunner:
         self.params = load_params(
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules, mesh=self.mesh
         )
+        if model_config.quantization is not None:
+            matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
+            self.params = with_fp8_matmul(self.params, matmul)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
         # sized after the weights are placed, from the memory they leave
         self.kv_pool = plan_kv_pool(

@@ -16,6 +16,7 @@ under shard_map (jaxmtp.attention), with specs from the same rules.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.params import Fp8Weight
 
 TP = "tp"  # the mesh's one axis: devices that split heads, ffn and vocabulary
 
@@ -143,9 +145,24 @@ def param_shardings(params, mesh: Mesh) -> object:
         axes = PARAM_AXES[path[-1].name]
         if len(axes) != len(leaf.shape):
             raise ValueError(f"{jax.tree_util.keystr(path)} has shape {leaf.shape}; the rules say {axes}")
-        return NamedSharding(mesh, logical_to_spec(axes, leaf.shape, mesh))
+        spec = logical_to_spec(axes, leaf.shape, mesh)
+        if isinstance(leaf, Fp8Weight):
+            return dataclasses.replace(leaf, weight=NamedSharding(mesh, spec),
+                                       scale_inv=NamedSharding(mesh, block_scale_spec(spec, leaf.shape, leaf.block, mesh)))
+        return NamedSharding(mesh, spec)
 
-    return jax.tree_util.tree_map_with_path(sharding, params)
+    return jax.tree_util.tree_map_with_path(sharding, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+
+
+def block_scale_spec(weight_spec: PartitionSpec, shape: tuple[int, ...], block: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """An fp8 weight's block scales split with it where each device's part of the weight
+    is whole blocks (its scales then are whole rows or columns of the scales); where
+    not, that axis of the scales stays whole on every device (they are small)."""
+    axes = tuple(weight_spec) + (None,) * (len(shape) - len(weight_spec))
+    return PartitionSpec(*(
+        axis if axis is None or (size // mesh.shape[axis]) % size_of_block == 0 else None
+        for axis, size, size_of_block in zip(axes, shape, block)
+    ))
 
 
 def cache_sharding(mesh: Mesh) -> NamedSharding:
