@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxmtp.engine_config import MODEL_DTYPES
-from jaxmtp.quantization import quantization_from_hf
+from jaxmtp.quantization import Fp8BlockConfig, quantization_from_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +126,7 @@ class ModelConfig:
     o_bias: bool = False  # a bias on o_proj (Llama's and Qwen3's attention_bias)
     hidden_act: str = "silu"  # the gated MLP's activation, one of HIDDEN_ACTIVATIONS
     mlp_bias: bool = False  # biases on gate, up and down (Llama's mlp_bias)
+    quantization: Fp8BlockConfig | None = None  # fp8 linear weights with block scales (jaxmtp/quantization.py)
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` (MTP layers continue the numbering) has experts."""
@@ -259,7 +260,7 @@ def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
         )
     if hf.get("use_sliding_window") and model_type in ("qwen2", "qwen3", "mimo"):
         raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
-    quantization_from_hf(hf)
+    quantization = quantization_from_hf(hf)
     family = SUPPORTED_MODEL_TYPES.get(model_type, DenseFamily(o_bias=False))  # MoE families: checked below
     attention_bias = bool(hf.get("attention_bias", False))
     hidden_act = hf.get("hidden_act", "silu")
@@ -304,6 +305,7 @@ def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
         eos_token_ids=_eos_token_ids(Path(model_dir), hf),
         num_mtp_modules=num_mtp,
         mtp_layout=mtp_layout,
+        quantization=quantization,
     )
     if model_type in MOE_MODEL_TYPES:
         cfg = _moe_model_config(cfg, hf, partial_rotary_factor)

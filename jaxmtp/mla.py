@@ -25,6 +25,7 @@ from jaxmtp.batch import Batch
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import ATTENTION_BACKENDS
 from jaxmtp.layers import apply_rope, rms_norm
+from jaxmtp.linear import dense, linear
 from jaxmtp.params import LayerParams
 from jaxmtp.kernels.mla_decode import mla_decode_attention, supports
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
@@ -103,18 +104,18 @@ def mla_attention(
     [T, H] and the cache layer with this step's latent rows written."""
     m, heads, t = cfg.mla, cfg.num_heads, h.shape[0]
     if p.mla.q_proj is not None:
-        q = h @ p.mla.q_proj
+        q = linear(h, p.mla.q_proj)
     else:
-        q = rms_norm(h @ p.mla.q_a_proj, p.mla.q_a_norm, LORA_NORM_EPS) @ p.mla.q_b_proj
+        q = linear(rms_norm(linear(h, p.mla.q_a_proj), p.mla.q_a_norm, LORA_NORM_EPS), p.mla.q_b_proj)
     q = q.reshape(t, heads, m.qk_head_dim)
     q_nope, q_rope = q[..., : m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim :], batch.positions, cfg)
-    kv = h @ p.mla.kv_a_proj
+    kv = linear(h, p.mla.kv_a_proj)
     latent = rms_norm(kv[:, : m.kv_lora_rank], p.mla.kv_a_norm, LORA_NORM_EPS)
     rope_key = apply_rope(kv[:, None, m.kv_lora_rank :], batch.positions, cfg)[:, 0]
-    kv_b = p.mla.kv_b_proj.reshape(m.kv_lora_rank, heads, m.qk_nope_head_dim + m.v_head_dim)
+    kv_b = dense(p.mla.kv_b_proj, h.dtype).reshape(m.kv_lora_rank, heads, m.qk_nope_head_dim + m.v_head_dim)
     out, latent_pages, rope_pages = attention(
         q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, batch.slot_mapping, batch.kv_len,
         batch.page_table, batch.query_start, kv_b[..., : m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim :],
         sm_scale=cfg.mla_softmax_scale(),
     )
-    return out.reshape(t, heads * m.v_head_dim) @ p.o_proj, latent_pages, rope_pages
+    return linear(out.reshape(t, heads * m.v_head_dim), p.o_proj), latent_pages, rope_pages

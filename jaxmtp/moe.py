@@ -13,6 +13,7 @@ from jax.sharding import Mesh
 
 from jaxmtp.config import MoEConfig
 from jaxmtp.layers import gated_mlp
+from jaxmtp.linear import dense
 from jaxmtp.params import MoEParams
 from jaxmtp.kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 from jaxmtp.sharding import ROWS_AXES, TP, param_specs, shard_per_device
@@ -59,6 +60,7 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
     (the Pallas kernel on GPUs), or its references or kernels of the same signature
     (tests, benchmarks)."""
     t, h = x.shape
+    gate_up, down = dense(gate_up, x.dtype), dense(down, x.dtype)  # fp8 experts: dequantized (no grouped fp8 kernel yet)
     num_held = gate_up.shape[0]
     k = routing.experts.shape[1]
     local = routing.experts.reshape(-1) - first_expert

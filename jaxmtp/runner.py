@@ -15,6 +15,7 @@ from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, lookahead_w
 from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import EngineConfig
+from jaxmtp.linear import fp8_matmul_for, with_fp8_matmul
 from jaxmtp.loader import load_params
 from jaxmtp.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.memory import plan_kv_pool
@@ -65,6 +66,9 @@ class ModelRunner:
         self.params = load_params(
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules, mesh=self.mesh
         )
+        if model_config.quantization is not None:
+            matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
+            self.params = with_fp8_matmul(self.params, matmul)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
         # before the pool is sized: its memory is the weights' and this state's remainder
         self.logits_state = jax.device_put(zero_state(config.max_num_seqs, model_config.vocab_size), replicated(self.mesh))

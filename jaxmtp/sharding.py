@@ -18,6 +18,7 @@ experts run per shard under shard_map (shard_per_device), with specs from the sa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.params import Fp8Weight
 
 TP = "tp"  # the mesh's one axis: devices that split heads, ffn and vocabulary
 
@@ -161,9 +163,24 @@ def param_specs(params, mesh: Mesh) -> object:
         axes = PARAM_AXES[path[-1].name]
         if len(axes) != len(leaf.shape):
             raise ValueError(f"{jax.tree_util.keystr(path)} has shape {leaf.shape}; the rules say {axes}")
-        return logical_to_spec(axes, leaf.shape, mesh)
+        weight_spec = logical_to_spec(axes, leaf.shape, mesh)
+        if isinstance(leaf, Fp8Weight):
+            scale_spec = block_scale_spec(weight_spec, leaf.shape, leaf.block, mesh)
+            return dataclasses.replace(leaf, weight=weight_spec, scale_inv=scale_spec)
+        return weight_spec
 
-    return jax.tree_util.tree_map_with_path(spec, params)
+    return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+
+
+def block_scale_spec(weight_spec: PartitionSpec, shape: tuple[int, ...], block: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+    """An fp8 weight's block scales split with it where each device's part of the weight
+    is whole blocks (its scales then are whole rows or columns of the scales); where
+    not, that axis of the scales stays whole on every device (they are small)."""
+    axes = tuple(weight_spec) + (None,) * (len(shape) - len(weight_spec))
+    return PartitionSpec(*(
+        axis if axis is None or (size // mesh.shape[axis]) % size_of_block == 0 else None
+        for axis, size, size_of_block in zip(axes, shape, block)
+    ))
 
 
 def param_shardings(params, mesh: Mesh) -> object:

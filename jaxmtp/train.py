@@ -213,6 +213,8 @@ def self_distillation_corpus(llm, prompts: list[str], samples_per_prompt: int, m
 
 class Trainer:
     def __init__(self, params: Params, cfg: ModelConfig, config: TrainConfig, page_size: int = 16):
+        if cfg.quantization is not None:
+            raise ValueError("training an MTP module on an fp8 (quantization_config) base model is not implemented")
         if cfg.mtp_layout is None:
             cfg = dataclasses.replace(cfg, mtp_layout="deepseek", num_mtp_modules=1)
         self.params = dataclasses.replace(params, mtp=[])
