@@ -45,6 +45,8 @@ LLAMA3_8B = {
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 1, "eos_token_id": 2, "num_nextn_predict_layers": 1,
 }
+# DeepSeek-V3's quantization_config (its checkpoints' config.json)
+FP8_BLOCK_SCALED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 TINY = {**LLAMA3_8B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024}
 
@@ -287,6 +289,8 @@ class Bench:
         chosen = {k: v for k, v in (("batches", args.batches), ("contexts", args.contexts)) if v}
         self.sizes = dataclasses.replace(sizes, **chosen)
         self.config = TINY if args.tiny else LLAMA3_8B
+        if args.quantization == "fp8":
+            self.config = {**self.config, "quantization_config": FP8_BLOCK_SCALED}
         self.folder = self.model_folder(self.config)
         self.rng = np.random.default_rng(0)
         self.out_dir = Path(os.environ.get("OUT", args.out))
@@ -635,6 +639,8 @@ def main() -> None:
                         help="contexts of the batch scenario (default: 1024,4096)")
     parser.add_argument("--mtp32-k", type=lambda x: [int(k) for k in x.split(",")], default=[1, 3],
                         help="speculative tokens to measure at batch 32")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="fp8: the model's linear weights in DeepSeek's block-scaled fp8 (default: none)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     chosen = [x for x in args.scenarios.split(",") if x]
