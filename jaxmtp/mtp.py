@@ -36,12 +36,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxmtp.batch import Batch, row_owner, slot_of, with_rows_before
 from jaxmtp.cache import KVCache, dropped_index, read_hidden, write_slots
 from jaxmtp.config import MTP_LAYOUTS, ModelConfig
 from jaxmtp.model import LayerOps, decoder_layer, logits, rms_norm
 from jaxmtp.params import MTPParams, Params
+from jaxmtp.sharding import argmax_vocab
 
 def module_forward(
     module: MTPParams,
@@ -97,11 +99,14 @@ def propose(
     ops: LayerOps,
     num_drafts: int,
     boundary_mode: str,
+    mesh: Mesh | None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
     """The draft pass: modules 1..M over the rows, then num_drafts - M chained steps of
     module M.
 
-    hidden: main model output [T, H]; tokens/num_accepted: what verification emitted.
+    hidden: main model output [T, H]; tokens/num_accepted: what verification emitted;
+    mesh: the tensor-parallel mesh, over which each draft's argmax runs on the
+    vocab-sharded logits without gathering them (sharding.argmax_vocab).
     Returns drafts [B, num_drafts], the cache with draft KV (and hidden pages) written,
     and the boundary tokens [B] the draft pass used (for tests and ablations)."""
     b = batch.kv_len.shape[0]
@@ -135,7 +140,7 @@ def propose(
         if j < m:
             hidden_pages[j - 1] = write_slots(hidden_pages[j - 1], rows.slot_mapping, x)
         x = x[rows.sample_index[seq_idx, num_accepted]]  # [B, H] at the boundary rows
-        draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
+        draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
         drafts.append(draft)
         if j < m:
             beyond = beyond.at[:, j].set(jnp.where(reads_drafts, draft, beyond[:, j]))
@@ -163,7 +168,7 @@ def propose(
         x, k_layers[layer], v_layers[layer] = module_forward(
             module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], ops
         )
-        draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
+        draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
         drafts.append(draft)
     cache = KVCache(k=k_layers, v=v_layers, hidden=hidden_pages)
     return jnp.stack(drafts, axis=1), cache, beyond[:, 0]

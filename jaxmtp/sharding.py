@@ -12,8 +12,9 @@ whole experts. MLA's latent cache has no head dimension: it is whole on every de
 Everything else (norms, the residual stream, the router, the batch) is replicated.
 
 The model code never names a mesh axis: XLA's SPMD partitioner propagates these
-shardings through the matmuls, and the attention (KV write plus kernel) and the routed
-experts run per shard under shard_map (shard_per_device), with specs from the same rules.
+shardings through the matmuls, and the attention (KV write plus kernel), the routed
+experts and the greedy argmax over the vocabulary run per shard under shard_map
+(shard_per_device), with specs from the same rules.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -220,6 +222,41 @@ def gather_vocab(logits: jax.Array, mesh: Mesh) -> jax.Array:
     spec = logical_to_spec(("tokens",) * (logits.ndim - 1) + ("vocab",), logits.shape, mesh)
     logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, spec))
     return jax.lax.with_sharding_constraint(logits, replicated(mesh))
+
+
+def argmax_vocab(logits: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """jnp.argmax(logits, axis=-1) of vocab-sharded logits [..., V], whole on every
+    device, without gathering the logits: each device takes the argmax of its shard,
+    one all-gather brings every device's (max, index) of each row, [..., 2] a device,
+    and every device picks the same winner. Greedy steps and the MTP drafts read
+    nothing else of the rows, so the [..., V] gather is not needed there.
+
+    Ties break as jnp.argmax breaks them over the whole row, lowest index first: a
+    device's local argmax is its lowest index at its maximum, and the shards are
+    contiguous in device order, so the winner is the lowest device whose maximum is the
+    row's (jnp.argmax over the devices' maxima; a NaN counts as the maximum in both).
+    Without a mesh, on one device, or with a vocabulary the devices do not divide (the
+    logits are whole already), it is jnp.argmax itself. Returns int32 [...]."""
+    if mesh is None or mesh.shape[TP] == 1:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    spec = logical_to_spec(("tokens",) * (logits.ndim - 1) + ("vocab",), logits.shape, mesh)
+    if spec[-1] is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    shard_size = logits.shape[-1] // mesh.shape[TP]
+    if shard_size > 2**24:  # the index travels as a float32: exact below 2**24
+        raise ValueError(f"a vocabulary shard of {shard_size} tokens is larger than 2**24")
+
+    def pick(shard):
+        index = jnp.argmax(shard, axis=-1)
+        value = jnp.take_along_axis(shard, index[..., None], axis=-1)[..., 0]
+        # one collective: the index rides with the value as a float32 (a normal float,
+        # not bits reinterpreted, which flush-to-zero could touch)
+        every = jax.lax.all_gather(jnp.stack([value.astype(jnp.float32), index.astype(jnp.float32)], axis=-1), TP)
+        device = jnp.argmax(every[..., 0], axis=0)  # [...]: the lowest device at the row's maximum
+        local = jnp.take_along_axis(every[..., 1], device[None], axis=0)[0]
+        return (device * shard_size + local.astype(jnp.int32)).astype(jnp.int32)
+
+    return shard_per_device(pick, mesh, (spec,), PartitionSpec(*spec[:-1]))(logits)
 
 
 def _specs(axes):
