@@ -51,11 +51,13 @@ def _next_power_of_2(n: int) -> int:
 
 def default_config(m: int, n: int) -> Fp8MatmulConfig:
     """Decode and verify (few rows) want many programs streaming narrow column tiles,
-    prefill wide tiles that reuse each weight tile over many rows. Not yet tuned on a
-    GPU (docs/kernels.md)."""
+    prefill wide tiles that reuse each weight tile over many rows (docs/kernels.md)."""
     block_m = min(max(_next_power_of_2(m), 16), 64)
     block_n = 32 if m <= 16 else 64
-    return Fp8MatmulConfig(block_m, min(block_n, max(16, _next_power_of_2(n))), num_warps=4, num_stages=3)
+    # 4 stages at decode: the most frequent best of the 2026-12-01 H200 sweep over the
+    # Llama-3-8B projections (docs/benchmarks/2026-12-01_H200_fp8_sweep.json)
+    num_stages = 4 if m <= 16 else 3
+    return Fp8MatmulConfig(block_m, min(block_n, max(16, _next_power_of_2(n))), num_warps=4, num_stages=num_stages)
 
 
 def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, ...]) -> jax.Array:
