@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, fresh_rng, greedy, make_hf_model, prompt_logits, token_ids
-from jaxmtp import LLM
+from jaxmtp import LLM, SamplingParams
 from jaxmtp.config import load_config
 from jaxmtp.params import FP8, Fp8Weight
 
@@ -345,3 +345,33 @@ def test_tensor_parallel_fp8_gives_one_devices_tokens_and_shards_the_scales_with
     assert specs["o_proj"] == [["tp", None], ["tp", None]]
     assert specs["gate_up_proj"] == [[None, None, "tp"], [None, None, None]]
     assert specs["down_proj"] == [["tp", None], [None, None]]
+
+
+def test_an_fp8_checkpoint_serves_through_llm_the_cli_and_the_server(tmp_path):
+    """The same text from LLM, `jaxmtp generate --model` and the server's completions
+    (the official openai client), for an fp8 Llama with the stories260K tokenizer."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from jaxmtp.server import ServerConfig, create_app
+
+    rng = fresh_rng()
+    folder = make_hf_model(tmp_path / "llama", "llama", seed=int(rng.integers(1 << 30)), dtype="bfloat16",
+                           **{**LLAMA_SHAPE, "vocab_size": 512})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ROOT / "checkpoints" / "stories260K" / name, folder / name)
+    folder = quantize_folder(folder, rng)[0]
+    options = dict(max_num_seqs=2, max_num_batched_tokens=16, page_size=4)
+    llm = LLM(folder, **options)
+    want = llm.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+    cli = subprocess.run(
+        [sys.executable, "-m", "jaxmtp.cli", "generate", "Once upon a time", "--model", str(folder), "--max-tokens", "8",
+         "--temperature", "0", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--page-size", "4"],
+        cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert cli.stdout == "Once upon a time" + want + "\n"
+    with TestClient(create_app(llm.engine, str(folder), ServerConfig(disable_log_stats=True))) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+        out = client.completions.create(model=folder.name, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert out.choices[0].text == want
