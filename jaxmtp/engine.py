@@ -89,7 +89,7 @@ class LLMEngine:
         # room for k verify rows plus k-1 chained draft positions past the last token
         self.max_pages_per_seq = pages_for(self.max_model_len + 2 * k, self.page_size)
         self.runner = ModelRunner(model_dir, config, cfg, m, self.max_pages_per_seq)
-        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.prefix_cache = None
         # the salt: what besides the tokens decides a page's KV in this engine
         self._salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
@@ -111,11 +111,11 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.intake = RequestIntake(
-            self.tokenizer, model_dir.name, cfg.vocab_size, self.max_model_len, self.runner.step_config.num_top_logprobs,
+            tokenizer, model_dir.name, cfg.vocab_size, self.max_model_len, self.runner.step_config.num_top_logprobs,
             self.eos_token_ids, config.seed,
         )
         self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
-        self.output_processor = OutputProcessor(self.tokenizer, with_spec_stats=k > 0, stats=self.stats)
+        self.output_processor = OutputProcessor(tokenizer, with_spec_stats=k > 0, stats=self.stats)
         self.requests: dict[str, Request] = {}
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
@@ -128,6 +128,15 @@ class LLMEngine:
         self.last_step: InFlightStep | None = None
         self.last_schedule = []
         self.last_step_output: StepResult | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None without a tokenizer.json); the intake encodes with it."""
+        return self.intake.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        self.intake.tokenizer = tokenizer
 
     # ----- what the runner owns, for research code and tests --------------------------------
 

@@ -335,7 +335,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1] * 600}, 400, "prompt", "exceeds the model's context of 512"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi " * 600}]}, 400, "messages", "exceeds the model"),
     ("completions", {"prompt": [1, 5000]}, 400, "prompt", "out of vocabulary"),
-    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be >= 1 (0 only with echo)"),
     ("chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens", "greater than"),
     ("completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
     ("completions", {"prompt": "Hi", "top_p": 0}, 400, "top_p", "greater than 0"),
