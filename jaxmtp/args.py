@@ -38,7 +38,8 @@ class HelpFormatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" not in text and action.default is not argparse.SUPPRESS:
+        subcommand = not action.option_strings and action.default is None  # a command's line, no option
+        if "default" not in text and action.default is not argparse.SUPPRESS and not subcommand:
             text += " (default: %(default)s)"
         return text
 

@@ -16,11 +16,20 @@ import threading
 import time
 from typing import Callable
 
+import jax
 from tqdm import tqdm
 
 from jaxmtp.batch import BatchShape
 
 log = logging.getLogger("jaxmtp.programs")
+
+
+def use_persistent_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path`, for every program, also those that
+    compile in under JAX's default second (most, on a CPU), so that a warm start loads
+    them all."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def run_cost(shape: BatchShape) -> tuple:

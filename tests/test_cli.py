@@ -44,11 +44,15 @@ def test_every_option_has_help_with_its_default():
 
     from jaxmtp.args import HelpFormatter
 
-    for name, parser in subcommand_parsers().items():
+    parsers = dict(subcommand_parsers())
+    while parsers:
+        name, parser = parsers.popitem()
         assert parser.formatter_class is HelpFormatter, name  # it appends the default a help leaves out
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction):
                 assert action.help, (name, action.dest)
+            if isinstance(action, argparse._SubParsersAction):  # `jaxmtp bench latency` and the others
+                parsers.update({f"{name} {mode}": sub for mode, sub in action.choices.items()})
     rendered = " ".join(subcommand_parsers()["serve"].format_help().split())
     assert "tokens per KV cache page (default: 16)" in rendered
     assert "(default: True)" in rendered.split("--no-enable-prefix-caching")[-1][:120]

@@ -103,18 +103,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    import jax
-
     from jaxmtp.engine import LLMEngine
+    from jaxmtp.programs import use_persistent_cache
 
     config = ServerConfig(**option_values(args, ServerConfig))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxmtp").setLevel(config.log_level.upper())
     if config.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-        # every shape, also those compiling in under JAX's default second (most, on a
-        # CPU), so that a warm start loads them all
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        use_persistent_cache(config.compilation_cache_dir)
     model = resolve_model(args)
     engine = LLMEngine(model, **engine_kwargs(args))
     # the largest shape holds any batch: requests run on it until theirs is compiled
