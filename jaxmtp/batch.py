@@ -179,7 +179,8 @@ class BatchShape:
     def holds(self, other: BatchShape) -> bool:
         """Whether a batch padded to `other` fits this shape too (full shapes): as many
         rows, requests and table columns or more, and sampling compiled if it needs it.
-        Padding changes no request's tokens."""
+        Padding rows and requests touch no real one's values (a differently shaped
+        program may round differently, as when batch composition changes the bucket)."""
         return (self.num_tokens >= other.num_tokens and self.num_seqs >= other.num_seqs
                 and self.pages_per_seq >= other.pages_per_seq and (other.greedy or not self.greedy))
 
