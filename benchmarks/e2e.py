@@ -336,8 +336,9 @@ class Bench:
         return llm
 
     def prompts(self, n, length):
-        vocab = self.config["vocab_size"]
-        return [self.rng.integers(3, vocab - 1, size=length).tolist() for _ in range(n)]
+        from jaxmtp.bench.offline import random_prompts
+
+        return random_prompts(self.rng, n, length, self.config["vocab_size"])
 
     def floor_s(self, batch, context):
         """Memory floor of one decode step: weights plus the batch's KV, at the copy rate."""
@@ -530,10 +531,14 @@ ONLINE_BUDGET_S = 240
 
 def scenario_online(bench: Bench) -> None:
     """Poisson arrivals of requests with fixed-seed prompt and output lengths; the
-    engine's shapes are compiled first (in parallel, into the compilation cache)."""
+    engine's shapes are compiled first (8 at a time). The loop and the TTFT / TPOT /
+    ITL figures are `jaxmtp bench`'s (jaxmtp/bench): ITL is the gap between outputs,
+    and the tokens of one MTP step are one output."""
     import numpy as np
 
     from jaxmtp import SamplingParams
+    from jaxmtp.bench.offline import run_requests
+    from jaxmtp.bench.stats import summarize
 
     s = bench.sizes
     # its warm-up compiles every shape (about 130 s cold on the H200), then about a minute of traffic
@@ -552,35 +557,13 @@ def scenario_online(bench: Bench) -> None:
     prompt_lens = rng.integers(*s.online_prompt, size=n)
     output_lens = rng.integers(*s.online_output, size=n)
     prompts = [bench.prompts(1, int(length))[0] for length in prompt_lens]
-    token_times = {i: [] for i in range(n)}
-    seen = {i: 0 for i in range(n)}
-    start = time.perf_counter()
-    added = 0
-    while added < n or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while added < n and arrivals[added] <= now:
-            engine.add_request(str(added), prompts[added], SamplingParams(
-                max_tokens=int(output_lens[added]), temperature=0.0, ignore_eos=True))
-            added += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[added] - now))
-            continue
-        outs = engine.step()
-        now = time.perf_counter() - start
-        for out in outs:
-            i = int(out.request_id)
-            count = len(out.outputs[0].token_ids)
-            token_times[i] += [now] * (count - seen[i])
-            seen[i] = count
-    total = time.perf_counter() - start
-    ttft = np.array([token_times[i][0] - arrivals[i] for i in range(n)])
-    tpot = np.array([(token_times[i][-1] - token_times[i][0]) / (len(token_times[i]) - 1) for i in range(n)])
-    itl = np.concatenate([np.diff(token_times[i]) for i in range(n)])
-    pct = lambda x: {f"p{p}": float(np.percentile(x, p)) * 1e3 for p in (50, 90, 99)}  # noqa: E731
+    params = [SamplingParams(max_tokens=int(length), temperature=0.0, ignore_eos=True) for length in output_lens]
+    times, total = run_requests(engine, prompts, params, arrivals)
+    summary = summarize(times, total)
     bench.results["online"] = {
         "requests": n, "rate_per_s": s.online_rate, "duration_s": total,
-        "output_tokens_per_s": float(sum(output_lens) / total), "requests_per_s": n / total,
-        "ttft_ms": pct(ttft), "tpot_ms": pct(tpot), "itl_ms": pct(itl),
+        "output_tokens_per_s": summary["output_tokens_per_s"], "requests_per_s": summary["requests_per_s"],
+        **{key: {p: summary[key][p] for p in ("p50", "p90", "p99")} for key in ("ttft_ms", "tpot_ms", "itl_ms")},
         "prompt_lengths": list(s.online_prompt), "output_lengths": list(s.online_output),
         "max_num_seqs": s.online_seqs,
     }

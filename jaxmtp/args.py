@@ -40,7 +40,8 @@ class HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         states_it = "(default" in text or "no default" in text
-        if not states_it and action.default is not argparse.SUPPRESS and (action.option_strings or action.default is not None):
+        subcommand = not action.option_strings and action.default is None  # a command's line, no option
+        if not states_it and action.default is not argparse.SUPPRESS and not subcommand:
             text += " (default: %(default)s)"
         return text
 

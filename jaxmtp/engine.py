@@ -156,9 +156,10 @@ class LLMEngine:
     def oracle_tokens(self, table) -> None:
         self.runner.oracle_tokens = table
 
-    def warmup(self, num_threads: int = 1) -> int:
-        """Compile the step for every bucket shape (ModelRunner.warmup)."""
-        return self.runner.warmup(num_threads, with_page_copies=self.prefix_cache is not None)
+    def warmup(self, num_threads: int = 1, background: bool = False) -> int:
+        """Compile the step for every bucket shape; background: the largest now, the
+        rest while the engine already runs steps (ModelRunner.warmup)."""
+        return self.runner.warmup(num_threads, with_page_copies=self.prefix_cache is not None, background=background)
 
     # ----- requests -------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """ModelRunner: everything on the device. It loads the params, owns the donated KV
-cache and the carry between steps, turns a SchedulerOutput into one jitted step (page
-copies first), reads a step's output back, compiles every bucket shape (warm-up) and
-inspects the compiled step. The engine never touches a device array."""
+cache and the carry between steps, turns a SchedulerOutput into one compiled step (page
+copies first), reads a step's output back, compiles every bucket shape (warm-up, also
+in the background while serving: jaxmtp/programs.py) and inspects the compiled step.
+The engine never touches a device array."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 
 import jax
@@ -19,6 +19,7 @@ from jaxmtp.linear import fp8_matmul_for, with_fp8_matmul
 from jaxmtp.loader import load_params
 from jaxmtp.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.memory import plan_kv_pool
+from jaxmtp.programs import StepPrograms
 from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.sharding import check_divisible, make_mesh, replicated
 from jaxmtp.step import StepConfig, StepOutput, jitted_step
@@ -92,14 +93,19 @@ class ModelRunner:
             mesh=self.mesh,
         )
         self._oracle_tokens = None
+        # the compiled steps, by the oracle table's shape (None: no oracle, as serving runs)
+        self._programs: dict[tuple | None, StepPrograms] = {}
         self.reset()
+        # what the step is compiled for: the arrays' shapes, dtypes and shardings, which
+        # every step keeps (the background compiler reads these, never the donated arrays)
+        self._state_specs = jax.tree.map(array_spec, (self.params, self.cache, self.logits_state, self.carry))
 
     def reset(self) -> None:
         """A fresh, zeroed KV cache and carry: after a failed step whose donated cache is
         gone, and at start-up. The logits state needs no reset: a request's row is written
         whenever it is admitted."""
-        # committed to its devices, sharded as every cache the step returns, so the first
-        # shape warmup() compiles is not compiled again for the first real request
+        # committed to its devices, sharded as every cache the step returns, as the
+        # compiled programs take it
         self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
         carry = Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens)
         self.carry = jax.device_put(carry, replicated(self.mesh))
@@ -151,10 +157,12 @@ class ModelRunner:
     def dispatch(self, step_id: int, scheduled: SchedulerOutput) -> InFlightStep:
         """Queue the page copies and the step on the device; returns before it runs. The
         copies go first, also when the batch then cannot be built: the sequences they
-        serve already count the copied rows as computed."""
+        serve already count the copied rows as computed. The batch is padded to a
+        compiled shape (StepPrograms.shape_to_run)."""
         self.copy_pages(scheduled.page_copies)
         self.write_logits_state([item.seq for item in scheduled.rows])
-        args = self.device_batch(scheduled.rows, self.shape_for(scheduled.rows))
+        shape = self.programs.shape_to_run(self.shape_for(scheduled.rows))
+        args = self.device_batch(scheduled.rows, shape)
         output = self._run(args)
         preemptions = [item.seq.num_preemptions for item in scheduled.rows]
         return InFlightStep(step_id, scheduled, preemptions, output, args)
@@ -175,8 +183,10 @@ class ModelRunner:
             seq.state_written = True
 
     def _run(self, args: tuple) -> StepOutput:
-        self.cache, self.logits_state, output = jitted_step(
-            self.params, self.cache, self.logits_state, self.carry, *args, self.step_config
+        ints, floats, oracle, shape = args
+        program = self._programs_for(oracle).program(shape)
+        self.cache, self.logits_state, output = program(
+            self.params, self.cache, self.logits_state, self.carry, ints, floats, oracle
         )
         self.carry = output.carry
         return output
@@ -205,33 +215,44 @@ class ModelRunner:
 
     # ----- compilation ------------------------------------------------------------------
 
-    def warmup(self, num_threads: int = 1, with_page_copies: bool = False) -> int:
-        """Compile the step for every bucket shape; returns the number of shapes.
+    @property
+    def programs(self) -> StepPrograms:
+        """The compiled steps that run with the current oracle table (normally none)."""
+        return self._programs_for(self._oracle_tokens)
 
-        num_threads > 1 first compiles the shapes side by side into JAX's persistent
-        compilation cache (it must be configured: jax_compilation_cache_dir), from
-        which the pass that follows loads them."""
+    def _programs_for(self, oracle: jax.Array | None) -> StepPrograms:
+        key = None if oracle is None else oracle.shape
+        if key not in self._programs:
+            spec = None if oracle is None else array_spec(oracle)
+            self._programs[key] = StepPrograms(lambda shape: self.lower_step(shape, spec))
+        return self._programs[key]
+
+    def warmup(self, num_threads: int = 1, with_page_copies: bool = False, background: bool = False) -> int:
+        """Compile the step for every bucket shape, smallest first, num_threads at a time
+        (a progress bar shows the shapes left); returns the number of shapes.
+        background: compile the largest shape, which holds any batch, and return; the
+        others compile on a thread of their own while steps run (programs.wait())."""
         shapes = self.buckets.all_shapes()
-        if num_threads > 1:
-            if not jax.config.jax_compilation_cache_dir:
-                raise ValueError("warmup(num_threads > 1) needs jax_compilation_cache_dir set")
-            with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-                list(pool.map(lambda shape: self.lower_step(shape).compile(), shapes))
-        for shape in shapes:
-            jax.block_until_ready(self._run(self.device_batch([], shape)))  # an empty batch: every write dropped
         if with_page_copies:  # all padding, it changes nothing
             self.cache = copy_pages(self.cache, *page_copy_arrays([], self.num_pages))
+        if background:
+            self.programs.compile_all([self.buckets.largest()])
+        self.programs.compile_all(shapes, num_threads, background)
         return len(shapes)
 
     def full_shape(self, shape: BatchShape) -> BatchShape:
         """shape with its page-table width filled in (None: the widest)."""
         return dataclasses.replace(shape, pages_per_seq=shape.pages_per_seq or self.max_pages_per_seq)
 
-    def lower_step(self, shape: BatchShape):
-        """The step lowered for one bucket shape (compile it to warm up or inspect);
-        its batch is placed as dispatch places it, so it is the same compiled step."""
-        args = self.device_batch([], self.full_shape(shape))
-        return jitted_step.lower(self.params, self.cache, self.logits_state, self.carry, *args, self.step_config)
+    def lower_step(self, shape: BatchShape, oracle: jax.ShapeDtypeStruct | None = None):
+        """The step lowered for one bucket shape (compile it to run or inspect), for
+        arguments placed as dispatch places them; oracle: the oracle table's spec."""
+        shape = self.full_shape(shape)
+        k = self.config.num_speculative_tokens
+        batch = build_batch([], shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
+                            lookahead_width(self.num_draft_modules), mask_words(self.model_config.vocab_size))
+        ints, floats = (array_spec(x, replicated(self.mesh)) for x in pack_batch(batch))
+        return jitted_step.lower(*self._state_specs, ints, floats, oracle, shape, self.step_config)
 
     def cache_copies(self, shape: BatchShape) -> list[str]:
         """Lines of the compiled step's optimised HLO that copy a KV page array, for
@@ -240,3 +261,8 @@ class ModelRunner:
         names = [",".join(map(str, pages)), ",".join(map(str, (pages[0] * pages[1],) + pages[2:]))]
         text = self.lower_step(shape).compile().as_text()
         return [line.strip() for line in text.splitlines() if " copy(" in line and any(f"[{n}]" in line for n in names)]
+
+
+def array_spec(x, sharding=None) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype and sharding (or `sharding`), what compiling needs of it."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)

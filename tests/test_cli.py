@@ -46,11 +46,15 @@ def test_every_option_has_help_with_its_default():
 
     from jaxmtp.cli import build_parser
 
-    for name, parser in subcommand_parsers().items():
+    parsers = dict(subcommand_parsers())
+    while parsers:
+        name, parser = parsers.popitem()
         assert parser.formatter_class is HelpFormatter, name  # it appends the default a help leaves out
         formatter = parser._get_formatter()
         for action in parser._actions:
-            if not isinstance(action, argparse._HelpAction):
+            if isinstance(action, argparse._SubParsersAction):  # `jaxmtp bench latency` and the others
+                parsers.update({f"{name} {mode}": sub for mode, sub in action.choices.items()})
+            elif not isinstance(action, argparse._HelpAction):
                 text = formatter._expand_help(action)
                 assert ("(default" in text or "no default" in text) and "(default: None)" not in text, (name, action.dest, text)
     assert "(default: None)" not in build_parser().format_help()
