@@ -21,7 +21,7 @@ def _add_common(parser: argparse.ArgumentParser, input_len: int, output_len: int
 def _add_engine(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
     parser.add_argument("--compilation-cache-dir", default=ServerConfig.compilation_cache_dir,
-                        help="persistent XLA cache, as `jaxmtp serve`'s ('' to disable; default: %(default)s)")
+                        help="persistent XLA cache, as `jaxmtp serve`'s; '' disables it (default: %(default)s)")
     parser.add_argument("--compile-all", action="store_true",
                         help="compile every batch shape before measuring, not only those the warm-up runs use")
 
