@@ -85,6 +85,16 @@ def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int, words: int 
     return {f: per_request.get(f, (t,) if f in per_row else (b,)) for f in INT_FIELDS + FLOAT_FIELDS}
 
 
+def unprocessed(num_seqs: int, k: int) -> dict[str, np.ndarray]:
+    """The logits-processing fields of requests that ask for none (no state slot, no
+    penalties, no bitmask), for batches built by hand (training, benchmarks)."""
+    return dict(
+        state_slot=np.full(num_seqs, -1, np.int32), min_tokens=np.zeros(num_seqs, np.int32),
+        repetition_penalty=np.ones(num_seqs, np.float32), frequency_penalty=np.zeros(num_seqs, np.float32),
+        presence_penalty=np.zeros(num_seqs, np.float32), token_bitmask=np.zeros((num_seqs, k + 1, 0), np.int32),
+    )
+
+
 def row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
     """The request each of num_rows rows belongs to (padding rows: clamped to the last)."""
     rows = jnp.arange(num_rows, dtype=jnp.int32)

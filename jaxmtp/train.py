@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from jaxmtp import model, mtp
 from jaxmtp.allocator import pages_for
-from jaxmtp.batch import Batch, slot_of
+from jaxmtp.batch import Batch, slot_of, unprocessed
 from jaxmtp.cache import allocate_cache
 from jaxmtp.config import ModelConfig
 from jaxmtp.loader import save_checkpoint
@@ -94,6 +94,7 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
         output_index=zeros_b,
         num_logprobs=zeros_b,
         carry_index=np.full(num_seqs, -1, np.int32),
+        **unprocessed(num_seqs, 0),
     )
 
 
