@@ -105,17 +105,17 @@ def transformers_greedy(model, ids, n) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def assert_within_activation_rounding(ours, theirs, truth, what, mean_ratio=2.0, max_ratio=3.0):
+def assert_within_activation_rounding(ours, theirs, truth, what, mean_ratio=2.0):
     """With the weights identical, ours and transformers' logits differ from the float64
     truth only by the rounding of activations in their dtype: ours may not be much
     further from it than transformers' own run in that dtype. These random models
     (blocks scaled apart, weights of std 0.3) amplify rounding unevenly, so the ratio
-    varies: in float32, over six seeds, 0.6x to 1.2x on average over the logits and
-    0.5x to 1.6x at the worst one; hence 2x and 3x. A misplaced scale or block moves
-    the logits by the fp8 rounding's size, 1000x beyond (the test below shows it)."""
+    varies: in float32, over six seeds, 0.6x to 1.2x on average over the logits, hence
+    2x. The worst logit's ratio has a heavy tail (0.5x to 1.6x over those seeds, 3.2x
+    once in CI), so only the average compares. A misplaced scale or block moves the
+    logits by the fp8 rounding's size, 1000x beyond (the test below shows it)."""
     ours, theirs = np.abs(ours - truth), np.abs(theirs - truth)
     assert theirs.mean() > 0 and ours.mean() <= mean_ratio * theirs.mean(), (what, ours.mean(), theirs.mean())
-    assert max_ratio is None or ours.max() <= max_ratio * theirs.max(), (what, ours.max(), theirs.max())
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +157,7 @@ def test_logits_and_greedy_match_transformers_on_the_dequantized_weights(llama_f
     truth = transformers_logits(transformers_model(dequantized, torch.float64), ids)
     hf32 = transformers_model(dequantized, torch.float32)
     ours = prompt_logits(llama_engine.engine, ids)
-    # the worst logit's ratio has a heavy tail over random models (3.2x seen once in CI):
-    # the average is what compares; a misplaced scale moves it 1000x (below)
-    assert_within_activation_rounding(ours, transformers_logits(hf32, ids), truth, "float32", max_ratio=None)
+    assert_within_activation_rounding(ours, transformers_logits(hf32, ids), truth, "float32")
     out = llama_engine.generate([ids], greedy(16), use_tqdm=False)
     assert token_ids(out) == [transformers_greedy(hf32, ids, 16)]
 
@@ -181,7 +179,7 @@ def test_logits_and_greedy_match_transformers_on_the_dequantized_weights(llama_f
     assert bf16.engine.model_config.dtype == "bfloat16"
     assert_within_activation_rounding(prompt_logits(bf16.engine, ids),
                                       transformers_logits(transformers_model(dequantized, torch.bfloat16), ids), truth,
-                                      "bf16", mean_ratio=1.5, max_ratio=None)
+                                      "bf16", mean_ratio=1.5)
 
 
 def test_the_engine_runs_the_pallas_kernel_where_the_attention_does(llama_fp8, llama_engine, rng):
