@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import (  # noqa: E402
+from jaxmtp.kernels import (  # noqa: E402
     KernelConfig,
     default_config,
     ragged_paged_attention,

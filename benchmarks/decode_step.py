@@ -9,7 +9,7 @@ shape BxC is B requests decoding at context C, padded as the engine pads a batch
 least 8 rows, padding rows' writes dropped). The timed function is the main
 model's forward, final norm, LM head and argmax: the decode work without sampling or
 MTP. Every tiling is the kernel's default for the shape with the named fields replaced
-(kernels.KernelConfig), and is reported as its step time over the default's, measured
+(jaxmtp.kernels.KernelConfig), and is reported as its step time over the default's, measured
 in the same run. --profile adds the per-kernel device time of the default tiling
 (profile_step.kernel_table). Writes decode_step.json to --out.
 """
@@ -40,7 +40,7 @@ def decode_batch(batch: int, context: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmtp.batch import Batch
+    from jaxmtp.batch import Batch, unprocessed
     from jaxmtp.cache import dropped_index
 
     rows = max(batch, MIN_ROWS)
@@ -60,7 +60,7 @@ def decode_batch(batch: int, context: int):
         has_output=np.ones(batch, bool), next_chunk_token=np.zeros((batch, 1), np.int32),
         temperature=np.zeros(batch, np.float32), top_k=per_request, top_p=np.ones(batch, np.float32),
         min_p=np.zeros(batch, np.float32), seed=np.zeros(batch, np.uint32), output_index=per_request,
-        num_logprobs=per_request, carry_index=np.full(batch, -1, np.int32),
+        num_logprobs=per_request, carry_index=np.full(batch, -1, np.int32), **unprocessed(batch, 0),
     )
     return jax.tree.map(jnp.asarray, batch_arrays), num_pages
 
@@ -94,10 +94,10 @@ def time_step(params, cfg, batch, cache, kernel_config, backend, profile):
     from profile_step import profile_kernels
     from timing import replay_time
 
-    attention = attention_fn(backend, cfg.head_dim, kernel_config=kernel_config)
+    ops = model.LayerOps(attention_fn(backend, cfg.head_dim, kernel_config=kernel_config))
 
     def step(params, cache, batch):
-        hidden, cache = model.forward(params, cfg, batch, cache, attention)
+        hidden, cache = model.forward(params, cfg, batch, cache, ops)
         return cache, jnp.argmax(model.logits(params.head(), params.final_norm, cfg, hidden), axis=-1)
 
     compiled = jax.jit(step, donate_argnums=1).lower(params, cache, batch).compile()
@@ -129,7 +129,7 @@ def main() -> None:
     from e2e import LLAMA3_8B, TINY
     from jaxmtp.config import load_config
     from jaxmtp.params import random_params
-    from kernels import default_config
+    from jaxmtp.kernels import default_config
 
     folder = tempfile.mkdtemp()
     Path(folder, "config.json").write_text(json.dumps(TINY if args.tiny else LLAMA3_8B))

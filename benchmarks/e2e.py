@@ -45,6 +45,8 @@ LLAMA3_8B = {
     "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "bos_token_id": 1, "eos_token_id": 2, "num_nextn_predict_layers": 1,
 }
+# DeepSeek-V3's quantization_config (its checkpoints' config.json)
+FP8_BLOCK_SCALED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 TINY = {**LLAMA3_8B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024}
 
@@ -235,10 +237,17 @@ def robust_greedy_weights(params):
     put near-ties everywhere, and a verify step (batch x (k+1) rows) rounds differently
     from a plain one (batch rows), so a plain run's tokens would not be the oracle for
     the spec run. A step costs the same whatever the weights' values; the MTP module is
-    left random."""
-    layers = [dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, down_proj=layer.down_proj * 1e-3)
-              for layer in params.layers]
-    return dataclasses.replace(params, layers=layers, lm_head=params.embed.T)
+    left random. Expert layers have their routed and shared experts' down projections
+    scaled instead of the dense one."""
+    def scaled(layer):
+        if layer.moe is None:
+            return dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, down_proj=layer.down_proj * 1e-3)
+        moe = layer.moe
+        moe = dataclasses.replace(moe, experts_down=moe.experts_down * 1e-3,
+                                  shared_down=None if moe.shared_down is None else moe.shared_down * 1e-3)
+        return dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, moe=moe)
+
+    return dataclasses.replace(params, layers=[scaled(layer) for layer in params.layers], lm_head=params.embed.T)
 
 
 # Stop strings every decode request carries, so that checking them is part of the host's
@@ -280,6 +289,8 @@ class Bench:
         chosen = {k: v for k, v in (("batches", args.batches), ("contexts", args.contexts)) if v}
         self.sizes = dataclasses.replace(sizes, **chosen)
         self.config = TINY if args.tiny else LLAMA3_8B
+        if args.quantization == "fp8":
+            self.config = {**self.config, "quantization_config": FP8_BLOCK_SCALED}
         self.folder = self.model_folder(self.config)
         self.rng = np.random.default_rng(0)
         self.out_dir = Path(os.environ.get("OUT", args.out))
@@ -325,8 +336,9 @@ class Bench:
         return llm
 
     def prompts(self, n, length):
-        vocab = self.config["vocab_size"]
-        return [self.rng.integers(3, vocab - 1, size=length).tolist() for _ in range(n)]
+        from jaxmtp.bench.offline import random_prompts
+
+        return random_prompts(self.rng, n, length, self.config["vocab_size"])
 
     def floor_s(self, batch, context):
         """Memory floor of one decode step: weights plus the batch's KV, at the copy rate."""
@@ -519,10 +531,14 @@ ONLINE_BUDGET_S = 240
 
 def scenario_online(bench: Bench) -> None:
     """Poisson arrivals of requests with fixed-seed prompt and output lengths; the
-    engine's shapes are compiled first (in parallel, into the compilation cache)."""
+    engine's shapes are compiled first (8 at a time). The loop and the TTFT / TPOT /
+    ITL figures are `jaxmtp bench`'s (jaxmtp/bench): ITL is the gap between outputs,
+    and the tokens of one MTP step are one output."""
     import numpy as np
 
     from jaxmtp import SamplingParams
+    from jaxmtp.bench.offline import run_requests
+    from jaxmtp.bench.stats import summarize
 
     s = bench.sizes
     # its warm-up compiles every shape (about 130 s cold on the H200), then about a minute of traffic
@@ -541,35 +557,13 @@ def scenario_online(bench: Bench) -> None:
     prompt_lens = rng.integers(*s.online_prompt, size=n)
     output_lens = rng.integers(*s.online_output, size=n)
     prompts = [bench.prompts(1, int(length))[0] for length in prompt_lens]
-    token_times = {i: [] for i in range(n)}
-    seen = {i: 0 for i in range(n)}
-    start = time.perf_counter()
-    added = 0
-    while added < n or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while added < n and arrivals[added] <= now:
-            engine.add_request(str(added), prompts[added], SamplingParams(
-                max_tokens=int(output_lens[added]), temperature=0.0, ignore_eos=True))
-            added += 1
-        if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[added] - now))
-            continue
-        outs = engine.step()
-        now = time.perf_counter() - start
-        for out in outs:
-            i = int(out.request_id)
-            count = len(out.outputs[0].token_ids)
-            token_times[i] += [now] * (count - seen[i])
-            seen[i] = count
-    total = time.perf_counter() - start
-    ttft = np.array([token_times[i][0] - arrivals[i] for i in range(n)])
-    tpot = np.array([(token_times[i][-1] - token_times[i][0]) / (len(token_times[i]) - 1) for i in range(n)])
-    itl = np.concatenate([np.diff(token_times[i]) for i in range(n)])
-    pct = lambda x: {f"p{p}": float(np.percentile(x, p)) * 1e3 for p in (50, 90, 99)}  # noqa: E731
+    params = [SamplingParams(max_tokens=int(length), temperature=0.0, ignore_eos=True) for length in output_lens]
+    times, total = run_requests(engine, prompts, params, arrivals)
+    summary = summarize(times, total)
     bench.results["online"] = {
         "requests": n, "rate_per_s": s.online_rate, "duration_s": total,
-        "output_tokens_per_s": float(sum(output_lens) / total), "requests_per_s": n / total,
-        "ttft_ms": pct(ttft), "tpot_ms": pct(tpot), "itl_ms": pct(itl),
+        "output_tokens_per_s": summary["output_tokens_per_s"], "requests_per_s": summary["requests_per_s"],
+        **{key: {p: summary[key][p] for p in ("p50", "p90", "p99")} for key in ("ttft_ms", "tpot_ms", "itl_ms")},
         "prompt_lengths": list(s.online_prompt), "output_lengths": list(s.online_output),
         "max_num_seqs": s.online_seqs,
     }
@@ -628,6 +622,8 @@ def main() -> None:
                         help="contexts of the batch scenario (default: 1024,4096)")
     parser.add_argument("--mtp32-k", type=lambda x: [int(k) for k in x.split(",")], default=[1, 3],
                         help="speculative tokens to measure at batch 32")
+    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
+                        help="fp8: the model's linear weights in DeepSeek's block-scaled fp8 (default: none)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     chosen = [x for x in args.scenarios.split(",") if x]
@@ -710,7 +706,8 @@ def gpu_checks(results) -> None:
             ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
             n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
             agree.append(n)
-            diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())) - next(iter(b.outputs[0].logprobs[i].values())))
+            diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())).logprob
+                          - next(iter(b.outputs[0].logprobs[i].values())).logprob)
                       for i in range(min(n + 1, len(ta)))]
         results["bf16_pallas_vs_reference"] = {"tokens_equal_before_first_difference": agree, "of": 32,
                                                "max_logprob_diff_on_shared_prefix": float(max(diffs))}

@@ -34,11 +34,14 @@ TYPES = {"str": str, "int": int, "float": float}
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, unless the help already states it."""
+    """Every option's help ends with its default, unless the help already states it
+    ("(default...", "no default"); a subcommand has none."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" not in text and action.default is not argparse.SUPPRESS:
+        states_it = "(default" in text or "no default" in text
+        subcommand = not action.option_strings and action.default is None  # a command's line, no option
+        if not states_it and action.default is not argparse.SUPPRESS and not subcommand:
             text += " (default: %(default)s)"
         return text
 

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 from jaxmtp.cache import dropped_index, write_slots
 from jaxmtp.engine_config import ATTENTION_BACKENDS
 from jaxmtp.sharding import shard_over_heads
-from kernels.reference import ragged_paged_attention_reference
+from jaxmtp.kernels.reference import ragged_paged_attention_reference
 
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
@@ -40,13 +40,13 @@ def attention_fn(backend: str, head_dim: int, mesh: Mesh | None = None, kernel_c
     their page slots, then attends. "auto" is the Pallas kernel on GPU where it supports
     the head size, else the jnp reference. With a mesh, the write and the attention run
     per device over its shard of the heads and the cache (no mesh: plain, one device).
-    kernel_config (a kernels.KernelConfig, for tuning) overrides the Pallas kernel's
+    kernel_config (a jaxmtp.kernels.KernelConfig, for tuning) overrides the Pallas kernel's
     tiling; None lets it choose from the shapes."""
     backend = resolve_backend(backend, head_dim)
     if backend == "reference":
         impl = ragged_paged_attention_reference
     else:
-        from kernels import ragged_paged_attention  # Pallas: imported only where used
+        from jaxmtp.kernels import ragged_paged_attention  # Pallas: imported only where used
 
         impl = functools.partial(ragged_paged_attention, interpret=backend == "pallas_interpret", config=kernel_config)
 

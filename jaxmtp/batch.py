@@ -85,6 +85,16 @@ def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int, words: int 
     return {f: per_request.get(f, (t,) if f in per_row else (b,)) for f in INT_FIELDS + FLOAT_FIELDS}
 
 
+def unprocessed(num_seqs: int, k: int) -> dict[str, np.ndarray]:
+    """The logits-processing fields of requests that ask for none (no state slot, no
+    penalties, no bitmask), for batches built by hand (training, benchmarks)."""
+    return dict(
+        state_slot=np.full(num_seqs, -1, np.int32), min_tokens=np.zeros(num_seqs, np.int32),
+        repetition_penalty=np.ones(num_seqs, np.float32), frequency_penalty=np.zeros(num_seqs, np.float32),
+        presence_penalty=np.zeros(num_seqs, np.float32), token_bitmask=np.zeros((num_seqs, k + 1, 0), np.int32),
+    )
+
+
 def row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
     """The request each of num_rows rows belongs to (padding rows: clamped to the last)."""
     rows = jnp.arange(num_rows, dtype=jnp.int32)
@@ -204,6 +214,16 @@ class BatchShape:
     # some request is constrained (structured outputs): the batch carries token bitmasks
     masked: bool = False
 
+    def holds(self, other: BatchShape) -> bool:
+        """Whether a batch padded to `other` fits this shape too (full shapes): as many
+        rows, requests and table columns or more, and sampling compiled if it needs it.
+        Padding rows and requests touch no real one's values (a differently shaped
+        program may round differently, as when batch composition changes the bucket)."""
+        return (self.num_tokens >= other.num_tokens and self.num_seqs >= other.num_seqs
+                and self.pages_per_seq >= other.pages_per_seq and (other.greedy or not self.greedy)
+                # the batch's fields differ with these (bitmasks) or the outputs do (prompt logprobs)
+                and self.masked == other.masked and self.prompt_logprobs == other.prompt_logprobs)
+
 
 def powers_of_two(lo: int, hi: int) -> list[int]:
     sizes, n = [], lo
@@ -234,7 +254,8 @@ class BucketPlan:
 
     def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int, min_tokens: int = 8):
         self.token_sizes = powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
-        self.seq_sizes = powers_of_two(1, max_num_seqs)
+        # a step's requests own a row each: never more of them than max_num_batched_tokens
+        self.seq_sizes = powers_of_two(1, min(max_num_seqs, max_num_batched_tokens))
         self.table_widths = table_widths(max_pages_per_seq)
 
     def shape_for(
@@ -248,16 +269,24 @@ class BucketPlan:
         p = next(w for w in self.table_widths if w >= num_pages)
         return BatchShape(t, b, greedy, p, prompt_logprobs, masked)
 
-    def all_shapes(self) -> list[BatchShape]:
+    def seq_sizes_for(self, num_tokens: int) -> list[int]:
         # every request owns at least one row, so B never exceeds T
+        return [b for b in self.seq_sizes if b <= num_tokens]
+
+    def all_shapes(self) -> list[BatchShape]:
+        """Smallest first."""
         return [
             BatchShape(t, b, greedy, p)
             for t in self.token_sizes
-            for b in self.seq_sizes
-            if b <= t or b == self.seq_sizes[0]
+            for b in self.seq_sizes_for(t)
             for greedy in (True, False)
             for p in self.table_widths
         ]
+
+    def largest(self) -> BatchShape:
+        """The shape that holds every batch the scheduler can make."""
+        t = self.token_sizes[-1]
+        return BatchShape(t, self.seq_sizes_for(t)[-1], False, self.table_widths[-1])
 
 
 def build_batch(

@@ -81,13 +81,13 @@ def read_hidden(pages: jax.Array, slots: jax.Array) -> jax.Array:
 def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_layers: int, mesh: Mesh | None = None) -> KVCache:
     """num_mtp_layers: MTP modules the draft pass runs (M), with M - 1 hidden pages.
     Under tensor parallelism (mesh) each device's kv heads are placed directly on it;
-    hidden pages are whole on every device, as the residual stream is."""
+    MLA's latent pages and the hidden pages are whole on every device (jaxmtp/sharding.py)."""
     shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
     v_shape = shape
     if cfg.mla is not None:
         shape, v_shape = (num_pages, page_size, 1, cfg.mla.kv_lora_rank), (num_pages, page_size, 1, cfg.mla.qk_rope_head_dim)
     hidden_shape = (num_pages, page_size, cfg.hidden_size)
-    kv_sharding, hidden_sharding = (None, None) if mesh is None else (cache_sharding(mesh), hidden_pages_sharding(mesh))
+    kv_sharding, hidden_sharding = (None, None) if mesh is None else (cache_sharding(mesh, cfg), hidden_pages_sharding(mesh))
     n = cfg.num_layers + num_mtp_layers
     # zeros, not empty: a page read before it is written must hold finite values.
     return KVCache(

@@ -1,4 +1,4 @@
-"""The `jaxmtp` command: generate, serve (and bench, train-mtp as they land)."""
+"""The `jaxmtp` command: generate, serve, bench and train-mtp."""
 
 from __future__ import annotations
 
@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_server_args(srv)
     srv.set_defaults(func=launch.serve)
+    from jaxmtp.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

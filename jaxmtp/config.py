@@ -9,15 +9,33 @@ from pathlib import Path
 
 import numpy as np
 
-# model_type -> (qkv bias, per-head q/k RMSNorm). Everything else in these families
-# is the Llama block: RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+from jaxmtp.engine_config import MODEL_DTYPES
+from jaxmtp.quantization import Fp8BlockConfig, quantization_from_hf
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseFamily:
+    """What a family's transformers modeling file hard-codes and what it reads from
+    config.json; everything else is the Llama block: RMSNorm, RoPE, GQA attention and
+    a gated MLP."""
+
+    qk_norm: bool = False  # per-head RMSNorm of q and k
+    qkv_bias: bool | None = None  # None: config.json's attention_bias
+    o_bias: bool | None = None  # None: config.json's attention_bias
+    reads_mlp_bias: bool = False  # biases on gate, up and down when config.json's mlp_bias
+
+
 SUPPORTED_MODEL_TYPES = {
-    "llama": (False, False),
-    "mistral": (False, False),
-    "qwen2": (True, False),
-    "qwen3": (False, True),
-    "mimo": (True, False),  # Qwen2 body plus MTP layers (MiMo-7B)
+    "llama": DenseFamily(reads_mlp_bias=True),
+    "mistral": DenseFamily(qkv_bias=False, o_bias=False),
+    "qwen2": DenseFamily(qkv_bias=True, o_bias=False),
+    "qwen3": DenseFamily(qk_norm=True),
+    "mimo": DenseFamily(qkv_bias=True, o_bias=False),  # Qwen2 body plus MTP layers (MiMo-7B)
 }
+
+# config.json's hidden_act values the engine implements (jaxmtp.layers.ACTIVATIONS), as
+# transformers' ACT2FN defines them
+HIDDEN_ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu", "relu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +107,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
-    dtype: str  # "float32" | "bfloat16"
+    dtype: str  # one of MODEL_DTYPES
     # rope_scaling as a sorted tuple of (key, value) so the config stays hashable.
     rope_scaling: tuple = ()
     sliding_window: int | None = None
@@ -105,6 +123,10 @@ class ModelConfig:
     rope_interleave: bool = False
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    o_bias: bool = False  # a bias on o_proj (Llama's and Qwen3's attention_bias)
+    hidden_act: str = "silu"  # the gated MLP's activation, one of HIDDEN_ACTIVATIONS
+    mlp_bias: bool = False  # biases on gate, up and down (Llama's mlp_bias)
+    quantization: Fp8BlockConfig | None = None  # fp8 linear weights with block scales (jaxmtp/quantization.py)
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` (MTP layers continue the numbering) has experts."""
@@ -223,8 +245,9 @@ def _as_tuple(value) -> tuple[int, ...]:
 MOE_MODEL_TYPES = ("deepseek_v3", "glm4_moe")  # DeepseekV3ForCausalLM, Glm4MoeForCausalLM
 
 
-def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
-    """Read a Hugging Face config.json into a ModelConfig, or explain what is unsupported."""
+def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
+    """Read a Hugging Face config.json into a ModelConfig, or explain what is unsupported.
+    dtype "auto" is the checkpoint's (torch_dtype, or transformers 5's dtype)."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model folder {model_dir!s} has no config.json")
@@ -237,11 +260,16 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
         )
     if hf.get("use_sliding_window") and model_type in ("qwen2", "qwen3", "mimo"):
         raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
-    default_bias, qk_norm = SUPPORTED_MODEL_TYPES.get(model_type, (False, False))
+    quantization = quantization_from_hf(hf)
+    family = SUPPORTED_MODEL_TYPES.get(model_type, DenseFamily(o_bias=False))  # MoE families: checked below
+    attention_bias = bool(hf.get("attention_bias", False))
+    hidden_act = hf.get("hidden_act", "silu")
+    if hidden_act not in HIDDEN_ACTIVATIONS:
+        raise ValueError(f"hidden_act={hidden_act!r} is not supported (supported: {list(HIDDEN_ACTIVATIONS)})")
     num_heads = hf["num_attention_heads"]
-    dtype = dtype or _dtype_from_hf(hf)
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"unsupported dtype {dtype!r}; use 'float32' or 'bfloat16'")
+    dtype = _dtype_from_hf(hf) if dtype == "auto" else dtype
+    if dtype not in MODEL_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use 'auto' or one of {list(MODEL_DTYPES)}")
     mtp_layout, num_mtp = _detect_mtp(hf, model_type)
     # transformers 4 writes rope_theta and rope_scaling; 5 writes rope_parameters
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -265,8 +293,11 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
         rope_theta=rope_theta,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        qkv_bias=hf.get("attention_bias", default_bias),
-        qk_norm=hf.get("use_qk_norm", False) if model_type == "glm4_moe" else qk_norm,
+        qkv_bias=attention_bias if family.qkv_bias is None else family.qkv_bias,
+        qk_norm=hf.get("use_qk_norm", False) if model_type == "glm4_moe" else family.qk_norm,
+        o_bias=attention_bias if family.o_bias is None else family.o_bias,
+        hidden_act=hidden_act,
+        mlp_bias=bool(hf.get("mlp_bias", False)) and family.reads_mlp_bias,
         dtype=dtype,
         rope_scaling=tuple(sorted(rope.items())),
         sliding_window=hf.get("sliding_window") if model_type == "mistral" else None,
@@ -274,6 +305,7 @@ def load_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
         eos_token_ids=_eos_token_ids(Path(model_dir), hf),
         num_mtp_modules=num_mtp,
         mtp_layout=mtp_layout,
+        quantization=quantization,
     )
     if model_type in MOE_MODEL_TYPES:
         cfg = _moe_model_config(cfg, hf, partial_rotary_factor)
@@ -290,7 +322,6 @@ def _moe_model_config(cfg: ModelConfig, hf: dict, partial_rotary_factor: float |
         "scoring_func": (hf.get("scoring_func"), (None, "sigmoid")),
         "hidden_act": (hf.get("hidden_act", "silu"), ("silu",)),
         "moe_layer_freq": (hf.get("moe_layer_freq"), (None, 1)),
-        "quantization_config": (hf.get("quantization_config"), (None,)),
     }
     if model_type == "deepseek_v3":
         # DeepSeek's attention_bias adds biases to q_a_proj, kv_a_proj and o_proj: no
@@ -348,8 +379,11 @@ def _eos_token_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
 
 
 def _dtype_from_hf(hf: dict) -> str:
+    """The checkpoint's dtype; none written means float32, as transformers reads it."""
     name = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    return "bfloat16" if name in ("bfloat16", "float16") else "float32"
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"config.json's torch_dtype {name!r} is not supported; pass dtype= one of {list(MODEL_DTYPES)}")
+    return name
 
 
 def _detect_mtp(hf: dict, model_type: str) -> tuple[str | None, int]:

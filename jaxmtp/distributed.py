@@ -183,8 +183,9 @@ class Leader:
     def send_oracle_tokens(self, table: np.ndarray | None) -> None:
         self.send(encode("oracle_tokens", arrays={} if table is None else {"table": table}))
 
-    def send_warmup(self, num_threads: int, with_page_copies: bool) -> None:
-        self.send(encode("warmup", {"num_threads": num_threads, "with_page_copies": with_page_copies}))
+    def send_warmup(self, num_threads: int, with_page_copies: bool, background: bool) -> None:
+        self.send(encode("warmup", {"num_threads": num_threads, "with_page_copies": with_page_copies,
+                                    "background": background}))
 
     def stop(self) -> None:
         """Tell the others to stop (at exit; JAX's own exit handler then leaves

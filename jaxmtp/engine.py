@@ -9,30 +9,28 @@ safe to call from other threads (the server's event loop); step() runs on one th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxmtp import distributed
 from jaxmtp.allocator import PageAllocator, pages_for
-from jaxmtp.attention import resolve_backend
 from jaxmtp.config import load_config
 from jaxmtp.engine_config import EngineConfig
 from jaxmtp.hub import resolve_model
-from jaxmtp.logits_processors import bad_words_ids
+from jaxmtp.intake import RequestIntake
+from jaxmtp.model import check_backend
 from jaxmtp.output_processor import OutputProcessor, Request
-from jaxmtp.outputs import RequestOutput
+from jaxmtp.outputs import RequestMetrics, RequestOutput
 from jaxmtp.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.runner import InFlightStep, ModelRunner, StepResult
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jaxmtp.sequence import Sequence, SpecStats
-from jaxmtp.structured_outputs import GrammarCompiler
+from jaxmtp.sequence import SpecStats
 from jaxmtp.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxmtp.engine")
@@ -87,14 +85,14 @@ class LLMEngine:
                 f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
                 f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
             )
-        resolve_backend(config.attention_backend, cfg.head_dim)  # fail early on a bad choice
+        check_backend(cfg, config.attention_backend)  # fail early on a bad choice
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.page_size = config.page_size
         # room for k verify rows plus k-1 chained draft positions past the last token
         self.max_pages_per_seq = pages_for(self.max_model_len + 2 * k, self.page_size)
         self.runner = ModelRunner(model_dir, config, cfg, m, self.max_pages_per_seq)
         distributed.attach(self.runner, config)  # on other ranks than 0: runs rank 0's steps, never returns
-        self.tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         self.prefix_cache = None
         # the salt: what besides the tokens decides a page's KV in this engine
         self._salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
@@ -111,24 +109,37 @@ class LLMEngine:
                 num_speculative_tokens=k,
                 num_draft_modules=m,
             ),
-            self.allocator, self.prefix_cache,
+            self.allocator,
+            self.prefix_cache,
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.intake = RequestIntake(
+            tokenizer, model_dir.name, cfg.vocab_size, self.max_model_len, self.runner.step_config.num_top_logprobs,
+            self.eos_token_ids, config.seed,
+        )
         self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
-        self.output_processor = OutputProcessor(self.tokenizer, with_spec_stats=k > 0, stats=self.stats)
+        self.output_processor = OutputProcessor(tokenizer, with_spec_stats=k > 0, stats=self.stats)
         self.requests: dict[str, Request] = {}
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
-        self._rng = np.random.default_rng(config.seed)
-        self._arrivals = 0
         self._in_flight: deque[InFlightStep] = deque()
         self._step_ids = 0
         self.usable = True  # False once a failed step could not be recovered from
-        # the last step read (its record, rows and output), for tests, benchmarks, debugging
+        # the last step read: its record (schedule and device arguments), rows and output,
+        # for tests, benchmarks and debugging
         self.last_step: InFlightStep | None = None
         self.last_schedule = []
         self.last_step_output: StepResult | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None without a tokenizer.json); the intake encodes with it."""
+        return self.intake.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        self.intake.tokenizer = tokenizer
 
     # ----- what the runner owns, for research code and tests --------------------------------
 
@@ -148,91 +159,43 @@ class LLMEngine:
     def oracle_tokens(self, table) -> None:
         self.runner.oracle_tokens = table
 
-    def warmup(self, num_threads: int = 1) -> int:
-        """Compile the step for every bucket shape (ModelRunner.warmup)."""
-        return self.runner.warmup(num_threads, with_page_copies=self.prefix_cache is not None)
+    def warmup(self, num_threads: int = 1, background: bool = False) -> int:
+        """Compile the step for every bucket shape; background: the largest now, the
+        rest while the engine already runs steps (ModelRunner.warmup)."""
+        return self.runner.warmup(num_threads, with_page_copies=self.prefix_cache is not None, background=background)
 
     # ----- requests -------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir.name} has no tokenizer.json: pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        if any(not isinstance(t, (int, np.integer)) or isinstance(t, bool) for t in ids):
-            raise ValueError("prompt token ids must be integers")
-        return None, [int(t) for t in ids]
+        return self.intake.encode_prompt(prompt)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary (size {vocab}): {bad[:5]}")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids out of vocabulary (size {vocab}): {bad[:5]}")
-        num_top = self.runner.step_config.num_top_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > num_top:
-                raise ValueError(f"{name} must be <= {num_top}, got {value}")
+        self.intake.validate(prompt_ids, params)
         tokens = len(prompt_ids) + params.max_tokens + self.config.num_speculative_tokens
         if self.allocator.pages_for(tokens) > self.allocator.num_pages:
             raise ValueError(f"request needs more KV pages than the pool holds ({self.allocator.num_pages})")
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, arrival_time: float | None = None,
     ) -> None:
         """cache_salt: requests reuse each other's cached KV only when their salts are equal
-        (the server salts by API key, so one tenant's prompts cannot be probed by another)."""
+        (the server salts by API key, so one tenant's prompts cannot be probed by another).
+        arrival_time: when the request arrived, in time.monotonic() seconds (default: now);
+        the server gives the time its HTTP request came in."""
+        metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
         params = params or SamplingParams()
         params.validate()
         text, ids = self.encode_prompt(prompt)
         self.validate(ids, params)
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError(f"bad_words needs a tokenizer, and {self.model_dir.name} has no tokenizer.json")
-        bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else ()
-        constraint = params.structured_outputs
-        grammars = self.grammars if constraint is not None else None  # compiles it: a ValueError names the problem
-        first_matcher = grammars.matcher(constraint) if grammars else None
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
         salt = self._salt if cache_salt is None else model_salt(self._salt, cache_salt)
         with self._lock:
             if request_id in self.requests or any(r.request_id == request_id for r in self._incoming):
                 raise ValueError(f"request id {request_id!r} is already in use")
-            seqs = []
-            for i in range(params.n):
-                seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**32))
-                seq = Sequence(request_id, list(ids), params, seed % 2**32, self._arrivals, frozenset(stop_ids), salt,
-                               bad_words)
-                if first_matcher is not None:
-                    seq.grammar = first_matcher if i == 0 else grammars.matcher(constraint)
+            seqs = self.intake.sequences(request_id, ids, params, salt)
+            for seq in seqs:
                 self.output_processor.start(seq)
-                seqs.append(seq)
-                self._arrivals += 1
-            self._incoming.append(Request(request_id, text, seqs))
-
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """Structured outputs' compiler, built at the first constrained request."""
-        if self.tokenizer is None:
-            raise ValueError(f"structured_outputs needs a tokenizer, and {self.model_dir.name} has no tokenizer.json")
-        return GrammarCompiler(self.tokenizer.hf.to_str(), self.model_config.vocab_size, self.eos_token_ids)
+            self._incoming.append(Request(request_id, text, seqs, metrics))
 
     def abort_request(self, request_id: str) -> None:
         self._aborts.append(request_id)
@@ -251,8 +214,11 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences not yet running: queued in the scheduler or not yet admitted."""
-        return len(self.scheduler.waiting) + sum(len(r.seqs) for r in self._incoming)
+        """Sequences not yet running: queued in the scheduler or not yet admitted. Safe from
+        any thread (the server's metrics and stats line read it while the engine steps)."""
+        with self._lock:  # the engine thread empties _incoming under it
+            incoming = sum(len(r.seqs) for r in self._incoming)
+        return len(self.scheduler.waiting) + incoming
 
     # ----- the loop -------------------------------------------------------------------
 
@@ -262,6 +228,12 @@ class LLMEngine:
         read on the next call: step N+1 is scheduled, built and queued on the device
         before step N's tokens are read, so the host's work overlaps the device's."""
         outputs = self._admit_and_abort()
+        # A constrained request's next rows need its in-flight step's tokens (its grammar
+        # masks): scheduling without them would leave it out of the next step, and
+        # constrained requests would split into groups taking turns, each in half-full
+        # steps. Its step is read first instead.
+        while self._in_flight and any(item.seq.grammar is not None for item in self._in_flight[0].scheduled.rows):
+            outputs += self._postprocess(self._in_flight.popleft())
         scheduled = self.scheduler.schedule()
         if scheduled.rows:
             self._dispatch(scheduled, outputs)
@@ -297,6 +269,11 @@ class LLMEngine:
             return
         self.scheduler.on_dispatch(self._step_ids, scheduled)
         self._in_flight.append(record)
+        now = time.monotonic()
+        for item in scheduled.rows:
+            metrics = self.requests[item.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
 
     def _postprocess(self, record: InFlightStep) -> list[RequestOutput | None]:
         """Read a dispatched step back and apply it to its sequences."""
@@ -310,6 +287,7 @@ class LLMEngine:
         following = {id(item.seq): item for item in self._in_flight[0].scheduled.rows} if self._in_flight else {}
         touched: dict[str, Request] = {}
         first_row = 0
+        now = time.monotonic()  # when this step's tokens reached the host
         for i, item in enumerate(record.scheduled.rows):
             seq = item.seq
             first_row += len(item.token_ids)
@@ -332,6 +310,9 @@ class LLMEngine:
                 seq.spec_stats.record(item.num_drafts, accepted)
                 self.stats.spec.record(item.num_drafts, accepted)
             request = self.requests[seq.request_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
             try:
                 if self.output_processor.append(seq, result, i):
                     self.scheduler.finish(seq)
@@ -397,4 +378,5 @@ class LLMEngine:
     def _finish(self, request: Request) -> RequestOutput | None:
         self.requests.pop(request.request_id, None)
         self.stats.requests_finished += 1
+        request.metrics.finished_time = time.monotonic()
         return self.output_processor.output(request)

@@ -11,7 +11,8 @@ from jaxmtp.prefix_cache import PREFIX_CACHE_BOUNDARIES
 MTP_BOUNDARIES = ("next_chunk", "sampled")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 LOAD_FORMATS = ("auto", "safetensors", "orbax", "dummy")
-DTYPES = ("float32", "bfloat16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", *MODEL_DTYPES)
 MAX_SPECULATIVE_TOKENS = 4
 
 
@@ -43,7 +44,9 @@ def option(default, help: str, choices: tuple | None = None, cli: bool = True):
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    dtype: str | None = option(None, "weights' and activations' dtype (default: the checkpoint's)", DTYPES)
+    dtype: str = option(
+        "auto", "weights' and activations' dtype; auto: the checkpoint's (config.json's torch_dtype), float16 included",
+        DTYPES)
     page_size: int = option(16, "tokens per KV cache page")
     num_pages: int | None = option(
         None, "KV pages in the pool (default: what gpu_memory_utilization or kv_cache_memory_bytes leaves room for, "
@@ -82,11 +85,12 @@ class EngineConfig:
         0, "this process's rank, 0..num_nodes-1: rank 0 runs the scheduler, the tokenizer and the HTTP server, "
         "the others run rank 0's steps")
     coordinator: str | None = option(
-        None, "HOST:PORT where rank 0 runs jax.distributed's coordinator, reachable from every node (num_nodes > 1)")
+        None, "HOST:PORT where rank 0 runs jax.distributed's coordinator, reachable from every node (num_nodes > 1 needs it; no default)")
     node_timeout: int = option(
         100, "seconds a node may go silent (no heartbeat) before every process ends with an error; also the most a "
         "clean shutdown waits for the other nodes")
-    revision: str | None = option(None, "the Hugging Face revision (branch, tag or commit) of a model given by id")
+    revision: str | None = option(
+        None, "the Hugging Face revision (branch, tag or commit) of a model given by id (default: main)")
     load_format: str = option("auto", "how to read the weights (dummy: random weights of the config's shapes)", LOAD_FORMATS)
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
     seed: int = option(0, "seed of dummy weights and of requests that set none")

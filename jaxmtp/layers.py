@@ -1,11 +1,27 @@
-"""The building blocks every decoder layer shares: RMSNorm, rotary embeddings, SwiGLU."""
+"""The building blocks every decoder layer shares: RMSNorm, rotary embeddings, the gated MLP."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from jaxmtp.config import ModelConfig
+from jaxmtp.linear import linear
+
+# config.json's hidden_act -> the function, as transformers' ACT2FN computes it
+# (jaxmtp.config.HIDDEN_ACTIVATIONS lists the same names)
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),  # erf
+    "gelu_new": functools.partial(jax.nn.gelu, approximate=True),  # tanh approximation
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "gelu_fast": functools.partial(jax.nn.gelu, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+}
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -56,7 +72,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Arra
     return jnp.concatenate([rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1)
 
 
-def swiglu(h: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """down(silu(gate(h)) * up(h)), gate_up [H, 2, I] stacked as LayerParams keeps it."""
-    gate_up = jnp.einsum("th,hci->tci", h, gate_up)
-    return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]) @ down
+def gated_mlp(
+    h: jax.Array, gate_up: jax.Array, down: jax.Array, act: str = "silu",
+    gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
+) -> jax.Array:
+    """down(act(gate(h)) * up(h)) (SwiGLU with silu), gate_up [H, 2, I] stacked as
+    LayerParams keeps it; the biases, where given, as nn.Linear adds them."""
+    gate_up = linear(h, gate_up, gate_up_bias)
+    return linear(ACTIVATIONS[act](gate_up[:, 0]) * gate_up[:, 1], down, down_bias)

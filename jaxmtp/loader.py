@@ -13,98 +13,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
-from safetensors import safe_open
+from tqdm import tqdm
 
 from jaxmtp.config import MOE_MODEL_TYPES, ModelConfig
-from jaxmtp.params import ExpertLayerParams, LayerParams, MLAParams, MoEParams, MTPParams, Params, param_shapes, random_params
+from jaxmtp.params import (
+    BiasedLayerParams, ExpertLayerParams, LayerParams, MLAParams, MoEParams, MTPParams, Params, layer_params_class,
+    param_shapes, random_params,
+)
 from jaxmtp.sharding import make_mesh, param_shardings
+from jaxmtp.tensor_source import StackedRef, TensorSource, stack_refs
 
 ORBAX_DIR = "params"  # the engine's own checkpoints keep an orbax tree here
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorRef:
-    """One parameter as a checkpoint stores it, read from disk only when placed.
-    shape is the engine's ([in, out] for matrices); Hugging Face stores matrices
-    [out, in] (transpose); row_offset picks a block of the engine-side rows (the MTP
-    input projection is one stored [2H, H] matrix for two parameters)."""
-
-    name: str
-    shape: tuple[int, ...]
-    transpose: bool = False
-    row_offset: int = 0
-    dtype: str | None = None  # None: the model's dtype (the MoE router stays float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class StackedRef:
-    """Tensors the checkpoint stores apart and the engine keeps as one, stacked on
-    `axis` (gate and up on axis 1: LayerParams.gate_up_proj; experts on axis 0:
-    MoEParams.experts_gate_up, whose parts are stacked gate and up themselves)."""
-
-    parts: tuple[TensorRef | StackedRef, ...]
-    axis: int = 1
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        first = self.parts[0].shape
-        return first[: self.axis] + (len(self.parts),) + first[self.axis :]
-
-    @property
-    def dtype(self) -> str | None:
-        return self.parts[0].dtype
-
-
-class TensorSource:
-    """Every tensor of a safetensors folder (single file or sharded index), opened lazily."""
-
-    def __init__(self, model_dir: Path):
-        index = model_dir / "model.safetensors.index.json"
-        single = model_dir / "model.safetensors"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif single.is_file():
-            files = [single.name]
-        else:
-            raise FileNotFoundError(
-                f"model folder {model_dir!s} has neither model.safetensors nor model.safetensors.index.json"
-            )
-        self.model_dir = model_dir
-        self.file_of = {}
-        self.handles = {}
-        for name in files:
-            if not (model_dir / name).is_file():
-                raise FileNotFoundError(f"shard {name} listed in the index is missing from {model_dir!s}")
-            # numpy: blocks are read to host memory, each then sent to its own device
-            handle = safe_open(str(model_dir / name), framework="numpy")
-            self.handles[name] = handle
-            for key in handle.keys():
-                self.file_of[key] = name
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.file_of
-
-    def ref(self, name: str, transpose: bool = False, rows: tuple[int, int] | None = None, dtype: str | None = None) -> TensorRef:
-        if name not in self.file_of:
-            raise ValueError(f"checkpoint in {self.model_dir!s} is missing tensor {name!r}")
-        shape = tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
-        shape = shape[::-1] if transpose else shape
-        if rows is not None:
-            shape = (rows[1] - rows[0],) + shape[1:]
-        return TensorRef(name, shape, transpose, rows[0] if rows else 0, dtype)
-
-    def read(self, ref: TensorRef | StackedRef, index: tuple[slice, ...], dtype) -> np.ndarray:
-        """The block `index` (slices over ref.shape, as jax.make_array_from_callback
-        asks for one device's shard) of a tensor, read from disk."""
-        if isinstance(ref, StackedRef):
-            which, rest = index[ref.axis], index[: ref.axis] + index[ref.axis + 1 :]
-            return np.stack([self.read(part, rest, dtype) for part in ref.parts[which]], axis=ref.axis)
-        bounds = [(s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, ref.shape)]
-        bounds[0] = (bounds[0][0] + ref.row_offset, bounds[0][1] + ref.row_offset)
-        stored = [slice(lo, hi) for lo, hi in (bounds[::-1] if ref.transpose else bounds)]
-        block = self.handles[self.file_of[ref.name]].get_slice(ref.name)[tuple(stored)]
-        return (block.T if ref.transpose else block).astype(dtype)
 
 
 def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
@@ -116,20 +35,29 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
     def optional(name, enabled, **kwargs):
         return src.ref(name, **kwargs) if enabled else None
 
-    kind = LayerParams if cfg.moe is None else ExpertLayerParams
-    extra = {} if cfg.moe is None else dict(
-        mla=None if gqa else _mla_refs(src, attn, cfg), moe=None if dense else _moe_refs(src, mlp, cfg)
-    )
+    kind, extra = layer_params_class(cfg), {}
+    if kind is ExpertLayerParams:
+        extra = dict(mla=None if gqa else _mla_refs(src, attn, cfg), moe=None if dense else _moe_refs(src, mlp, cfg))
+    elif kind is BiasedLayerParams:
+        extra = dict(
+            o_bias=optional(f"{attn}.o_proj.bias", cfg.o_bias),
+            gate_up_bias=StackedRef(tuple(src.ref(f"{mlp}.{n}.bias") for n in ("gate_proj", "up_proj")), axis=0)
+            if cfg.mlp_bias else None,
+            down_bias=optional(f"{mlp}.down_proj.bias", cfg.mlp_bias),
+        )
+    def proj(module, enabled=True):
+        return src.weight_ref(module, cfg.quantization) if enabled else None
+
     return kind(
         **extra,
         input_norm=src.ref(f"{prefix}.{norm_names[0]}.weight"),
-        q_proj=optional(f"{attn}.q_proj.weight", gqa, transpose=True),
-        k_proj=optional(f"{attn}.k_proj.weight", gqa, transpose=True),
-        v_proj=optional(f"{attn}.v_proj.weight", gqa, transpose=True),
-        o_proj=src.ref(f"{attn}.o_proj.weight", transpose=True),
+        q_proj=proj(f"{attn}.q_proj", gqa),
+        k_proj=proj(f"{attn}.k_proj", gqa),
+        v_proj=proj(f"{attn}.v_proj", gqa),
+        o_proj=proj(f"{attn}.o_proj"),
         post_norm=src.ref(f"{prefix}.{norm_names[1]}.weight"),
-        gate_up_proj=_gate_up_ref(src, mlp) if dense else None,
-        down_proj=optional(f"{mlp}.down_proj.weight", dense, transpose=True),
+        gate_up_proj=_gate_up_ref(src, mlp, cfg) if dense else None,
+        down_proj=proj(f"{mlp}.down_proj", dense),
         q_bias=optional(f"{attn}.q_proj.bias", cfg.qkv_bias),
         k_bias=optional(f"{attn}.k_proj.bias", cfg.qkv_bias),
         v_bias=optional(f"{attn}.v_proj.bias", cfg.qkv_bias),
@@ -138,41 +66,43 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
     )
 
 
-def _gate_up_ref(src: TensorSource, mlp: str) -> StackedRef:
-    return StackedRef(tuple(src.ref(f"{mlp}.{name}.weight", transpose=True) for name in ("gate_proj", "up_proj")))
+def _gate_up_ref(src: TensorSource, mlp: str, cfg: ModelConfig):
+    """gate_proj and up_proj stacked [H, 2, I]."""
+    return stack_refs(tuple(src.weight_ref(f"{mlp}.{name}", cfg.quantization) for name in ("gate_proj", "up_proj")), 1)
 
 
 def _mla_refs(src: TensorSource, attn: str, cfg: ModelConfig) -> MLAParams:
     lora = cfg.mla.q_lora_rank is not None
 
-    def optional(name, enabled, **kwargs):
-        return src.ref(name, **kwargs) if enabled else None
+    def proj(module, enabled=True):
+        return src.weight_ref(f"{attn}.{module}", cfg.quantization) if enabled else None
 
     return MLAParams(
-        kv_a_proj=src.ref(f"{attn}.kv_a_proj_with_mqa.weight", transpose=True),
+        kv_a_proj=proj("kv_a_proj_with_mqa"),
         kv_a_norm=src.ref(f"{attn}.kv_a_layernorm.weight"),
-        kv_b_proj=src.ref(f"{attn}.kv_b_proj.weight", transpose=True),
-        q_proj=optional(f"{attn}.q_proj.weight", not lora, transpose=True),
-        q_a_proj=optional(f"{attn}.q_a_proj.weight", lora, transpose=True),
-        q_a_norm=optional(f"{attn}.q_a_layernorm.weight", lora),
-        q_b_proj=optional(f"{attn}.q_b_proj.weight", lora, transpose=True),
+        kv_b_proj=proj("kv_b_proj"),
+        q_proj=proj("q_proj", not lora),
+        q_a_proj=proj("q_a_proj", lora),
+        q_a_norm=src.ref(f"{attn}.q_a_layernorm.weight") if lora else None,
+        q_b_proj=proj("q_b_proj", lora),
     )
 
 
 def _moe_refs(src: TensorSource, mlp: str, cfg: ModelConfig) -> MoEParams:
     """Checkpoints store each expert apart (mlp.experts.E.{gate,up,down}_proj); the
-    engine stacks them into one array per projection, at load time."""
+    engine stacks them into one array per projection, at load time. The router stays
+    unquantized (float32, as the checkpoints keep it)."""
     experts = range(cfg.moe.num_experts)
     shared = cfg.moe.num_shared_experts > 0
     return MoEParams(
         router=src.ref(f"{mlp}.gate.weight", transpose=True, dtype="float32"),
         router_bias=src.ref(f"{mlp}.gate.e_score_correction_bias", dtype="float32"),
-        experts_gate_up=StackedRef(tuple(_gate_up_ref(src, f"{mlp}.experts.{e}") for e in experts), axis=0),
-        experts_down=StackedRef(
-            tuple(src.ref(f"{mlp}.experts.{e}.down_proj.weight", transpose=True) for e in experts), axis=0
+        experts_gate_up=stack_refs(tuple(_gate_up_ref(src, f"{mlp}.experts.{e}", cfg) for e in experts), 0),
+        experts_down=stack_refs(
+            tuple(src.weight_ref(f"{mlp}.experts.{e}.down_proj", cfg.quantization) for e in experts), 0
         ),
-        shared_gate_up=_gate_up_ref(src, f"{mlp}.shared_experts") if shared else None,
-        shared_down=src.ref(f"{mlp}.shared_experts.down_proj.weight", transpose=True) if shared else None,
+        shared_gate_up=_gate_up_ref(src, f"{mlp}.shared_experts", cfg) if shared else None,
+        shared_down=src.weight_ref(f"{mlp}.shared_experts.down_proj", cfg.quantization) if shared else None,
     )
 
 
@@ -219,12 +149,16 @@ def load_hf_params(model_dir: Path, cfg: ModelConfig, mesh: Mesh, num_mtp_module
         lm_head=None if cfg.tie_word_embeddings else src.ref("lm_head.weight", transpose=True),
         mtp=[_mtp_module_refs(src, cfg, n) for n in range(num_mtp_modules)],
     )
-    return jax.tree.map(
-        lambda ref, sharding: jax.make_array_from_callback(
-            ref.shape, sharding, functools.partial(src.read, ref, dtype=jnp.dtype(ref.dtype or cfg.dtype))
-        ),
-        refs, param_shardings(refs, mesh),
-    )
+    # a progress bar on a terminal (tqdm leaves it out when stderr is not one)
+    with tqdm(total=len(jax.tree.leaves(refs)), desc=f"loading {model_dir.name}", unit="tensor", disable=None) as bar:
+        def place(ref, sharding):
+            array = jax.make_array_from_callback(
+                ref.shape, sharding, functools.partial(src.read, ref, dtype=jnp.dtype(ref.dtype or cfg.dtype))
+            )
+            bar.update()
+            return array
+
+        return jax.tree.map(place, refs, param_shardings(refs, mesh))
 
 
 def _orbax():
@@ -315,6 +249,10 @@ def _block_tensors(prefix: str, p: LayerParams) -> dict:
         "self_attn.v_proj.bias": (p.v_bias, False),
         "self_attn.q_norm.weight": (p.q_norm, False),
         "self_attn.k_norm.weight": (p.k_norm, False),
+        "self_attn.o_proj.bias": (p.o_bias, False),
+        "mlp.gate_proj.bias": (None if p.gate_up_bias is None else p.gate_up_bias[0], False),
+        "mlp.up_proj.bias": (None if p.gate_up_bias is None else p.gate_up_bias[1], False),
+        "mlp.down_proj.bias": (p.down_bias, False),
     }
     return {f"{prefix}.{name}": (w.T if transpose else w) for name, (w, transpose) in names.items() if w is not None}
 
@@ -327,6 +265,8 @@ def export_hf_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, 
 
     if cfg.moe is not None:
         raise ValueError(f"export writes Llama-family models; {cfg.model_type} (experts, MLA) is not implemented")
+    if cfg.quantization is not None:
+        raise ValueError("export writes unquantized weights; writing fp8 weights with their scales is not implemented")
     if cfg.mtp_layout not in (None, "deepseek"):
         raise ValueError(f"export writes the DeepSeek layout; these modules were trained as {cfg.mtp_layout!r}")
     out = Path(out_dir)

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmtp.params import pytree_dataclass
+from jaxmtp.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 
 IN_PROMPT, ENDS_REQUEST = 1, 2  # token_flags bits
-MAX_BAD_WORDS = 32  # token sequences per request (a word gives one or two)
-MAX_BAD_WORD_TOKENS = 16  # tokens per bad word's sequence
 NO_TOKEN = -1  # recent_tokens before the first output token; matches no prefix
 ANY_TOKEN = -2  # bad_prefix left of a shorter word's prefix: matches every token
 
@@ -87,25 +86,6 @@ def state_rows(seqs, vocab_size: int) -> dict[str, np.ndarray]:
                 rows["bad_prefix"][i, w, tail - (len(word) - 1) :] = word[:-1]
             rows["bad_last"][i, w] = word[-1]
     return rows
-
-
-def bad_words_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
-    """Each bad word's token sequences, as vLLM tokenizes them: the word, and the word
-    after a space where that is another sequence of as many tokens."""
-    sequences: list[tuple[int, ...]] = []
-    for word in words:
-        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
-        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
-        sequences.append(plain)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            sequences.append(spaced)
-    longest = max(map(len, sequences))
-    if len(sequences) > MAX_BAD_WORDS or longest > MAX_BAD_WORD_TOKENS:
-        raise ValueError(
-            f"bad_words: at most {MAX_BAD_WORDS} token sequences of at most {MAX_BAD_WORD_TOKENS} tokens each are "
-            f"supported, got {len(sequences)} of up to {longest} tokens"
-        )
-    return tuple(sequences)
 
 
 def _write_rows(state: LogitsState, slots: jax.Array, rows: dict) -> LogitsState:

@@ -14,6 +14,7 @@ from jax.experimental import multihost_utils
 
 from jaxmtp.cache import allocate_cache
 from jaxmtp.config import ModelConfig
+from jaxmtp.sharding import HIDDEN_PAGE_AXES, cache_axes, shards_of
 
 log = logging.getLogger("jaxmtp.memory")
 
@@ -32,10 +33,17 @@ class KVPool:
         return self.num_pages * self.page_bytes / GiB
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, num_draft_modules: int) -> int:
-    """Bytes of one page across the whole cache, whatever its layout (no memory used)."""
+def page_bytes(cfg: ModelConfig, page_size: int, num_draft_modules: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one page across the whole cache, whatever its layout (no memory used),
+    that one of tensor_parallel_size devices holds: its share of the K and V pages
+    (split by kv head; MLA's latent pages whole on every device), and the hidden pages
+    (whole on every device)."""
     shapes = jax.eval_shape(lambda: allocate_cache(cfg, 1, page_size, num_draft_modules))
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+    def nbytes(arrays, axes):
+        return sum(x.size * x.dtype.itemsize for x in arrays) // shards_of(axes, tensor_parallel_size)
+
+    return nbytes(shapes.k + shapes.v, cache_axes(cfg)) + nbytes(shapes.hidden, HIDDEN_PAGE_AXES)
 
 
 def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs: int, k: int) -> int:
@@ -52,8 +60,8 @@ def plan_kv_pool(
     max_num_batched_tokens: int, num_speculative_tokens: int, num_pages: int | None,
     gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, devices: list,
 ) -> KVPool:
-    """devices: the mesh's; the KV heads are split over them, so each holds about
-    1/len(devices) of a page (the budget is one device's memory: this process's first)."""
+    """devices: the mesh's; each holds its share of a page (page_bytes; the budget is
+    one device's memory: this process's first)."""
     per_page = page_bytes(cfg, page_size, num_draft_modules)
     device = next(d for d in devices if d.process_index == jax.process_index())
     if num_pages is not None:
@@ -69,7 +77,7 @@ def plan_kv_pool(
         active = activation_bytes(cfg, max_num_batched_tokens, max_num_seqs, num_speculative_tokens)
         budget = int(gpu_memory_utilization * limit) - stats.get("bytes_in_use", 0) - active
         what = "gpu_memory_utilization"
-    fit = max(budget, 0) * len(devices) // per_page
+    fit = max(budget, 0) // page_bytes(cfg, page_size, num_draft_modules, len(devices))
     if jax.process_count() > 1:  # every process allocates the same pool: the one that fits them all
         fit = int(np.min(multihost_utils.process_allgather(np.int32(min(fit, 2**31 - 1)))))
     if fit < max_pages_per_seq:

@@ -36,13 +36,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from jaxmtp.attention import AttentionFn
 from jaxmtp.batch import Batch, row_owner, slot_of, with_rows_before
 from jaxmtp.cache import KVCache, dropped_index, read_hidden, write_slots
 from jaxmtp.config import MTP_LAYOUTS, ModelConfig
-from jaxmtp.model import decoder_layer, logits, rms_norm
+from jaxmtp.model import LayerOps, decoder_layer, logits, rms_norm
 from jaxmtp.params import MTPParams, Params
+from jaxmtp.sharding import argmax_vocab
 
 def module_forward(
     module: MTPParams,
@@ -53,14 +54,14 @@ def module_forward(
     batch: Batch,
     k_pages: jax.Array,
     v_pages: jax.Array,
-    attention: AttentionFn,
+    ops: LayerOps,
 ):
     """x = proj(concat(norm(embed(t_{i+1})), norm(h_i))), then one decoder block.
     Returns the block's output (before the module's final norm) and its K/V pages."""
     e = rms_norm(embed[next_ids], module.token_norm, cfg.rms_norm_eps)
     h = rms_norm(prev_hidden, module.hidden_norm, cfg.rms_norm_eps)
     x = e @ module.proj_token + h @ module.proj_hidden
-    return decoder_layer(module.block, cfg, x, batch, k_pages, v_pages, attention)
+    return decoder_layer(module.block, cfg, x, batch, k_pages, v_pages, ops)
 
 
 def module_logits(params: Params, module: MTPParams, cfg: ModelConfig, x: jax.Array) -> jax.Array:
@@ -95,14 +96,17 @@ def propose(
     tokens: jax.Array,
     num_accepted: jax.Array,
     cache: KVCache,
-    attention: AttentionFn,
+    ops: LayerOps,
     num_drafts: int,
     boundary_mode: str,
+    mesh: Mesh | None,
 ) -> tuple[jax.Array, KVCache, jax.Array]:
     """The draft pass: modules 1..M over the rows, then num_drafts - M chained steps of
     module M.
 
-    hidden: main model output [T, H]; tokens/num_accepted: what verification emitted.
+    hidden: main model output [T, H]; tokens/num_accepted: what verification emitted;
+    mesh: the tensor-parallel mesh, over which each draft's argmax runs on the
+    vocab-sharded logits without gathering them (sharding.argmax_vocab).
     Returns drafts [B, num_drafts], the cache with draft KV (and hidden pages) written,
     and the boundary tokens [B] the draft pass used (for tests and ablations)."""
     b = batch.kv_len.shape[0]
@@ -131,12 +135,12 @@ def propose(
             prev = read_hidden(hidden_pages[j - 2], rows.slot_mapping)
         x, k_layers[layer], v_layers[layer] = module_forward(
             module, params.embed, cfg, prev, tokens_ahead(rows, j, last, beyond), rows,
-            k_layers[layer], v_layers[layer], attention,
+            k_layers[layer], v_layers[layer], ops,
         )
         if j < m:
             hidden_pages[j - 1] = write_slots(hidden_pages[j - 1], rows.slot_mapping, x)
         x = x[rows.sample_index[seq_idx, num_accepted]]  # [B, H] at the boundary rows
-        draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
+        draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
         drafts.append(draft)
         if j < m:
             beyond = beyond.at[:, j].set(jnp.where(reads_drafts, draft, beyond[:, j]))
@@ -162,9 +166,9 @@ def propose(
             kv_len=jnp.where(proposing, position + 1, 1),
         )
         x, k_layers[layer], v_layers[layer] = module_forward(
-            module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], attention
+            module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], ops
         )
-        draft = jnp.argmax(module_logits(params, module, cfg, x), axis=-1).astype(jnp.int32)
+        draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
         drafts.append(draft)
     cache = KVCache(k=k_layers, v=v_layers, hidden=hidden_pages)
     return jnp.stack(drafts, axis=1), cache, beyond[:, 0]

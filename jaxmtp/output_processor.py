@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmtp.detokenizer import IncrementalDetokenizer
-from jaxmtp.outputs import CompletionOutput, RequestOutput
+from jaxmtp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxmtp.runner import StepResult
 from jaxmtp.sampling_params import RequestOutputKind
 from jaxmtp.sequence import Sequence
 from jaxmtp.stop_strings import StopStringMatcher
+
+TEXT_CONTEXT = 4  # tokens before a logprob's token decoded with it, for its leading space
 
 
 @dataclasses.dataclass
@@ -22,6 +24,7 @@ class Request:
     request_id: str
     prompt: str | None
     seqs: list[Sequence]
+    metrics: RequestMetrics
     error: str | None = None  # why the engine failed it (finish_reason "error")
 
     @property
@@ -51,12 +54,9 @@ class OutputProcessor:
             seq.append_token(token)
             self.stats.generation_tokens += 1
             if params.logprobs is not None:
-                entry = {token: float(result.logprobs[i, j])}
-                top_ids, top_values = result.top_token_ids[i, j, : params.logprobs], result.top_logprobs[i, j, : params.logprobs]
-                for t, lp in zip(top_ids.tolist(), top_values.tolist()):
-                    entry.setdefault(t, lp)
+                entry = self._token_logprobs(seq, result, i, j)
                 seq.output_logprobs.append(entry)
-                seq.cumulative_logprob += entry[token]
+                seq.cumulative_logprob += entry[token].logprob
             if token in seq.stop_token_ids:  # its text is part of the output only when asked
                 seq.finish_reason, seq.stop_reason = "stop", token
                 if params.include_stop_str_in_output:
@@ -77,20 +77,39 @@ class OutputProcessor:
                 return True
         return False
 
-    @staticmethod
-    def append_prompt_logprobs(seq: Sequence, start: int, first_row: int, num_rows: int, result: StepResult) -> None:
+    def append_prompt_logprobs(self, seq: Sequence, start: int, first_row: int, num_rows: int, result: StepResult) -> None:
         """Keep the prompt logprobs of seq's rows (positions start.., from batch row
         first_row): row p scores prompt token p + 1. A recompute's rows score tokens
         already kept, and a chunk's rows past the prompt score none."""
-        n = seq.params.prompt_logprobs
-        prompt = seq.prompt_token_ids
+        n, prompt = seq.params.prompt_logprobs, seq.prompt_token_ids
         for p in range(max(start, len(seq.prompt_logprobs) - 1), min(start + num_rows, len(prompt) - 1)):
             row = first_row + p - start
-            token = prompt[p + 1]
-            entry = {token: float(result.prompt_logprobs[row])}
-            for t, value in zip(result.prompt_top_token_ids[row, :n].tolist(), result.prompt_top_logprobs[row, :n].tolist()):
-                entry.setdefault(t, value)
-            seq.prompt_logprobs.append(entry)
+            seq.prompt_logprobs.append(self._logprobs(
+                prompt[max(p + 1 - TEXT_CONTEXT, 0) : p + 1], prompt[p + 1], float(result.prompt_logprobs[row]),
+                int(result.prompt_ranks[row]), result.prompt_top_token_ids[row, :n].tolist(),
+                result.prompt_top_logprobs[row, :n].tolist(),
+            ))
+
+    def _token_logprobs(self, seq: Sequence, result: StepResult, i: int, j: int) -> dict[int, Logprob]:
+        """The logprobs of the token seq just appended (row j of request i)."""
+        n = seq.params.logprobs
+        return self._logprobs(
+            seq.token_ids[-TEXT_CONTEXT - 1 : -1], seq.token_ids[-1], float(result.logprobs[i, j]), int(result.ranks[i, j]),
+            result.top_token_ids[i, j, :n].tolist() if n else [], result.top_logprobs[i, j, :n].tolist() if n else [],
+        )
+
+    def _logprobs(self, context: list[int], token: int, logprob: float, rank: int, top_ids: list[int],
+                  top_values: list[float]) -> dict[int, Logprob]:
+        """token's Logprob with its rank from the device, then those of the top n (ranks
+        1..n) it is not one of; each with the text it adds after the context tokens."""
+        found: dict[int, tuple[float, int]] = {token: (logprob, rank)}
+        for t, value, r in zip(top_ids, top_values, range(1, len(top_ids) + 1)):
+            found.setdefault(t, (value, r))
+        if self.tokenizer is None:
+            texts = [None] * len(found)
+        else:  # special tokens by name: the logprobs show what was sampled
+            texts = self.tokenizer.token_texts(context, list(found), TEXT_CONTEXT, False)
+        return {t: Logprob(value, r, text) for (t, (value, r)), text in zip(found.items(), texts)}
 
     def _add_text(self, seq: Sequence, token: int) -> bool:
         """Detokenise one more token; True when the text reached a stop string (cut there)."""
@@ -140,6 +159,7 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             error=request.error,
             prompt_logprobs=list(first.prompt_logprobs) if with_prompt_logprobs else None,
+            metrics=dataclasses.replace(request.metrics),
         )
 
     def _completion(self, index: int, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:

@@ -15,6 +15,28 @@ def pytree_dataclass(cls):
     return jax.tree_util.register_dataclass(dataclasses.dataclass(cls))
 
 
+FP8 = jnp.float8_e4m3fn
+
+
+@pytree_dataclass
+class Fp8Weight:
+    """A linear layer's weight in fp8, one float32 scale per block (jaxmtp/quantization.py):
+    the weight is `weight * scale_inv` of its block. `weight` has the layout of the array
+    it stands for ([in, out]; gate and up stacked [in, 2, out]; experts first), `block`
+    the block's size along each axis (1 where every index has scales of its own: the
+    gate/up and expert axes), so scale_inv has ceil(size / block) entries per axis."""
+
+    weight: jax.Array  # float8_e4m3fn
+    scale_inv: jax.Array  # float32
+    block: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    # how jaxmtp.linear multiplies by it: "reference", "pallas" or "pallas_interpret"
+    matmul: str = dataclasses.field(default="reference", metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+
 @pytree_dataclass
 class MLAParams:
     """Multi-head latent attention's projections (DeepSeek-V3); the output projection
@@ -45,9 +67,9 @@ class MoEParams:
 @pytree_dataclass
 class LayerParams:
     """One decoder layer: GQA attention (q/k/v_proj) or MLA (mla), then a dense MLP
-    (gate_up_proj, down_proj) or experts (moe). Only ExpertLayerParams has the last
-    two: the Llama family's trees, and the checkpoints orbax wrote of them, stay as
-    they were."""
+    (gate_up_proj, down_proj) or experts (moe). Only the subclasses have the fields
+    most layers lack (experts, MLA, the o_proj and MLP biases): the Llama family's
+    trees, and the checkpoints orbax wrote of them, stay as they were."""
 
     input_norm: jax.Array  # [H]
     q_proj: jax.Array | None = None  # [H, Hq*D]
@@ -65,8 +87,11 @@ class LayerParams:
     v_bias: jax.Array | None = None
     q_norm: jax.Array | None = None  # Qwen3 / GLM-4.5: RMSNorm over each head's D
     k_norm: jax.Array | None = None
-    mla = None  # class attributes, not fields: see ExpertLayerParams
+    mla = None  # class attributes, not fields: see the subclasses
     moe = None
+    o_bias = None
+    gate_up_bias = None
+    down_bias = None
 
 
 @pytree_dataclass
@@ -75,6 +100,22 @@ class ExpertLayerParams(LayerParams):
 
     mla: MLAParams | None = None
     moe: MoEParams | None = None
+
+
+@pytree_dataclass
+class BiasedLayerParams(LayerParams):
+    """A Llama-family layer with biases beyond q/k/v's (ModelConfig.o_bias or mlp_bias)."""
+
+    o_bias: jax.Array | None = None  # [H]: Llama's and Qwen3's attention_bias
+    gate_up_bias: jax.Array | None = None  # [2, I]: Llama's mlp_bias
+    down_bias: jax.Array | None = None  # [H]
+
+
+def layer_params_class(cfg: ModelConfig) -> type[LayerParams]:
+    """The decoder layers' pytree class: the fields the config's layers may have."""
+    if cfg.moe is not None:
+        return ExpertLayerParams
+    return BiasedLayerParams if cfg.o_bias or cfg.mlp_bias else LayerParams
 
 
 @pytree_dataclass
@@ -113,18 +154,27 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
     def leaf(*shape, dtype=cfg.jnp_dtype):
         return jax.ShapeDtypeStruct(shape, dtype)
 
+    def proj(*shape, in_axis=0):
+        """A linear layer's weight [..., in, ..., out]: fp8 with block scales in a quantized model."""
+        q = cfg.quantization
+        if q is None:
+            return leaf(*shape)
+        block = tuple(q.block_in if a == in_axis else q.block_out if a == len(shape) - 1 else 1 for a in range(len(shape)))
+        return Fp8Weight(leaf(*shape, dtype=FP8), leaf(*(-(-n // b) for n, b in zip(shape, block)), dtype=jnp.float32),
+                         block)
+
     def mla():
         m, heads = cfg.mla, cfg.num_heads
         q_out = heads * m.qk_head_dim
         lora = m.q_lora_rank
         return MLAParams(
-            kv_a_proj=leaf(h, m.kv_lora_rank + m.qk_rope_head_dim),
+            kv_a_proj=proj(h, m.kv_lora_rank + m.qk_rope_head_dim),
             kv_a_norm=leaf(m.kv_lora_rank),
-            kv_b_proj=leaf(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
-            q_proj=leaf(h, q_out) if lora is None else None,
-            q_a_proj=leaf(h, lora) if lora is not None else None,
+            kv_b_proj=proj(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+            q_proj=proj(h, q_out) if lora is None else None,
+            q_a_proj=proj(h, lora) if lora is not None else None,
             q_a_norm=leaf(lora) if lora is not None else None,
-            q_b_proj=leaf(lora, q_out) if lora is not None else None,
+            q_b_proj=proj(lora, q_out) if lora is not None else None,
         )
 
     def moe():
@@ -132,27 +182,31 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
         return MoEParams(
             router=leaf(h, e, dtype=jnp.float32),
             router_bias=leaf(e, dtype=jnp.float32),
-            experts_gate_up=leaf(e, h, 2, mi),
-            experts_down=leaf(e, mi, h),
-            shared_gate_up=leaf(h, 2, shared) if shared else None,
-            shared_down=leaf(shared, h) if shared else None,
+            experts_gate_up=proj(e, h, 2, mi, in_axis=1),
+            experts_down=proj(e, mi, h, in_axis=1),
+            shared_gate_up=proj(h, 2, shared) if shared else None,
+            shared_down=proj(shared, h) if shared else None,
         )
 
     def layer(index):
         gqa = cfg.mla is None
         dense = not cfg.layer_is_moe(index)
-        kind = LayerParams if cfg.moe is None else ExpertLayerParams
-        extra = {} if cfg.moe is None else dict(mla=None if gqa else mla(), moe=None if dense else moe())
+        kind, extra = layer_params_class(cfg), {}
+        if kind is ExpertLayerParams:
+            extra = dict(mla=None if gqa else mla(), moe=None if dense else moe())
+        elif kind is BiasedLayerParams:
+            extra = dict(o_bias=leaf(h) if cfg.o_bias else None, gate_up_bias=leaf(2, i) if cfg.mlp_bias else None,
+                         down_bias=leaf(h) if cfg.mlp_bias else None)
         return kind(
             **extra,
             input_norm=leaf(h),
-            q_proj=leaf(h, cfg.q_size) if gqa else None,
-            k_proj=leaf(h, cfg.kv_size) if gqa else None,
-            v_proj=leaf(h, cfg.kv_size) if gqa else None,
-            o_proj=leaf(cfg.q_size, h) if gqa else leaf(cfg.num_heads * cfg.mla.v_head_dim, h),
+            q_proj=proj(h, cfg.q_size) if gqa else None,
+            k_proj=proj(h, cfg.kv_size) if gqa else None,
+            v_proj=proj(h, cfg.kv_size) if gqa else None,
+            o_proj=proj(cfg.q_size, h) if gqa else proj(cfg.num_heads * cfg.mla.v_head_dim, h),
             post_norm=leaf(h),
-            gate_up_proj=leaf(h, 2, i) if dense else None,
-            down_proj=leaf(i, h) if dense else None,
+            gate_up_proj=proj(h, 2, i) if dense else None,
+            down_proj=proj(i, h) if dense else None,
             q_bias=leaf(cfg.q_size) if cfg.qkv_bias else None,
             k_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
             v_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
@@ -170,24 +224,37 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
     )
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "ones", "sharding"))
-def _random_array(key, shape, dtype, ones, sharding):
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "ones", "scale", "sharding"))
+def _random_array(key, shape, dtype, ones, scale, sharding):
     # one small compiled generator per (shape, sharding): a model has few, and one jit
     # over the whole model compiles for minutes at 8B. The random bits do not depend
     # on the sharding (jax_threefry_partitionable), so every tensor-parallel size gets
     # the same weights, each device making only its own shard.
-    x = jnp.ones(shape, dtype) if ones else (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    x = jnp.ones(shape, jnp.float32) if ones else jax.random.normal(key, shape, jnp.float32)
+    x = (scale * x).astype(dtype)
     return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
+def _random_init(name: str, dtype) -> tuple[bool, float]:
+    """(ones, scale) of a parameter: unit norms; weights of std 0.02, fp8 ones as
+    N(0, 1) values times scales of 0.02."""
+    if "norm" in name:
+        return True, 1.0
+    if name == "scale_inv":
+        return True, 0.02
+    return False, 1.0 if dtype == FP8 else 0.02
+
+
 def random_params(cfg: ModelConfig, key: jax.Array, num_mtp_modules: int | None = None, shardings=None) -> Params:
-    """Random weights of the right shapes and a sensible scale (std 0.02, unit norms).
-    shardings, a tree like the params' of NamedShardings (jaxmtp.sharding.param_shardings),
-    creates each array directly split over its devices."""
+    """Random weights of the right shapes and a sensible scale (std 0.02, unit norms;
+    fp8 weights with block scales in a quantized model). shardings, a tree like the
+    params' of NamedShardings (jaxmtp.sharding.param_shardings), creates each array
+    directly split over its devices."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg, num_mtp_modules))
     placements = [None] * len(leaves) if shardings is None else treedef.flatten_up_to(shardings)
     arrays = [
-        _random_array(jax.random.fold_in(key, n), leaf.shape, leaf.dtype, "norm" in path[-1].name, sharding)
+        _random_array(jax.random.fold_in(key, n), leaf.shape, leaf.dtype, *_random_init(path[-1].name, leaf.dtype),
+                      sharding)
         for n, ((path, leaf), sharding) in enumerate(zip(leaves, placements))
     ]
     return treedef.unflatten(arrays)

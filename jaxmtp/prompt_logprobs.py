@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxmtp import model
 from jaxmtp.batch import row_owner
 from jaxmtp.params import pytree_dataclass
+from jaxmtp.sampling import chosen_logprobs
 from jaxmtp.sharding import gather_vocab
 
 ROWS_PER_BLOCK = 256
@@ -20,6 +21,7 @@ ROWS_PER_BLOCK = 256
 @pytree_dataclass
 class PromptLogprobs:
     logprobs: jax.Array  # [T] of the token after each row
+    ranks: jax.Array  # [T] its rank: 1 + the tokens with a higher logprob
     top_logprobs: jax.Array  # [T, n]
     top_token_ids: jax.Array  # [T, n]
 
@@ -45,12 +47,13 @@ def prompt_logprobs(params, cfg, hidden, batch, num_top: int, mesh) -> PromptLog
         logits = model.logits(head, norm, cfg, rows)
         if mesh is not None:
             logits = gather_vocab(logits, mesh)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        chosen = jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
-        top_values, top_ids = jax.lax.top_k(logp, num_top) if num_top else (logp[:, :0], jnp.zeros((block, 0), jnp.int32))
-        return chosen, top_values, top_ids
+        # every row of the block is scored: the top alternatives are always asked for
+        chosen, rank, top_values, top_ids = chosen_logprobs(logits, target, num_top, jnp.ones(1, jnp.int32))
+        if not num_top:
+            top_values, top_ids = jnp.zeros((block, 0), chosen.dtype), jnp.zeros((block, 0), jnp.int32)
+        return chosen, rank, top_values, top_ids
 
     blocks = (hidden.reshape(t // block, block, -1), targets.reshape(t // block, block))
-    chosen, top_values, top_ids = jax.lax.map(one_block, blocks)
+    chosen, rank, top_values, top_ids = jax.lax.map(one_block, blocks)
     n = top_values.shape[-1]
-    return PromptLogprobs(chosen.reshape(t), top_values.reshape(t, n), top_ids.reshape(t, n).astype(jnp.int32))
+    return PromptLogprobs(chosen.reshape(t), rank.reshape(t), top_values.reshape(t, n), top_ids.reshape(t, n).astype(jnp.int32))

@@ -1,7 +1,8 @@
 """ModelRunner: everything on the device. It loads the params, owns the donated KV
-cache and the carry between steps, turns a SchedulerOutput into one jitted step (page
-copies first), reads a step's output back, compiles every bucket shape (warm-up) and
-inspects the compiled step. The engine never touches a device array.
+cache and the carry between steps, turns a SchedulerOutput into one compiled step (page
+copies first), reads a step's output back, compiles every bucket shape (warm-up, also
+in the background while serving: jaxmtp/programs.py) and inspects the compiled step.
+The engine never touches a device array.
 
 A step's device work is built on the host first, as StepInputs, then run (apply): on a
 mesh over several processes, rank 0's runner sends it to the others' runners, which run
@@ -9,7 +10,6 @@ the same (self.peers; jaxmtp/distributed.py)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 
 import jax
@@ -19,11 +19,13 @@ from jaxmtp.batch import BatchShape, BucketPlan, Carry, build_batch, lookahead_w
 from jaxmtp.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.config import ModelConfig
 from jaxmtp.engine_config import EngineConfig
+from jaxmtp.linear import fp8_matmul_for, with_fp8_matmul
 from jaxmtp.loader import load_params
 from jaxmtp.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.memory import plan_kv_pool
+from jaxmtp.programs import StepPrograms
 from jaxmtp.scheduler import ScheduledRows, SchedulerOutput
-from jaxmtp.sharding import check_divisible, make_mesh, put_replicated
+from jaxmtp.sharding import check_divisible, make_mesh, put_replicated, replicated
 from jaxmtp.step import StepConfig, StepOutput, jitted_step
 from jaxmtp.structured_outputs import fill_row_masks
 
@@ -62,9 +64,11 @@ class StepResult:
     drafts: np.ndarray  # [B, k]
     boundary_token: np.ndarray  # [B]
     logprobs: np.ndarray | None  # [B, k+1], when a request asked for logprobs
+    ranks: np.ndarray | None  # [B, k+1] each token's rank in the model's distribution (1: its top)
     top_logprobs: np.ndarray | None  # [B, k+1, n]
     top_token_ids: np.ndarray | None
     prompt_logprobs: np.ndarray | None  # [T] per row, the token after it (BatchShape.prompt_logprobs)
+    prompt_ranks: np.ndarray | None  # [T]
     prompt_top_logprobs: np.ndarray | None  # [T, n]
     prompt_top_token_ids: np.ndarray | None
 
@@ -82,6 +86,9 @@ class ModelRunner:
         self.params = load_params(
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules, mesh=self.mesh
         )
+        if model_config.quantization is not None:
+            matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
+            self.params = with_fp8_matmul(self.params, matmul)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
         # before the pool is sized: its memory is the weights' and this state's remainder
         self.logits_state = put_replicated(zero_state(config.max_num_seqs, model_config.vocab_size), self.mesh)
@@ -105,7 +112,12 @@ class ModelRunner:
             mesh=self.mesh,
         )
         self._oracle_tokens = None
+        # the compiled steps, by the oracle table's shape (None: no oracle, as serving runs)
+        self._programs: dict[tuple | None, StepPrograms] = {}
         self.reset()
+        # what the step is compiled for: the arrays' shapes, dtypes and shardings, which
+        # every step keeps (the background compiler reads these, never the donated arrays)
+        self._state_specs = jax.tree.map(array_spec, (self.params, self.cache, self.logits_state, self.carry))
 
     def reset(self) -> None:
         """A fresh, zeroed KV cache and carry: after a failed step whose donated cache is
@@ -113,8 +125,8 @@ class ModelRunner:
         whenever it is admitted."""
         if self.peers is not None:
             self.peers.cache_lost()  # the other processes' caches cannot be brought back in step
-        # committed to its devices, sharded as every cache the step returns, so the first
-        # shape warmup() compiles is not compiled again for the first real request
+        # committed to its devices, sharded as every cache the step returns, as the
+        # compiled programs take it
         self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
         carry = Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens)
         self.carry = put_replicated(carry, self.mesh)
@@ -162,22 +174,18 @@ class ModelRunner:
                             for i, item in enumerate(rows) if item.seq.grammar is not None and item.has_output], masks)
         return pack_batch(batch)
 
-    def device_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple:
-        """The step's arguments after params, cache and carry, for rows padded to shape:
-        (ints, floats, oracle tokens, shape); the batch crosses in one transfer."""
-        return (*put_replicated(self.host_batch(rows, shape), self.mesh), self.oracle_tokens, shape)
-
     def dispatch(self, step_id: int, scheduled: SchedulerOutput) -> InFlightStep:
         """Queue the page copies, the new LogitsState rows and the step on the device;
         returns before it runs. The copies and rows go first, also when the batch then
-        cannot be built: the sequences they serve already count the copied rows as computed."""
+        cannot be built: the sequences they serve already count the copied rows as computed.
+        The batch is padded to a compiled shape (StepPrograms.shape_to_run)."""
         new = [item.seq for item in scheduled.rows if item.seq.params.processes_logits and not item.seq.state_written]
         groups = range(0, len(scheduled.page_copies), PAGE_COPY_BATCH)
         inputs = StepInputs([page_copy_arrays(scheduled.page_copies[i : i + PAGE_COPY_BATCH], self.num_pages)
                              for i in groups])
         try:
             inputs.state_slots, inputs.state_rows = self.state_rows(new)
-            shape = self.shape_for(scheduled.rows)
+            shape = self.programs.shape_to_run(self.shape_for(scheduled.rows))
             (inputs.ints, inputs.floats), inputs.shape = self.host_batch(scheduled.rows, shape), shape
         finally:  # what was built runs, also when the rest raised
             args, output = self.apply(inputs)
@@ -213,8 +221,10 @@ class ModelRunner:
         return args, self._run(args)
 
     def _run(self, args: tuple) -> StepOutput:
-        self.cache, self.logits_state, output = jitted_step(
-            self.params, self.cache, self.logits_state, self.carry, *args, self.step_config
+        ints, floats, oracle, shape = args
+        program = self._programs_for(oracle).program(shape)
+        self.cache, self.logits_state, output = program(
+            self.params, self.cache, self.logits_state, self.carry, ints, floats, oracle
         )
         self.carry = output.carry
         return output
@@ -226,8 +236,8 @@ class ModelRunner:
         prompt = out.prompt
         host = jax.device_get(
             (out.tokens, out.num_accepted, out.drafts, out.boundary_token)
-            + ((out.logprobs, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None, None, None))
-            + ((prompt.logprobs, prompt.top_logprobs, prompt.top_token_ids) if prompt is not None else (None, None, None))
+            + ((out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None,) * 4)
+            + ((prompt.logprobs, prompt.ranks, prompt.top_logprobs, prompt.top_token_ids) if prompt is not None else (None,) * 4)
         )
         return StepResult(*host)
 
@@ -239,35 +249,46 @@ class ModelRunner:
 
     # ----- compilation ------------------------------------------------------------------
 
-    def warmup(self, num_threads: int = 1, with_page_copies: bool = False) -> int:
-        """Compile the step for every bucket shape; returns the number of shapes.
+    @property
+    def programs(self) -> StepPrograms:
+        """The compiled steps that run with the current oracle table (normally none)."""
+        return self._programs_for(self._oracle_tokens)
 
-        num_threads > 1 first compiles the shapes side by side into JAX's persistent
-        compilation cache (it must be configured: jax_compilation_cache_dir), from
-        which the pass that follows loads them."""
+    def _programs_for(self, oracle: jax.Array | None) -> StepPrograms:
+        key = None if oracle is None else oracle.shape
+        if key not in self._programs:
+            spec = None if oracle is None else array_spec(oracle)
+            self._programs[key] = StepPrograms(lambda shape: self.lower_step(shape, spec))
+        return self._programs[key]
+
+    def warmup(self, num_threads: int = 1, with_page_copies: bool = False, background: bool = False) -> int:
+        """Compile the step for every bucket shape, smallest first, num_threads at a time
+        (a progress bar shows the shapes left); returns the number of shapes.
+        background: compile the largest shape, which holds any batch, and return; the
+        others compile on a thread of their own while steps run (programs.wait())."""
         if self.peers is not None:
-            self.peers.send_warmup(num_threads, with_page_copies)
+            self.peers.send_warmup(num_threads, with_page_copies, background)
         shapes = self.buckets.all_shapes()
-        if num_threads > 1:
-            if not jax.config.jax_compilation_cache_dir:
-                raise ValueError("warmup(num_threads > 1) needs jax_compilation_cache_dir set")
-            with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
-                list(pool.map(lambda shape: self.lower_step(shape).compile(), shapes))
-        for shape in shapes:
-            jax.block_until_ready(self._run(self.device_batch([], shape)))  # an empty batch: every write dropped
         if with_page_copies:  # all padding, it changes nothing
             self.cache = copy_pages(self.cache, *page_copy_arrays([], self.num_pages))
+        if background:
+            self.programs.compile_all([self.buckets.largest()])
+        self.programs.compile_all(shapes, num_threads, background)
         return len(shapes)
 
     def full_shape(self, shape: BatchShape) -> BatchShape:
         """shape with its page-table width filled in (None: the widest)."""
         return dataclasses.replace(shape, pages_per_seq=shape.pages_per_seq or self.max_pages_per_seq)
 
-    def lower_step(self, shape: BatchShape):
-        """The step lowered for one bucket shape (compile it to warm up or inspect);
-        its batch is placed as dispatch places it, so it is the same compiled step."""
-        args = self.device_batch([], self.full_shape(shape))
-        return jitted_step.lower(self.params, self.cache, self.logits_state, self.carry, *args, self.step_config)
+    def lower_step(self, shape: BatchShape, oracle: jax.ShapeDtypeStruct | None = None):
+        """The step lowered for one bucket shape (compile it to run or inspect), for
+        arguments placed as dispatch places them; oracle: the oracle table's spec."""
+        shape = self.full_shape(shape)
+        k = self.config.num_speculative_tokens
+        batch = build_batch([], shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
+                            lookahead_width(self.num_draft_modules), mask_words(self.model_config.vocab_size))
+        ints, floats = (array_spec(x, replicated(self.mesh)) for x in pack_batch(batch))
+        return jitted_step.lower(*self._state_specs, ints, floats, oracle, shape, self.step_config)
 
     def cache_copies(self, shape: BatchShape) -> list[str]:
         """Lines of the compiled step's optimised HLO that copy a KV page array, for
@@ -276,3 +297,8 @@ class ModelRunner:
         names = [",".join(map(str, pages)), ",".join(map(str, (pages[0] * pages[1],) + pages[2:]))]
         text = self.lower_step(shape).compile().as_text()
         return [line.strip() for line in text.splitlines() if " copy(" in line and any(f"[{n}]" in line for n in names)]
+
+
+def array_spec(x, sharding=None) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype and sharding (or `sharding`), what compiling needs of it."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)

@@ -65,11 +65,10 @@ def _sample_rows(logits, sampling):
     return jnp.argmax(filtered + gumbel, axis=-1)
 
 
-def verify_and_sample(logits, drafts, num_drafts, batch, greedy_batch: bool = False):
+def verify_and_sample(logits, drafts, num_drafts, batch):
     """logits [B, R, V] at the verify rows (R = k+1), drafts [B, k] proposed for rows
     1..k, num_drafts [B]. Returns (tokens [B, R], num_accepted [B]); the request's
-    output is tokens[:num_accepted + 1]. greedy_batch (static): the host knows every
-    row is greedy, so the sampling branch is left out of the program.
+    output is tokens[:num_accepted + 1].
 
     Row j's token is the target's own sample there (the argmax for greedy rows), and
     the draft checked at row j is accepted exactly when it equals that sample. For a
@@ -78,31 +77,39 @@ def verify_and_sample(logits, drafts, num_drafts, batch, greedy_batch: bool = Fa
     token at an output index therefore does not depend on whether a draft was verified
     there: a seeded request emits the same tokens with or without speculation, and
     when preemption or batch composition changes how its tokens fall into steps."""
-    b, r, _ = logits.shape
     greedy = batch.temperature == 0.0
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.output_index)
+    # an all-greedy batch (the common serving case) skips the random draws and sorts
+    sampled = jax.lax.cond(jnp.all(greedy), lambda *_: argmax, _sample_rows, logits, sampling)
+    return accept_drafts(jnp.where(greedy[:, None], argmax, sampled.astype(jnp.int32)), drafts, num_drafts)
+
+
+def accept_drafts(tokens, drafts, num_drafts):
+    """tokens [B, R], the target's sample at each verify row, against drafts [B, R-1]
+    and num_drafts [B]: (tokens, num_accepted [B]), the drafts accepted in a row from
+    the first. A step compiled for an all-greedy batch passes the argmax alone here
+    (sharding.argmax_vocab), and leaves the sampling branch out of the program."""
+    b, r = tokens.shape
     # drafts padded to R: the draft checked at row j is drafts[j] (row j predicts it)
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
-    argmax = jnp.argmax(logits, axis=-1).astype(padded.dtype)
-    sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.output_index)
-    if greedy_batch:
-        tokens = argmax
-    else:
-        # an all-greedy batch (the common serving case) skips the random draws and sorts
-        sampled = jax.lax.cond(jnp.all(greedy), lambda *_: argmax, _sample_rows, logits, sampling)
-        tokens = jnp.where(greedy[:, None], argmax, sampled.astype(padded.dtype))
     accept = (tokens == padded) & (jnp.arange(r)[None, :] < num_drafts[:, None])
     num_accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
 def chosen_logprobs(logits, tokens, num_top: int, num_requested):
-    """Log-probabilities (of the raw model distribution) of tokens [B, R], and the top
-    num_top alternatives per row, computed only when some request asked for them."""
+    """Log-probabilities (of the raw model distribution) of tokens [B, R], their ranks
+    (1 + the number of logits strictly greater than the token's, as vLLM ranks a chosen
+    token), and the top num_top alternatives per row, computed only when some request
+    asked for them."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    chosen_logits = jnp.take_along_axis(logits, tokens[..., None], axis=-1)
+    ranks = jnp.sum(logits > chosen_logits, axis=-1, dtype=jnp.int32) + 1
     if num_top == 0:
-        return chosen, None, None
+        return chosen, ranks, None, None
     shape = logp.shape[:-1] + (num_top,)
     none = lambda x: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int32))  # noqa: E731
     top_values, top_ids = jax.lax.cond(jnp.any(num_requested > 0), lambda x: tuple(jax.lax.top_k(x, num_top)), none, logp)
-    return chosen, top_values, top_ids
+    return chosen, ranks, top_values, top_ids

@@ -8,6 +8,9 @@ import enum
 from jaxmtp.structured_outputs import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1  # the device arrays that carry a request's numbers are int32
+# bad_words' token sequences live in fixed-size device arrays (jaxmtp/logits_processors.py)
+MAX_BAD_WORDS = 32  # token sequences per request (a word gives one or two)
+MAX_BAD_WORD_TOKENS = 16  # tokens per sequence
 
 
 class RequestOutputKind(enum.Enum):

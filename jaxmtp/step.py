@@ -21,8 +21,8 @@ from jaxmtp.logits_processors import LogitsState, process_logits, record_emitted
 from jaxmtp.config import ModelConfig
 from jaxmtp.params import Params, pytree_dataclass
 from jaxmtp.prompt_logprobs import PromptLogprobs, prompt_logprobs
-from jaxmtp.sharding import gather_vocab
-from jaxmtp.sampling import chosen_logprobs, verify_and_sample
+from jaxmtp.sampling import accept_drafts, chosen_logprobs, verify_and_sample
+from jaxmtp.sharding import argmax_vocab, gather_vocab
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,10 @@ class StepConfig:
 class StepOutput:
     tokens: jax.Array  # [B, k+1] emitted tokens; request b emits tokens[b, :num_accepted[b] + 1]
     num_accepted: jax.Array  # [B]
-    logprobs: jax.Array  # [B, k+1] log-probability of each emitted token
+    # None in greedy shapes (no request asks for logprobs); the top ones also when the
+    # engine serves no top logprobs (num_top_logprobs 0)
+    logprobs: jax.Array | None  # [B, k+1] log-probability of each emitted token
+    ranks: jax.Array | None  # [B, k+1] its rank in the model's distribution
     top_logprobs: jax.Array | None  # [B, k+1, n]
     top_token_ids: jax.Array | None  # [B, k+1, n]
     drafts: jax.Array  # [B, k] next proposals (k = 0: empty; oracle_drafts when an oracle is given)
@@ -71,32 +74,34 @@ def step(
     words = mask_words(config.model.vocab_size)
     batch = unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules), words)
     batch = apply_carry(batch, carry, cache.page_size)
-    greedy = shape.greedy
     cfg = config.model
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
-    attention = model.attention_for(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
-    hidden, cache = model.forward(params, cfg, batch, cache, attention)
+    ops = model.layer_ops(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
+    hidden, cache = model.forward(params, cfg, batch, cache, ops)
     prompt = prompt_logprobs(params, cfg, hidden, batch, config.num_top_logprobs, config.mesh) if shape.prompt_logprobs else None
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
-    if config.mesh is not None:
-        logits = gather_vocab(logits, config.mesh)
     # the draft checked at verify row j is the input id of row j+1
     t = batch.input_ids.shape[0]
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
-    raw_logits = logits
-    if shape.masked:
-        logits = apply_token_bitmask(logits, batch.token_bitmask)
-    if not greedy:
+    if shape.greedy and not shape.masked:  # the runner's greedy shapes are never masked
+        # the argmax is all a greedy batch reads of its rows: no logits gather under TP
+        tokens, num_accepted = accept_drafts(argmax_vocab(logits, config.mesh), drafts_in, batch.num_drafts)
+        logprobs = ranks = top_values = top_ids = None  # no request asked for them
+    else:
+        if config.mesh is not None:
+            logits = gather_vocab(logits, config.mesh)
+        raw_logits = logits
+        if shape.masked:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
         logits = process_logits(logits, logits_state, batch, drafts_in)
-    tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch, greedy)
-    if not greedy:
+        tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
         logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
-    num_top = 0 if greedy else config.num_top_logprobs
-    logprobs, top_values, top_ids = chosen_logprobs(raw_logits, tokens, num_top, batch.num_logprobs)
+        logprobs, ranks, top_values, top_ids = chosen_logprobs(
+            raw_logits, tokens, config.num_top_logprobs, batch.num_logprobs)
     b = batch.kv_len.shape[0]
     if k:
         drafts, cache, boundary = mtp.propose(
-            params, cfg, hidden, batch, tokens, num_accepted, cache, attention, k, config.mtp_boundary
+            params, cfg, hidden, batch, tokens, num_accepted, cache, ops, k, config.mtp_boundary, config.mesh
         )
         if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
             drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)
@@ -107,7 +112,7 @@ def step(
         lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
     )
     return cache, logits_state, StepOutput(
-        tokens, num_accepted, logprobs, top_values, top_ids, drafts, boundary, new_carry, prompt
+        tokens, num_accepted, logprobs, ranks, top_values, top_ids, drafts, boundary, new_carry, prompt
     )
 
 

@@ -102,16 +102,20 @@ class Tokenizer:
             length = self._token_text_lengths[key] = len(self.decode([token_id], skip_special_tokens))
         return length
 
-    def decode_continuation(
-        self, previous_ids: list[int], ids: list[int], context: int = 4, skip_special_tokens: bool = True
-    ) -> str:
-        """Text of ids as it continues previous_ids. Decoding ids alone would drop the
-        space a SentencePiece-style decoder strips from the first token ("time" for
-        " time"), so decode with a few tokens before them and cut those off."""
-        before = previous_ids[-context:]
+    def token_texts(
+        self, previous_ids: list[int], token_ids: list[int], context: int = 4, skip_special_tokens: bool = True
+    ) -> list[str]:
+        """The text each of token_ids would add right after previous_ids (alternatives at
+        one position). Decoding a token alone would drop the space a SentencePiece-style
+        decoder strips from the first token ("time" for " time"), so each is decoded after
+        a few tokens before it, whose text is cut off."""
+        before = list(previous_ids[-context:])
         head = self.decode(before, skip_special_tokens)
-        whole = self.decode(before + ids, skip_special_tokens)
-        return whole[len(head) :] if whole.startswith(head) else self.decode(ids, skip_special_tokens)
+        texts = []
+        for token in token_ids:
+            whole = self.decode(before + [token], skip_special_tokens)
+            texts.append(whole[len(head) :] if whole.startswith(head) else self.decode([token], skip_special_tokens))
+        return texts
 
     def apply_chat_template(
         self,

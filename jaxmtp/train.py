@@ -21,9 +21,8 @@ import optax
 from tqdm import tqdm
 
 from jaxmtp import model, mtp
-from jaxmtp.attention import attention_fn
 from jaxmtp.allocator import pages_for
-from jaxmtp.batch import Batch, slot_of
+from jaxmtp.batch import Batch, slot_of, unprocessed
 from jaxmtp.cache import allocate_cache
 from jaxmtp.config import ModelConfig
 from jaxmtp.loader import save_checkpoint
@@ -95,6 +94,7 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
         output_index=zeros_b,
         num_logprobs=zeros_b,
         carry_index=np.full(num_seqs, -1, np.int32),
+        **unprocessed(num_seqs, 0),
     )
 
 
@@ -105,9 +105,9 @@ def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: ja
     s, length = tokens.shape
     batch = jax.tree.map(jnp.asarray, packed_batch(s, length, page_size))
     batch = dataclasses.replace(batch, input_ids=tokens.reshape(-1))
-    attention = attention_fn("reference", cfg.head_dim)
+    ops = model.layer_ops(cfg, "reference")
     cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=1)
-    hidden, cache = model.forward(params, cfg, batch, cache, attention)
+    hidden, cache = model.forward(params, cfg, batch, cache, ops)
     hidden = jax.lax.stop_gradient(hidden)
     main_logits = model.logits(params.head(), params.final_norm, cfg, hidden).reshape(s, length, -1)
     prev = mtp.main_hidden_for_mtp(params, cfg, hidden)
@@ -116,7 +116,7 @@ def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: ja
     for d in range(1, depths + 1):
         next_ids = jnp.concatenate([tokens[:, d:], jnp.zeros((s, d), tokens.dtype)], axis=1).reshape(-1)
         prev, k_pages, v_pages = mtp.module_forward(
-            module, params.embed, cfg, prev, next_ids, batch, k_pages, v_pages, attention
+            module, params.embed, cfg, prev, next_ids, batch, k_pages, v_pages, ops
         )
         drafts.append(mtp.module_logits(params, module, cfg, prev).reshape(s, length, -1))
         teachers.append(jnp.concatenate([main_logits[:, d:], jnp.zeros_like(main_logits[:, :d])], axis=1))
@@ -214,6 +214,8 @@ def self_distillation_corpus(llm, prompts: list[str], samples_per_prompt: int, m
 
 class Trainer:
     def __init__(self, params: Params, cfg: ModelConfig, config: TrainConfig, page_size: int = 16):
+        if cfg.quantization is not None:
+            raise ValueError("training an MTP module on an fp8 (quantization_config) base model is not implemented")
         if cfg.mtp_layout is None:
             cfg = dataclasses.replace(cfg, mtp_layout="deepseek", num_mtp_modules=1)
         self.params = dataclasses.replace(params, mtp=[])

@@ -1,32 +1,237 @@
-"""Grouped matmul: the expert FFNs of a mixture of experts as one call.
+"""Grouped matmul: the expert FFNs of a mixture of experts, one Pallas kernel per
+projection, lowered through Triton; with its plain-jnp reference of the same signature.
 
 Layout (fixed by jaxmtp/moe.py):
-  lhs          [M, K]     rows sorted by group (expert): group g owns rows
-                          sum(group_sizes[:g]) .. sum(group_sizes[:g+1]) - 1
-  rhs          [G, K, N]  one matrix per group
-  group_sizes  int32 [G]  rows per group; they sum to at most M, and rows past the
-                          sum (padding) come out 0
+  lhs          [M0, K]    the rows; with `rows`, sorted row i is lhs[rows[i]] (the
+                          token gather fused into the kernel's loads), else lhs itself
+  rows         int32 [M]  optional: which lhs row each sorted row reads
+  rhs          [G, K, N]  one matrix per group (expert); swiglu: [G, K, 2, N], the
+                          gate and the up projection side by side
+  group_sizes  int32 [G]  sorted rows per group: group g owns rows
+                          sum(group_sizes[:g]) .. sum(group_sizes[:g+1]) - 1; they sum to
+                          at most M, and rows past the sum (padding) come out 0
 
-A GPU kernel (the Mosaic GPU ragged dot, DESIGN.md's measurements) takes the same
-arguments; `grouped_matmul` is the one function the model calls.
+grouped_matmul gives lhs_sorted @ rhs[g] per group ([M, N]); grouped_swiglu gives
+silu(lhs_sorted @ gate[g]) * (lhs_sorted @ up[g]) ([M, N]): both projections from one
+read of the rows, the activation applied to the float32 accumulators, and only the
+product written (half the output bytes of the fused gate/up matmul, no second pass).
+
+Work split. The sorted rows of each group are cut into blocks of `block_m`; a program
+computes one block times one `block_n` column tile of its group's matrix, walking K
+`block_k` at a time. Each program finds its group from group_sizes itself (a cumsum
+over the groups), so the call needs no planning ops around it. A decode step (a few
+rows per expert) therefore reads exactly the routed experts' weights, once, and nothing
+of the others; a prefill step runs MMA tiles of up to 128 x 128. The rows past the
+groups' sum form one more group that computes nothing and stores zeros.
+
+Every memory access is an explicit gather (row and column index vectors), so the same
+kernel runs under Triton on the GPU and under `interpret=True` on the CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxmtp.kernels.ragged_paged_attention import _TritonCompilerParams, _cdiv, _next_power_of_2
+
+HIGHEST = lax.Precision.HIGHEST
 
 
-def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+# ----- reference -------------------------------------------------------------------------
+
+
+def _sorted_lhs(lhs, rows):
+    return lhs if rows is None else lhs[rows]
+
+
+def _ragged_dot(lhs, rhs, group_sizes):
+    return lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=HIGHEST,
+                          preferred_element_type=jnp.float32)
+
+
+def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                             rows: jax.Array | None = None) -> jax.Array:
     """lhs rows of group g times rhs[g], in float32 accumulation (XLA's ragged_dot)."""
-    out = jax.lax.ragged_dot(
-        lhs, rhs, group_sizes.astype(jnp.int32), precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )
-    return out.astype(lhs.dtype)
+    return _ragged_dot(_sorted_lhs(lhs, rows), rhs, group_sizes).astype(lhs.dtype)
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The model's entry point: the reference on every backend until a GPU kernel
-    lands here (same signature)."""
-    return grouped_matmul_reference(lhs, rhs, group_sizes)
+def grouped_swiglu_reference(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
+                             rows: jax.Array | None = None) -> jax.Array:
+    """silu(lhs @ gate[g]) * (lhs @ up[g]) per group, from float32 accumulators."""
+    num_groups, k, _, n = gate_up.shape
+    both = _ragged_dot(_sorted_lhs(lhs, rows), gate_up.reshape(num_groups, k, 2 * n), group_sizes)
+    return (jax.nn.silu(both[:, :n]) * both[:, n:]).astype(lhs.dtype)
+
+
+# ----- kernel ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulConfig:
+    """Static tiling of one call; `default_config` picks it from the shapes."""
+
+    block_m: int  # sorted rows of one group per program (the MMA tile's rows)
+    block_n: int  # output columns per program
+    block_k: int  # contraction step
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the K loop's loads
+
+
+def _largest_dividing(n: int, preferred: int) -> int:
+    """The largest power of 2 <= preferred that divides n (at least 16: the callers check)."""
+    block = preferred
+    while n % block:
+        block //= 2
+    return block
+
+
+# The kernel's element offsets are int32.
+_MAX_ELEMENTS = 2**31 - 1
+
+
+def supports(num_groups: int, k: int, n: int) -> bool:
+    """K and N multiples of 16 (tiles are powers of 2 of at least 16, a Triton MMA
+    minimum), and rhs ([G, K, N]; swiglu: N = 2 x the output columns) indexable in int32."""
+    return k % 16 == 0 and n % 16 == 0 and num_groups * k * n <= _MAX_ELEMENTS
+
+
+def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool = False) -> GroupedMatmulConfig:
+    """Tiling from static shapes (first choices; docs/kernels.md, "Grouped matmul", has
+    the H200 sweep and its leads).
+
+    block_m follows the average rows per group, 16 (the MMA minimum) to 128. Small
+    blocks are a weight stream: narrow column tiles (many programs to keep enough
+    loads in flight) and long K steps; large ones are MMA tiles of 128 x 128.
+    """
+    rows_per_group = _next_power_of_2(_cdiv(num_rows, num_groups))
+    block_m = min(max(rows_per_group, 16), 128)
+    if block_m <= 32:
+        return GroupedMatmulConfig(block_m, _largest_dividing(n, 32 if swiglu else 64), _largest_dividing(k, 256), 4, 4)
+    if block_m == 64:
+        return GroupedMatmulConfig(64, _largest_dividing(n, 128), _largest_dividing(k, 64), 4, 4)
+    return GroupedMatmulConfig(128, _largest_dividing(n, 64 if swiglu else 128), _largest_dividing(k, 64), 8, 3)
+
+
+def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, block_m: int, block_n: int,
+            block_k: int, swiglu: bool, n: int):
+    m_block, n_block = pl.program_id(0), pl.program_id(1)
+    num_rows = out_ref.shape[0]
+    k_total = lhs_ref.shape[1]
+    precision = HIGHEST if lhs_ref.dtype == jnp.float32 else None
+
+    # Which group is this block in? Group g has cdiv(size_g, block_m) blocks, in order;
+    # group num_groups holds the padding rows. Blocks past the last have no rows.
+    ids = jnp.arange(_next_power_of_2(num_groups + 1), dtype=jnp.int32)
+    sizes = plgpu.load(group_sizes_ref.at[ids], mask=ids < num_groups, other=0)
+    sizes = jnp.where(ids == num_groups, num_rows - jnp.sum(sizes), sizes)
+    # lax.div, not //: operands are non-negative, so skip jnp's floor fix-ups.
+    blocks = lax.div(sizes + block_m - 1, block_m)
+    blocks_end = jnp.cumsum(blocks)
+    group = jnp.sum((blocks_end <= m_block).astype(jnp.int32))
+    mine = ids == group
+    first_block = jnp.sum(jnp.where(mine, blocks_end - blocks, 0))
+    group_start = jnp.sum(jnp.where(mine, jnp.cumsum(sizes) - sizes, 0))
+    offset = (m_block - first_block) * block_m
+    rows_here = jnp.clip(jnp.sum(jnp.where(mine, sizes, 0)) - offset, 0, block_m)
+
+    tile = jnp.arange(block_m, dtype=jnp.int32)
+    row = group_start + offset + tile
+    row_ok = tile < rows_here
+    source = plgpu.load(rows_ref.at[row], mask=row_ok, other=0)
+    col = n_block * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    depth = jnp.arange(block_k, dtype=jnp.int32)
+    lhs_mask = jnp.broadcast_to(row_ok[:, None], (block_m, block_k))
+    # rhs rows of this group: [G * K, N] (swiglu: [G * K, 2N], up n columns after gate)
+    rhs_row = jnp.minimum(group, num_groups - 1) * k_total
+    # the padding group and blocks with no rows run no K steps: their tile stays 0
+    # (a product, not where(): the Triton lowering types a select of two literals as i1)
+    k_steps = (k_total // block_k) * ((group < num_groups) & (rows_here > 0)).astype(jnp.int32)
+
+    def step(i, accs):
+        kk = i * block_k + depth
+        a = plgpu.load(lhs_ref.at[source[:, None], kk[None, :]], mask=lhs_mask, other=0)
+        weights = rhs_ref.at[rhs_row + kk[:, None], col[None, :]]
+        out = [accs[0] + plgpu.dot(a, plgpu.load(weights), precision=precision)]
+        if swiglu:
+            up = rhs_ref.at[rhs_row + kk[:, None], n + col[None, :]]
+            out.append(accs[1] + plgpu.dot(a, plgpu.load(up), precision=precision))
+        return tuple(out)
+
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    accs = lax.fori_loop(0, k_steps, step, (zeros, zeros) if swiglu else (zeros,))
+    out = accs[0] / (1 + jnp.exp(-accs[0])) * accs[1] if swiglu else accs[0]
+    plgpu.store(out_ref.at[row[:, None], col[None, :]], out.astype(out_ref.dtype),
+                mask=jnp.broadcast_to(row_ok[:, None], (block_m, block_n)))
+
+
+def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
+    num_groups, k, n = rhs.shape[0], rhs.shape[1], rhs.shape[-1]
+    if lhs.shape[1] != k:
+        raise ValueError(f"lhs has {lhs.shape[1]} columns, rhs {k} rows")
+    if k % 16 or n % 16:
+        raise ValueError(f"the grouped matmul kernel needs K and N multiples of 16, got K={k}, N={n}")
+    if not supports(num_groups, k, rhs.size // (num_groups * k)):
+        raise ValueError(f"the grouped matmul kernel indexes in int32: rhs of {rhs.size} elements is too large")
+    num_rows = lhs.shape[0] if rows is None else rows.shape[0]
+    if config is None:
+        config = default_config(num_rows, num_groups, k, n, swiglu)
+    if k % config.block_k or n % config.block_n:
+        raise ValueError(f"{config} does not tile K={k}, N={n}")
+    # A static bound on the row blocks: sum_g cdiv(size_g, block_m) over the groups and
+    # the padding group is at most M // block_m + G + 1, and a block holds a row.
+    num_blocks = max(1, min(num_rows, num_rows // config.block_m + num_groups + 1))
+    kernel = functools.partial(_kernel, num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
+                               block_k=config.block_k, swiglu=swiglu, n=n)
+    rows = jnp.arange(num_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_blocks, n // config.block_n),
+        out_shape=jax.ShapeDtypeStruct((num_rows, n), lhs.dtype),
+        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="grouped_swiglu" if swiglu else "grouped_matmul",
+    )(group_sizes.astype(jnp.int32), rows, lhs, rhs.reshape(num_groups * k, -1))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def grouped_matmul_kernel(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
+                          interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+    """Pallas (Triton) grouped matmul; same contract as grouped_matmul_reference.
+    `config` overrides the tiling that `default_config` picks (for tuning)."""
+    return _grouped_call(lhs, rhs, group_sizes, rows, swiglu=False, interpret=interpret, config=config)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None,
+                          *, interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+    """Pallas (Triton) fused gate/up projection and SiLU-and-multiply; same contract as
+    grouped_swiglu_reference."""
+    return _grouped_call(lhs, gate_up, group_sizes, rows, swiglu=True, interpret=interpret, config=config)
+
+
+# ----- the model's entry points -----------------------------------------------------------
+
+
+def _use_kernel(rhs: jax.Array) -> bool:
+    num_groups, k = rhs.shape[:2]
+    return jax.default_backend() == "gpu" and supports(num_groups, k, rhs.size // (num_groups * k))
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """The kernel on GPUs where it tiles the shapes, the reference elsewhere."""
+    impl = grouped_matmul_kernel if _use_kernel(rhs) else grouped_matmul_reference
+    return impl(lhs, rhs, group_sizes, rows)
+
+
+def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
+                   rows: jax.Array | None = None) -> jax.Array:
+    """The kernel on GPUs where it tiles the shapes, the reference elsewhere."""
+    impl = grouped_swiglu_kernel if _use_kernel(gate_up) else grouped_swiglu_reference
+    return impl(lhs, gate_up, group_sizes, rows)

@@ -1,5 +1,6 @@
-"""Plain-jnp multi-head latent attention over a paged latent cache: the reference, and
-the engine's path on every backend until a GPU kernel takes the absorbed form.
+"""Plain-jnp multi-head latent attention over a paged latent cache: the references, and
+the engine's path for the expanded form, and for the absorbed form off GPUs (on GPUs it
+is kernels/mla_decode.py).
 
 Layout (jaxmtp/cache.py, MLA):
   latent_pages  [num_pages, page_size, 1, R]   the compressed latent c (after its norm)
@@ -22,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.reference import row_ownership
+from jaxmtp.kernels.reference import row_ownership
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

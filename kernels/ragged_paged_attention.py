@@ -1,6 +1,6 @@
 """Ragged paged attention as one Pallas kernel, lowered through Triton.
 
-Same contract as `kernels.reference.ragged_paged_attention_reference` (read its
+Same contract as `jaxmtp.kernels.reference.ragged_paged_attention_reference` (read its
 docstring for the layout); decode (1 row per sequence), verify (k+1 rows) and
 prefill chunks (many rows) all go through the same kernel, mixed in one call.
 

@@ -64,10 +64,10 @@ def assert_no_leaks(llm):
     assert set(allocator.evictable) == set(engine.prefix_cache.by_page if engine.prefix_cache else ())
 
 
-def until_prefill_emits(engine, prompt: list[int], request_id: str = "probe"):
+def until_prefill_emits(engine, prompt: list[int], request_id: str = "probe", max_tokens: int = 64):
     """Add a greedy request and step until its prefill has emitted a token; returns its
     sequence, still in the engine (abort it when done)."""
-    engine.add_request(request_id, prompt, greedy(64))
+    engine.add_request(request_id, prompt, greedy(max_tokens))
     seq = None
     while seq is None or not seq.output_token_ids:
         engine.step()
@@ -89,8 +89,8 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
         [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(len(ids), 1),
         engine.max_pages_per_seq, engine.page_size, engine.cache.num_slots, 0,
     )
-    attention = model.attention_for(engine.model_config, "reference")
-    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, attention)
+    ops = model.layer_ops(engine.model_config, "reference")
+    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, ops)
     out = model.logits(engine.params.head(), engine.params.final_norm, engine.model_config, hidden)
     engine.allocator.free(pages)
     return np.asarray(out)

@@ -25,6 +25,8 @@ def llm():
         ([1, -3], SamplingParams(), "out of vocabulary"),
         ([1] * 500, SamplingParams(max_tokens=20), "exceeds the model's context of 512"),
         ([1], SamplingParams(logprobs=21), "logprobs must be <= 20"),
+        ([1], SamplingParams(logit_bias={5: 1.0, 512: 2.0}), r"logit_bias has token ids out of vocabulary \(size 512\): \[512\]"),
+        ([1], SamplingParams(allowed_token_ids=[3, 600]), r"allowed_token_ids has token ids out of vocabulary"),
     ],
 )
 def test_bad_requests_raise_and_engine_stays_usable(llm, prompt, params, message):

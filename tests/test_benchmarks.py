@@ -47,3 +47,38 @@ def test_profile_step_replays_the_engines_step(tmp_path):
     configs = json.loads((tmp_path / "profile.json").read_text())["configs"]
     assert set(configs) == {"k=0", "k=1"}
     assert all(c["replayed_step_ms"] > 0 and c["replayed_step_requests"] == 1 for c in configs.values())
+
+
+def test_defaults_starts_a_131072_context_model_with_every_default(tmp_path):
+    """Issue 18's new user: a 131072-token config, no options. The CPU pool is the
+    kv_cache_memory_bytes default's, capped at max_num_seqs requests of max_model_len."""
+    run_script("defaults.py", "--tiny", "--out", str(tmp_path))
+    (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("*_defaults_tiny.json")]
+    assert result["max_model_len"] == 131072 and result["sized_by"] == "kv_cache_memory_bytes"
+    assert result["pool_tokens"] >= 131072 and result["pool_gib"] <= 2.0
+    assert result["peak_rss_gib"] < 8  # it was 17.8 GiB before the pool was sized from memory
+
+
+def test_moe_tp_times_both_ways_of_meeting_the_experts(tmp_path):
+    """The gathered form (the engine's) and the all-to-all alternative agree (the script
+    checks it) and are both timed."""
+    run_script("moe_tp.py", "--tiny", "--out", str(tmp_path))
+    rows = json.loads(next(tmp_path.glob("*_cpu_moe_tp.json")).read_text())["rows"]
+    assert [(r["devices"], r["tokens"]) for r in rows] == [(2, 8)]
+    assert rows[0]["gathered (psum) ms"] > 0 and rows[0]["all-to-all ms"] > 0
+
+
+def test_moe_kernels_and_the_moonlight_shaped_model_end_to_end(tmp_path):
+    """The MoE/MLA benchmark's rows: the kernels (interpret mode) and the tiny DeepSeek-V3
+    engine, MTP k=1 with oracle drafts accepting every draft."""
+    run_script("moe.py", "--tiny", "--parts", "experts,mla,e2e", "--out", str(tmp_path), "--tag", "_smoke")
+    results = json.loads((tmp_path / "moe_smoke.json").read_text())
+    rows = {row["scenario"]: row for row in results["rows"]}
+    assert {row["part"] for row in rows.values()} == {"experts", "mla", "e2e"}
+    assert all(math.isfinite(row["value"]) and row["value"] > 0 for row in rows.values())
+    assert any(name.startswith("expert layer, 8 tokens") for name in rows)
+    assert any(name.startswith("MLA verify k+1=2") for name in rows)
+    mtp = rows["b1 MTP k=1 oracle drafts: tokens/s over plain"]
+    assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]
+    assert not results.get("failed_parts") and not results.get("skipped_over_budget")
+    assert "| e2e | b3 decode" in (tmp_path / "moe_smoke.md").read_text()

@@ -95,3 +95,53 @@ def test_checkpoint_with_gate_and_up_apart_is_named(tmp_path):
     checkpointer.wait_until_finished()
     with pytest.raises(ValueError, match="gate_proj and up_proj stored apart"):
         LLM(old, max_num_seqs=1)
+
+
+def _stories_config(tmp_path, **changes):
+    hf = {**json.loads((STORIES / "config.json").read_text()), **changes}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return tmp_path
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(hidden_act="gelu_10"), "hidden_act='gelu_10' is not supported"),
+    (dict(quantization_config={"quant_method": "awq", "bits": 4}), "quant_method='awq'"),
+    (dict(torch_dtype="float64"), "torch_dtype 'float64'"),
+])
+def test_config_values_the_engine_does_not_implement_are_refused_by_name(tmp_path, changes, message):
+    from jaxmtp.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(_stories_config(tmp_path, **changes))
+
+
+def test_dtype_auto_is_the_checkpoints_and_an_explicit_dtype_wins(tmp_path):
+    from jaxmtp.config import load_config
+
+    for name in ("float32", "bfloat16", "float16"):
+        assert load_config(_stories_config(tmp_path, torch_dtype=name)).dtype == name
+        assert load_config(_stories_config(tmp_path, torch_dtype=None, dtype=name)).dtype == name  # transformers 5
+    assert load_config(_stories_config(tmp_path, torch_dtype=None)).dtype == "float32"  # none written
+    assert load_config(_stories_config(tmp_path, torch_dtype="float16"), "bfloat16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="float64"):
+        LLM(_stories_config(tmp_path), dtype="float64")
+
+
+def test_weight_loading_shows_a_progress_bar_of_its_tensors(monkeypatch):
+    import io
+
+    import jaxmtp.loader as loader
+    from jaxmtp.config import load_config
+
+    bars = []
+
+    class Recorded(loader.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "disable": False, "file": io.StringIO()})
+            bars.append(self)
+
+    monkeypatch.setattr(loader, "tqdm", Recorded)
+    params = loader.load_params(STORIES, load_config(STORIES))
+    bar, = bars
+    assert bar.n == bar.total == len(jax.tree.leaves(params))
+    assert "loading stories260K: 100%" in bar.fp.getvalue()

@@ -44,11 +44,20 @@ def test_every_option_has_help_with_its_default():
 
     from jaxmtp.args import HelpFormatter
 
-    for name, parser in subcommand_parsers().items():
+    from jaxmtp.cli import build_parser
+
+    parsers = dict(subcommand_parsers())
+    while parsers:
+        name, parser = parsers.popitem()
         assert parser.formatter_class is HelpFormatter, name  # it appends the default a help leaves out
+        formatter = parser._get_formatter()
         for action in parser._actions:
-            if not isinstance(action, argparse._HelpAction):
-                assert action.help, (name, action.dest)
+            if isinstance(action, argparse._SubParsersAction):  # `jaxmtp bench latency` and the others
+                parsers.update({f"{name} {mode}": sub for mode, sub in action.choices.items()})
+            elif not isinstance(action, argparse._HelpAction):
+                text = formatter._expand_help(action)
+                assert ("(default" in text or "no default" in text) and "(default: None)" not in text, (name, action.dest, text)
+    assert "(default: None)" not in build_parser().format_help()
     rendered = " ".join(subcommand_parsers()["serve"].format_help().split())
     assert "tokens per KV cache page (default: 16)" in rendered
     assert "(default: True)" in rendered.split("--no-enable-prefix-caching")[-1][:120]

@@ -108,7 +108,7 @@ def test_logprobs_are_log_softmax_of_the_chosen_token():
     entry = completion.logprobs[0]
     token = completion.token_ids[0]
     assert list(entry)[0] == token
-    np.testing.assert_allclose(entry[token], logp[token], atol=1e-4)
+    np.testing.assert_allclose(entry[token].logprob, logp[token], atol=1e-4)
     top3 = np.argsort(-logp)[:3]
     assert set(top3) <= set(entry)
 
@@ -158,7 +158,9 @@ def test_async_scheduling_gives_the_outputs_of_sync_scheduling(rng):
             assert [o.spec_stats for o in runs[True]] == [o.spec_stats for o in runs[False]]
             for a, b in zip(runs[True][2].outputs[0].logprobs, runs[False][2].outputs[0].logprobs):
                 assert a.keys() == b.keys()
-                np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-5)
+                assert [lp.rank for lp in a.values()] == [lp.rank for lp in b.values()]
+                np.testing.assert_allclose([lp.logprob for lp in a.values()], [lp.logprob for lp in b.values()],
+                                           rtol=1e-5, atol=1e-5)
 
 
 def test_async_step_returns_a_step_late_while_the_next_runs():
@@ -173,3 +175,27 @@ def test_async_step_returns_a_step_late_while_the_next_runs():
     assert_no_leaks(llm)
 
 
+
+
+def test_request_metrics_time_each_stage():
+    """RequestOutput.metrics: arrival (the caller's, when given), first scheduled, first
+    and last token, finished, in that order, and the stages between them."""
+    import time
+
+    llm = make_llm()
+    arrival = time.monotonic() - 5.0  # as a server passes the time its HTTP request came in
+    llm.engine.add_request("timed", [1, 403, 407], SamplingParams(max_tokens=6, temperature=0.0), arrival_time=arrival)
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += llm.engine.step()
+    timings = outputs[-1].metrics
+    assert outputs[-1].finished and timings.arrival_time == arrival
+    stages = [timings.arrival_time, timings.first_scheduled_time, timings.first_token_time, timings.last_token_time,
+              timings.finished_time]
+    assert stages == sorted(stages) and timings.queue_time >= 5.0
+    assert timings.e2e_latency == pytest.approx(
+        timings.queue_time + timings.prefill_time + timings.decode_time + timings.finished_time - timings.last_token_time
+    )
+    assert timings.decode_time > 0  # six tokens take more than the first step
+    # each output holds a copy as of its step: an early one saw no end yet
+    assert outputs[0].metrics.finished_time is None or len(outputs) == 1

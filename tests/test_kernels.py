@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import fresh_rng
-from kernels import (
+from jaxmtp.kernels import (
     KernelConfig,
     default_config,
     ragged_paged_attention,

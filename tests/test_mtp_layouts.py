@@ -267,14 +267,13 @@ def engine_draft_logits(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]
     import jax.numpy as jnp
 
     from jaxmtp import model, mtp
-    from jaxmtp.attention import attention_fn
     from jaxmtp.batch import BatchShape, build_batch
     from jaxmtp.scheduler import ScheduledRows
     from jaxmtp.sequence import Sequence
 
     cfg, params, cache = engine.model_config, engine.params, engine.cache
     assert len(cache.k) == cfg.num_layers + 1
-    attention = attention_fn("reference", cfg.head_dim)
+    ops = model.layer_ops(cfg, "reference")
     pages = engine.allocator.allocate(math.ceil(len(ids) / engine.page_size))
     try:
         seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
@@ -282,14 +281,14 @@ def engine_draft_logits(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]
             [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(len(ids), 1),
             engine.max_pages_per_seq, engine.page_size, cache.num_slots, 0,
         )
-        hidden, cache = model.forward(params, cfg, batch, cache, attention)
+        hidden, cache = model.forward(params, cfg, batch, cache, ops)
         main = model.logits(params.head(), params.final_norm, cfg, hidden)
         prev = mtp.main_hidden_for_mtp(params, cfg, hidden)
         next_ids = jnp.concatenate([batch.input_ids[1:], batch.input_ids[:1]])  # last row unused
         layer = cfg.num_layers
         module = params.mtp[0]
         x, _, _ = mtp.module_forward(
-            module, params.embed, cfg, prev, next_ids, batch, cache.k[layer], cache.v[layer], attention
+            module, params.embed, cfg, prev, next_ids, batch, cache.k[layer], cache.v[layer], ops
         )
         draft = mtp.module_logits(params, module, cfg, x)
     finally:

@@ -65,9 +65,9 @@ def scenario(**nodes) -> dict:
     stats = llm.engine.stats
     report = {
         "tokens": [o.outputs[0].token_ids for o in outs],
-        "logprobs": [[float(next(iter(e.values()))) for e in o.outputs[0].logprobs] for o in outs],
+        "logprobs": [[next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in outs],
         "top_ids": [list(e) for e in outs[2].outputs[0].logprobs],
-        "prompt_logprobs": [float(next(iter(e.values()))) for e in outs[2].prompt_logprobs[1:]],
+        "prompt_logprobs": [next(iter(e.values())).logprob for e in outs[2].prompt_logprobs[1:]],
         "accepted_per_position": [o.spec_stats["accepted_per_position"] for o in outs],
         "prefix_hits": stats.prefix_cache.hits,
         "text": text.outputs[0].text,

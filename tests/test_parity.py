@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FAMILIES, make_hf_model, prompt_logits
+from conftest import FAMILIES, fresh_rng, make_hf_model, prompt_logits
 from jaxmtp import LLM, SamplingParams
 
 
@@ -51,3 +51,62 @@ def test_bfloat16_logits_within_bf16_tolerance(tmp_path, rng):
     # and bf16 checkpoints load as bf16 by default
     bf16_folder = make_hf_model(tmp_path / "llama-bf16", "llama", seed=3, dtype="bfloat16")
     assert LLM(bf16_folder, max_num_seqs=1).engine.model_config.dtype == "bfloat16"
+
+
+# Llama's optional biases (attention_bias: q, k, v and o_proj; mlp_bias: gate, up and
+# down) and an activation other than silu, all read from config.json
+BIASED_GELU = dict(attention_bias=True, mlp_bias=True, hidden_act="gelu")
+
+
+@pytest.fixture(scope="module")
+def biased_gelu_model(tmp_path_factory):
+    seed = int(fresh_rng().integers(1 << 30))
+    return make_hf_model(tmp_path_factory.mktemp("biased") / "llama", "llama", seed=seed, **BIASED_GELU), seed
+
+
+def test_mlp_bias_attention_bias_and_gelu_match_transformers(biased_gelu_model, rng):
+    folder, seed = biased_gelu_model
+    ids = [1] + rng.integers(3, 97, size=24).tolist()
+    expected, hf = hf_logits(folder, ids)
+    llm = LLM(folder, max_num_seqs=2, max_num_batched_tokens=64, page_size=4)
+    cfg, layer = llm.engine.model_config, llm.engine.params.layers[0]
+    assert (cfg.hidden_act, cfg.mlp_bias, cfg.o_bias, cfg.qkv_bias) == ("gelu", True, True, True)
+    assert layer.o_bias is not None and layer.gate_up_bias.shape == (2, cfg.intermediate_size)
+    np.testing.assert_allclose(prompt_logits(llm.engine, ids), expected, rtol=2e-4, atol=2e-4, err_msg=f"seed={seed}")
+    with torch.no_grad():
+        hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                             pad_token_id=0, eos_token_id=None)[0, len(ids):].tolist()
+    out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_out
+
+
+def test_a_float16_checkpoint_runs_in_float16_within_float16_rounding(tmp_path, biased_gelu_model, rng):
+    """torch_dtype float16 loads as float16 (dtype "auto") and runs so. The truth is the
+    same float16 weights computed in float32 (transformers); transformers' own float16
+    run shows how far rounding the activations to float16 moves the logits. Ours rounds
+    at the same places (products accumulate in float32, a bias joins before the one
+    rounding), so its error is of the same size: within 1.2x on average over the
+    logits and 1.5x at the worst one (measured over seeds: at most 1.08x and 1.22x)."""
+    folder = make_hf_model(tmp_path / "fp16", "llama", seed=biased_gelu_model[1], dtype="float16", **BIASED_GELU)
+    ids = [1] + rng.integers(3, 97, size=24).tolist()
+    expected, _ = hf_logits(folder, ids)  # the float16 weights, exactly, computed in float32
+    hf_fp16, _ = hf_logits(folder, ids, torch.float16)
+    llm = LLM(folder, max_num_seqs=2, max_num_batched_tokens=64, page_size=4)
+    assert llm.engine.model_config.dtype == "float16" and llm.engine.params.embed.dtype == np.float16
+    assert llm.engine.cache.k[0].dtype == np.float16
+    ours, theirs = np.abs(prompt_logits(llm.engine, ids) - expected), np.abs(hf_fp16 - expected)
+    assert theirs.mean() > 0 and ours.mean() <= 1.2 * theirs.mean(), (ours.mean(), theirs.mean())
+    assert ours.max() <= 1.5 * theirs.max(), (ours.max(), theirs.max())
+
+
+def test_every_hidden_act_is_transformers_activation():
+    from transformers.activations import ACT2FN
+
+    from jaxmtp.config import HIDDEN_ACTIVATIONS
+    from jaxmtp.layers import ACTIVATIONS
+
+    assert set(ACTIVATIONS) == set(HIDDEN_ACTIVATIONS)
+    x = np.linspace(-6, 6, 1001, dtype=np.float32)
+    for name, fn in ACTIVATIONS.items():
+        expected = ACT2FN[name](torch.tensor(x)).numpy()
+        np.testing.assert_allclose(np.asarray(fn(x)), expected, rtol=1e-6, atol=1e-6, err_msg=name)

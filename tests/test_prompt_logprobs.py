@@ -39,17 +39,25 @@ def reference(hf_model, prompt) -> np.ndarray:
         return torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1).numpy()
 
 
+def out_first(llm, prompt, params):
+    return llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+
+
 def check(entries, prompt, want: np.ndarray):
     assert len(entries) == len(prompt) and entries[0] is None
     for p in range(1, len(prompt)):
         entry = entries[p]
         token = prompt[p]
         assert next(iter(entry)) == token  # the prompt's own token first
-        np.testing.assert_allclose(entry[token], want[p - 1, token], atol=1e-4, err_msg=f"position {p}")
+        np.testing.assert_allclose(entry[token].logprob, want[p - 1, token], atol=1e-4, err_msg=f"position {p}")
+        # the rank counts the tokens above it; those within float32 noise of it may go either way
+        above, near = (1 + int(np.sum(want[p - 1] > want[p - 1, token] + d)) for d in (1e-4, -1e-4))
+        assert above <= entry[token].rank <= near, f"position {p}"
         top = np.argsort(-want[p - 1])[:TOP]
         assert set(entry) == {token, *top.tolist()}, f"position {p}"
-        for t in top:
-            np.testing.assert_allclose(entry[int(t)], want[p - 1, t], atol=1e-4)
+        for rank, t in enumerate(top, 1):
+            np.testing.assert_allclose(entry[int(t)].logprob, want[p - 1, t], atol=1e-4)
+            assert t == token or entry[int(t)].rank == rank
 
 
 @pytest.mark.parametrize("engine", ["plain", "spec"])
@@ -60,6 +68,10 @@ def test_prompt_logprobs_match_transformers_across_chunks(request, hf_model, eng
     params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=TOP)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         check(out.prompt_logprobs, prompt, reference(hf_model, prompt))
+    # each entry's text is its token's, decoded after the prompt tokens before it
+    tokenizer = llm.get_tokenizer()
+    texts = [tokenizer.token_texts(prompts[0][:p], [prompts[0][p]], 4, False)[0] for p in range(1, len(prompts[0]))]
+    assert [e[prompts[0][p]].decoded_token for p, e in enumerate(out_first(llm, prompts[0], params), ) if e] == texts
     plain_out = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert plain_out.prompt_logprobs is None
 

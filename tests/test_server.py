@@ -71,17 +71,26 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
 
-    def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+    def metric(self, name: str, **labels) -> float:
+        value = sample_value(httpx.get(self.url + "/metrics").text, name, **labels)
+        return 0.0 if value is None else value
 
     def wait_for_metric(self, name: str, value: float, timeout: float) -> float:
         deadline = time.monotonic() + timeout
         while (current := self.metric(name)) != value and time.monotonic() < deadline:
             time.sleep(0.05)
         return current
+
+
+def sample_value(text: str, name: str, **labels) -> float | None:
+    """The value of the Prometheus sample `name` whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    return None
 
 
 def running_server(tmp_path_factory, name, *args):
@@ -244,7 +253,7 @@ def test_64_concurrent_streams_match_their_solo_outputs(client, server):
 
 
 def test_disconnect_mid_stream_aborts_and_frees_the_pages(server):
-    aborted = server.metric('jaxmtp_requests_finished_total{finish_reason="abort"}')
+    aborted = server.metric("jaxmtp_requests_finished_total", finish_reason="abort")
     body = dict(prompt="Once upon a time", max_tokens=400, ignore_eos=True, stream=True, **GREEDY)
     with httpx.Client(timeout=30) as http, http.stream("POST", server.url + "/v1/completions", json=body) as response:
         events = sse_events(response)  # kept: dropping a half-read iterator closes the stream
@@ -252,7 +261,7 @@ def test_disconnect_mid_stream_aborts_and_frees_the_pages(server):
         assert json.loads(next(events))["choices"][0]["finish_reason"] is None
         assert server.metric("jaxmtp_kv_pages_used") > 0
     assert server.wait_for_metric("jaxmtp_kv_pages_used", 0, timeout=3) == 0
-    assert server.metric('jaxmtp_requests_finished_total{finish_reason="abort"}') == aborted + 1
+    assert server.metric("jaxmtp_requests_finished_total", finish_reason="abort") == aborted + 1
 
 
 def test_timeout_answers_408_or_ends_the_stream_with_abort(server):
@@ -271,19 +280,29 @@ def test_metrics_count_tokens_speculation_and_latency(client, server):
     # whichever tests ran before
     client.completions.create(prompt=PROMPTS[0], max_tokens=12, extra_body={"ignore_eos": True}, **GREEDY)
     text = httpx.get(server.url + "/metrics").text
-    for name in (
-        "jaxmtp_requests_running", "jaxmtp_requests_waiting", "jaxmtp_prompt_tokens_total",
-        "jaxmtp_generation_tokens_total", "jaxmtp_kv_pages_used", "jaxmtp_kv_pages_free",
-        "jaxmtp_spec_decode_draft_tokens_total", "jaxmtp_spec_decode_accepted_tokens_total",
-        'jaxmtp_spec_decode_accepted_tokens_per_position_total{position="1"}',
-        "jaxmtp_time_to_first_token_seconds_count", "jaxmtp_inter_token_latency_seconds_count",
-        'jaxmtp_requests_finished_total{finish_reason="length"}',
-        "jaxmtp_prefix_cache_queries_total", "jaxmtp_prefix_cache_hits_total", "jaxmtp_prefix_cache_hit_rate",
-        "jaxmtp_prefix_cache_evictions_total",
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    assert samples and all(sample.labels.get("model_name") == MODEL_ID for sample in samples)
+    for name, labels in (
+        ("jaxmtp_requests_running", {}), ("jaxmtp_requests_waiting", {}), ("jaxmtp_prompt_tokens_total", {}),
+        ("jaxmtp_generation_tokens_total", {}), ("jaxmtp_kv_pages_used", {}), ("jaxmtp_kv_pages_free", {}),
+        ("jaxmtp_kv_cache_usage_ratio", {}), ("jaxmtp_preemptions_total", {}), ("jaxmtp_spec_decode_drafts_total", {}),
+        ("jaxmtp_spec_decode_draft_tokens_total", {}), ("jaxmtp_spec_decode_accepted_tokens_total", {}),
+        ("jaxmtp_spec_decode_accepted_tokens_per_position_total", {"position": "1"}),
+        ("jaxmtp_time_to_first_token_seconds_count", {}), ("jaxmtp_inter_token_latency_seconds_count", {}),
+        ("jaxmtp_e2e_request_latency_seconds_count", {}), ("jaxmtp_request_queue_time_seconds_count", {}),
+        ("jaxmtp_request_prefill_time_seconds_count", {}), ("jaxmtp_request_decode_time_seconds_count", {}),
+        ("jaxmtp_requests_finished_total", {"finish_reason": "length"}),
+        ("jaxmtp_prefix_cache_queries_total", {}), ("jaxmtp_prefix_cache_hits_total", {}),
+        ("jaxmtp_prefix_cache_hit_rate", {}), ("jaxmtp_prefix_cache_evictions_total", {}),
     ):
-        assert re.search(rf"^{re.escape(name)} \d", text, re.M), name
+        assert sample_value(text, name, **labels) is not None, (name, labels)
     assert server.metric("jaxmtp_generation_tokens_total") > 0
-    assert server.metric("jaxmtp_spec_decode_draft_tokens_total") >= server.metric("jaxmtp_spec_decode_accepted_tokens_total")
+    drafts = server.metric("jaxmtp_spec_decode_drafts_total")
+    assert server.metric("jaxmtp_spec_decode_draft_tokens_total") == 2 * drafts > 0  # k = 2 drafts each
+    assert server.metric("jaxmtp_spec_decode_accepted_tokens_total") <= 2 * drafts
+    assert server.metric("jaxmtp_e2e_request_latency_seconds_count") >= 1
 
 
 def test_prefix_caching_is_on_by_default(client, server):
@@ -316,7 +335,7 @@ BAD_REQUESTS = [
     ("completions", {"prompt": [1] * 600}, 400, "prompt", "exceeds the model's context of 512"),
     ("chat/completions", {"messages": [{"role": "user", "content": "Hi " * 600}]}, 400, "messages", "exceeds the model"),
     ("completions", {"prompt": [1, 5000]}, 400, "prompt", "out of vocabulary"),
-    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be >= 1 (0 only with echo)"),
     ("chat/completions", {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens", "greater than"),
     ("completions", {"prompt": "Hi", "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
     ("completions", {"prompt": "Hi", "top_p": 0}, 400, "top_p", "greater than 0"),
@@ -350,9 +369,17 @@ def test_malformed_and_oversized_bodies(server):
     assert_openai_error(httpx.get(url), 405)
 
 
-def test_unknown_fields_are_ignored_and_the_server_still_serves(server):
-    body = dict(prompt="Once upon a time", max_tokens=5, frequency_penalty=0.5, user="me", **GREEDY)
-    response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+def test_unknown_fields_are_refused_by_name_and_the_server_still_serves(server, client):
+    body = dict(prompt="Once upon a time", max_tokens=5, **GREEDY)
+    error = assert_openai_error(httpx.post(server.url + "/v1/completions", json={**body, "best_of": 2}, timeout=30), 400)
+    assert error["param"] == "best_of" and "best_of is not a field this server implements" in error["message"]
+    with pytest.raises(openai.BadRequestError, match="tools is not supported yet"):
+        client.chat.completions.create(
+            messages=[{"role": "user", "content": "Hi"}], tools=[{"type": "function", "function": {"name": "f"}}],
+            **GREEDY,
+        )
+    # implemented fields are honoured (user changes nothing, as OpenAI's)
+    response = httpx.post(server.url + "/v1/completions", json={**body, "user": "me", "frequency_penalty": 0.5}, timeout=30)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
     assert httpx.get(server.url + "/health").status_code == 200
     assert server.wait_for_metric("jaxmtp_kv_pages_used", 0, timeout=3) == 0

@@ -130,6 +130,7 @@ def test_no_answer_shows_where_the_model_is_installed(http, engine, monkeypatch)
 def test_logprobs_without_a_tokenizer_name_token_ids(http, engine, monkeypatch):
     expected = http.post("/v1/completions", json=dict(prompt=[1, 403, 407], max_tokens=4, **GREEDY)).json()
     monkeypatch.setattr(engine, "tokenizer", None)
+    monkeypatch.setattr(engine.output_processor, "tokenizer", None)  # which names the tokens in logprobs
     response = http.post("/v1/completions", json=dict(prompt=[1, 403, 407], max_tokens=4, logprobs=2, **GREEDY))
     assert response.status_code == 200, response.text
     logprobs = response.json()["choices"][0]["logprobs"]

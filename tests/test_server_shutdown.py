@@ -1,6 +1,6 @@
-"""A real `python server.py` process: connections that never send a whole request are
-closed, a non-streaming client that disconnects is aborted without tracebacks, and
-SIGTERM drains (running requests finish within --shutdown-timeout, the rest end
+"""A real `python server.py` process: it serves while its shapes compile in the
+background, connections that never send a whole request are closed, a
+non-streaming client that disconnects is aborted without tracebacks, and SIGTERM drains (running requests finish within --shutdown-timeout, the rest end
 cleanly) before the process exits with status 0."""
 
 from __future__ import annotations
@@ -36,6 +36,16 @@ def server(tmp_path_factory):
     finally:
         if process.proc.poll() is None:
             process.stop()
+
+
+def test_the_port_opens_before_the_shapes_compile_and_a_bar_counts_them(server):
+    """Eight shapes (8 or 16 rows, 1 or 2 requests, greedy or not): the largest
+    compiles first, the port opens, the other seven compile in the background."""
+    log = server.log_path.read_text()
+    assert "serving on the step's largest batch shape while 7 more compile in the background" in log, log[-3000:]
+    assert "compiling the step:" in log and "/7 [" in log
+    reply = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
 
 def test_connections_that_send_no_whole_request_are_closed(server):

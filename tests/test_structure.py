@@ -10,7 +10,10 @@ from pathlib import Path
 from conftest import ROOT
 
 PACKAGE = ROOT / "jaxmtp"
-HOST_ONLY = ("scheduler", "allocator", "prefix_cache", "sequence", "sampling_params", "engine_config", "outputs")
+HOST_ONLY = (
+    "scheduler", "allocator", "prefix_cache", "sequence", "sampling_params", "engine_config", "outputs", "intake",
+    "structured_outputs", "quantization",
+)
 
 
 def module_name(path: Path) -> str:

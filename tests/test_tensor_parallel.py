@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fresh_rng
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "checkpoints" / "stories260K"  # safetensors; 8 heads, 4 kv heads, vocab 512
@@ -25,6 +27,9 @@ NUM_DEVICES = 4
 TP_SIZES = (1, 2, 4)
 CHUNK_SIZES = (3, 8)  # a small odd chunk; half a page, the whole step budget
 MAX_TOKENS = 16
+VOCAB = 512
+# an all-gather in the compiled CPU HLO (synchronous there): its result's type and shape
+ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? all-gather\(")
 
 
 # ----- the subprocess ---------------------------------------------------------------------
@@ -48,7 +53,7 @@ def _run(model, tp: int, **engine_kwargs) -> dict:
     cache = llm.engine.cache
     return {
         "tokens": [o.outputs[0].token_ids for o in outs],
-        "logprobs": [[float(next(iter(e.values()))) for e in o.outputs[0].logprobs] for o in outs],
+        "logprobs": [[next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in outs],
         "top_ids": [[list(e) for e in o.outputs[0].logprobs] for o in outs[2:]],
         "cache_sharding_kept": all(a.sharding.is_equivalent_to(initial_cache, 4) for a in cache.k + cache.v),
         "_llm": llm,
@@ -96,7 +101,7 @@ def _modules_run(model, tp: int) -> dict:
     outs = llm.generate(prompts, [greedy] * 2 + [sampled], use_tqdm=False)
     report = {
         "tokens": [o.outputs[0].token_ids for o in outs],
-        "logprobs": [[float(next(iter(e.values()))) for e in o.outputs[0].logprobs] for o in outs],
+        "logprobs": [[next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in outs],
         "accepted_per_position": [o.spec_stats["accepted_per_position"] for o in outs],
         "preemptions": engine.scheduler.num_preemptions,
         "pages_after_generate": _page_accounting(engine),
@@ -113,6 +118,81 @@ def _modules_run(model, tp: int) -> dict:
             aborted_in_flight = True
     report["aborted_in_flight"] = aborted_in_flight
     report["pages_after_abort"] = _page_accounting(engine)
+    return report
+
+
+def _greedy_steps_run(tp: int) -> dict:
+    """MTP k=2, two greedy requests asking for no logprobs, so every step is a greedy
+    shape (sharding.argmax_vocab, no logits gather): each step's emitted tokens,
+    acceptance and drafts. At TP=2 also the all-gathers of the compiled greedy and
+    general steps."""
+    from jaxmtp import LLM, SamplingParams
+    from jaxmtp.batch import BatchShape
+
+    llm = LLM(STORIES_MTP, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8,
+              num_speculative_tokens=2, prefill_chunk_size=3)
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(_prompts()):
+        engine.add_request(str(i), prompt, greedy)
+    steps, last_id, outputs = [], None, {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        record, result = engine.last_step, engine.last_step_output
+        if record is not None and record.step_id != last_id:
+            last_id, n = record.step_id, len(record.scheduled.rows)
+            steps.append({"greedy_shape": record.args[-1].greedy, "tokens": result.tokens[:n].tolist(),
+                          "num_accepted": result.num_accepted[:n].tolist(), "drafts": result.drafts[:n].tolist()})
+    report = {"steps": steps, "tokens": [outputs[str(i)].outputs[0].token_ids for i in range(2)],
+              "accepted_per_position": [outputs[str(i)].spec_stats["accepted_per_position"] for i in range(2)]}
+    if tp == 2:
+        report["all_gathers"] = {
+            str(g): [m.groups() for m in ALL_GATHER.finditer(engine.runner.lower_step(BatchShape(8, 2, g)).compile().as_text())]
+            for g in (True, False)
+        }
+    return report
+
+
+def _argmax_against_jnp(seed: int) -> dict:
+    """sharding.argmax_vocab on vocab-sharded random logits against jnp.argmax of the
+    whole rows, at TP=2 and 4, in the draft pass's [B, V] and the verify rows' [B, R, V]:
+    integer-valued logits (ties everywhere), and planted rows: the maximum on both sides
+    of a shard boundary, at the same offset in every shard, twice in one shard after a
+    lower one, in two shards past the first, a constant row, -inf rows, NaNs, -0.0 and
+    0.0."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxmtp import sharding
+
+    rng = np.random.default_rng(seed)
+    vocab = 512
+    report = {}
+    for tp in (2, 4):
+        mesh, shard = sharding.make_mesh(tp), vocab // tp
+        planted = rng.standard_normal((10, vocab)).astype(np.float32)
+        planted[0, [shard - 1, shard]] = 9.0  # across the first boundary
+        planted[1, np.arange(tp) * shard + 5] = 9.0  # the same offset in every shard
+        planted[2, [shard + 3, shard + 7]] = 9.0  # twice in the second shard
+        planted[2, 2] = 8.0
+        planted[3, [vocab - 1, shard + 1]] = 9.0  # in the last shard and the second, none in the first
+        planted[4] = 1.5
+        planted[5] = -np.inf
+        planted[6] = -np.inf
+        planted[6, [vocab - 2, shard + 1]] = -3.0
+        planted[7, [shard + 4, vocab - 3]] = np.nan
+        planted[8] = -1.0
+        planted[8, [shard - 1, shard]] = [0.0, -0.0]
+        planted[9, [0, vocab - 1]] = 9.0
+        ties = rng.integers(-2, 3, size=(54, vocab)).astype(np.float32)
+        logits = np.concatenate([planted, ties])
+        for rows in (logits, logits.reshape(8, 8, vocab)):
+            x = jax.device_put(rows, NamedSharding(mesh, PartitionSpec(*[None] * (rows.ndim - 1), "tp")))
+            got = np.asarray(jax.jit(sharding.argmax_vocab, static_argnums=1)(x, mesh))
+            want = np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1))
+            report[f"tp={tp} ndim={rows.ndim}"] = {"mismatched_rows": np.flatnonzero(got.ravel() != want.ravel()).tolist(),
+                                                   "dtype": str(got.dtype)}
     return report
 
 
@@ -155,7 +235,7 @@ def _dummy_model(folder: Path, **overrides) -> Path:
     return folder
 
 
-def worker() -> dict:
+def worker(seed: int) -> dict:
     import tempfile
 
     import jax
@@ -174,6 +254,9 @@ def worker() -> dict:
                 report["runs"][f"{model.name} k={k} chunk={chunk} tp={tp}"] = run
                 if k and chunk == CHUNK_SIZES[0]:
                     report["layouts"][tp] = _layouts(llm)
+
+    report["greedy_steps"] = {tp: _greedy_steps_run(tp) for tp in TP_SIZES}
+    report["argmax"] = _argmax_against_jnp(seed)
 
     report["prefix_cache"] = {f"tp={tp} cache={enable}": _prefix_cache_run(tp, enable)
                               for tp, enable in ((1, False), (2, True))}
@@ -223,14 +306,20 @@ def worker() -> dict:
 
 
 @pytest.fixture(scope="module")
-def report() -> dict:
+def seed() -> int:
+    """The seed of the worker's random logits (fresh_rng: JAXMTP_TEST_SEED replays it)."""
+    return int(fresh_rng().integers(2**31))
+
+
+@pytest.fixture(scope="module")
+def report(seed) -> dict:
     env = {
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} --xla_backend_optimization_level=0",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),  # this checkout's jaxmtp, whatever is installed
     }
-    done = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, __file__, str(seed)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-6000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -286,6 +375,37 @@ def test_several_mtp_modules_preemption_and_abort_in_flight(report):
         assert pages["free_plus_parked"] == pages["total"] and pages["nonzero_ref_counts"] == 0, (key, pages)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_steps_take_tp1s_tokens_drafts_and_acceptance(report, tp):
+    """Greedy shapes take the argmax of vocab-sharded logits (sharding.argmax_vocab), in
+    verification and in the MTP draft pass: step for step the same emitted tokens,
+    accepted drafts and new drafts as TP=1."""
+    base, run = report["greedy_steps"]["1"], report["greedy_steps"][str(tp)]
+    assert all(step["greedy_shape"] for step in base["steps"] + run["steps"])
+    assert run["steps"] == base["steps"]
+    assert run["tokens"] == base["tokens"] and run["accepted_per_position"] == base["accepted_per_position"]
+    assert np.sum(base["accepted_per_position"]) > 0  # drafts are accepted, not only rejected
+
+
+def test_greedy_step_gathers_no_logits(report):
+    """The compiled TP=2 greedy step (2 requests, MTP k=2) has no all-gather of a
+    vocabulary-sized array: three gathers of [2 devices, rows, 2] floats (the verify
+    rows', the two drafts'), 4 * (2*3 + 2*2) * 2 * 2 = 160 bytes in all, where the
+    general step still gathers the logits, [2, 3, 512] (12 KiB)."""
+    gathers = report["greedy_steps"]["2"]["all_gathers"]
+    greedy, general = ([(dtype, [int(d) for d in dims.split(",")]) for dtype, dims in gathers[g]] for g in ("True", "False"))
+    assert sorted(shape for _, shape in greedy) == [[2, 2, 2], [2, 2, 2], [2, 2, 3, 2]], greedy
+    assert all(dtype == "f32" for dtype, _ in greedy)
+    assert sum(4 * np.prod(shape) for _, shape in greedy) == 160
+    assert ("f32", [2, 3, VOCAB]) in general and sum(VOCAB in shape for _, shape in general) == 1, general
+
+
+def test_sharded_argmax_breaks_ties_as_jnp_argmax(report, seed):
+    for case, result in report["argmax"].items():
+        assert result["mismatched_rows"] == [], f"{case}, seed {seed} (JAXMTP_TEST_SEED={seed} replays it)"
+        assert result["dtype"] == "int32", case
+
+
 def test_qkv_bias_qk_norm_mtp_and_pallas_kernel_under_shard_map(report):
     _compare(report, lambda tp: f"qwen3-bias tp={tp}")
 
@@ -337,4 +457,4 @@ def test_cli_passes_tensor_parallel_size_to_the_engine(capsys):
 
 
 if __name__ == "__main__":
-    print(json.dumps(worker()))
+    print(json.dumps(worker(int(sys.argv[1]))))

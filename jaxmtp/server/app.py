@@ -14,15 +14,18 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+import jaxmtp
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.server.config import ServerConfig
-from jaxmtp.server.formatting import ChatFormat, CompletionFormat
+from jaxmtp.server.formatting import ChatFormat, CompletionFormat, EchoFormat
 from jaxmtp.server.gate import RequestGate
 from jaxmtp.server.protocol import (
-    DEFAULT_COMPLETION_TOKENS, APIError, ChatCompletionRequest, CompletionRequest, bad_request, chat_conversation,
-    check_prompt_texts, prompt_list,
+    DEFAULT_COMPLETION_TOKENS, APIError, ChatCompletionRequest, CompletionRequest, bad_request, check_prompt_texts,
+    prompt_list, unsupported_field_message,
 )
 from jaxmtp.server.serving import Server
+from jaxmtp.server.stats_log import StatsLogger
+from jaxmtp.server.tokenization import add_tokenization_routes
 
 log = logging.getLogger("jaxmtp.server")
 
@@ -37,7 +40,12 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         server.engine_loop.start()
+        stats_log = None
+        if not config.disable_log_stats:
+            stats_log = asyncio.create_task(StatsLogger(engine, config.log_stats_interval).run())
         yield
+        if stats_log is not None:
+            stats_log.cancel()
         server.engine_loop.stop()
 
     app = FastAPI(title="jaxmtp", summary="OpenAI-compatible completions on a jaxmtp engine", lifespan=lifespan)
@@ -56,6 +64,11 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         errors = err.errors()
         if errors[0]["type"] == "json_invalid":
             return APIError(400, f"invalid JSON: {errors[0]['ctx']['error']}").response()
+        # a field the server does not implement is refused, named, before anything else
+        unsupported = [e["loc"][1:] for e in errors if e["type"] == "extra_forbidden"]
+        if unsupported:
+            message = "; ".join(unsupported_field_message(".".join(map(str, loc))) for loc in unsupported)
+            return APIError(400, message, param=str(unsupported[0][0])).response()
         # a value that fits none of a union's forms gets an error per form: name a few,
         # a wrong value (out of range) before a wrong type, as its form is the one meant
         errors = sorted(errors, key=lambda e: e["type"].endswith("_type"))
@@ -103,6 +116,10 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
     async def metrics():
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": jaxmtp.__version__}
+
     @app.get("/v1/models")
     async def models():
         return {
@@ -122,21 +139,33 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             raise bad(err, CompletionRequest) from None
         check_prompt_texts(prompts)
         max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
+        for name in ("echo", "prompt_logprobs"):
+            if body.stream and getattr(body, name) not in (None, False):
+                raise APIError(400, f"{name} with stream is not supported yet", name)
         server.check_limits(body, len(prompts), max_tokens, "max_tokens")
         server.check_admission(len(prompts) * body.n)
+        # echo shows the prompt's logprobs with the completion's (lm-eval-harness's loglikelihood)
+        echoed = body.logprobs if body.echo else None
+        prompt_logprobs = max((x for x in (body.prompt_logprobs, echoed) if x is not None), default=None)
 
         def prepare():
             ids = [engine.encode_prompt(p)[1] for p in prompts]
-            params = server.sampling_params(body, max_tokens, body.logprobs)
+            params = server.sampling_params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs)
             server.validate_prompts(ids, params)
             return ids, params
 
         try:
             ids, params = await asyncio.to_thread(prepare)
-            generation = server.submit(body, ids, params, request.state.cache_salt)
+            generation = server.submit(body, ids, params, request.state.cache_salt, request.state.arrival)
         except ValueError as err:
             raise bad(err, CompletionRequest) from None
-        return await server.respond(request, generation, CompletionFormat(engine.tokenizer, body.logprobs), body)
+        with_prompt_logprobs = body.prompt_logprobs is not None
+        decode = engine.tokenizer.decode if engine.tokenizer else str
+        fmt = (EchoFormat(body.logprobs, with_prompt_logprobs, decode, max_tokens == 0) if body.echo
+               else CompletionFormat(body.logprobs, with_prompt_logprobs))
+        return await server.respond(request, generation, fmt, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -148,27 +177,29 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             raise APIError(400, f"top_logprobs must be <= {max_logprobs}, got {body.top_logprobs}", "top_logprobs")
         if engine.tokenizer is None:
             raise APIError(400, "the model has no tokenizer.json, so no chat template")
+        if body.stream and body.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs with stream is not supported yet", "prompt_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        conversation = chat_conversation(body.messages)
         max_tokens_given = body.max_completion_tokens or body.max_tokens
         field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
         server.check_limits(body, 1, max_tokens_given or 1, field)  # a default max_tokens is made to fit
         server.check_admission(body.n)
 
         def prepare():
-            # the template writes its own special tokens (BOS); those typed in messages stay text
-            prompt = engine.tokenizer.apply_chat_template(conversation, tokenize=True)
+            prompt = server.chat_prompt(body, body.messages)
             # by default a reply may fill the context; a prompt that already does gets the context error
             max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n)
-            params = server.sampling_params(body, max_tokens, logprobs)
+            params = server.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
             server.validate_prompts([prompt], params)
             return prompt, params
 
         try:
             prompt, params = await asyncio.to_thread(prepare)
-            generation = server.submit(body, [prompt], params, request.state.cache_salt)
+            generation = server.submit(body, [prompt], params, request.state.cache_salt, request.state.arrival)
         except ValueError as err:
             raise bad(err, ChatCompletionRequest, prompt_field="messages") from None
-        return await server.respond(request, generation, ChatFormat(engine.tokenizer, logprobs), body)
+        return await server.respond(request, generation, ChatFormat(logprobs, body.prompt_logprobs is not None), body)
+
+    add_tokenization_routes(app, server, bad)
 
     return app

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from jaxmtp.engine_config import option
+from jaxmtp.server.metrics import METRICS_NAMES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -47,6 +48,16 @@ class ServerConfig:
         "persistent XLA cache, so that later starts skip compiling ('' to disable)",
     )
     log_level: str = option("info", "log level of the server and uvicorn", LOG_LEVELS)
+    metrics_names: str = option(
+        "jaxmtp",
+        "names of the /metrics series: jaxmtp's (jaxmtp_requests_running, ...), or vLLM's for the series vLLM also "
+        "has (vllm:num_requests_running, ...), so that dashboards made for vLLM read them",
+        METRICS_NAMES,
+    )
+    log_stats_interval: float = option(
+        10.0, "seconds between the stats lines the server logs (throughput, requests, KV cache usage, acceptance)"
+    )
+    disable_log_stats: bool = option(False, "log no stats lines")
 
     def __post_init__(self):
         if isinstance(self.api_key, str):  # one key

@@ -44,9 +44,9 @@ class EngineLoop:
 
     def add(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, queue: asyncio.Queue,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, arrival_time: float | None = None,
     ) -> None:
-        self.engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt)
+        self.engine.add_request(request_id, prompt_ids, params, cache_salt=cache_salt, arrival_time=arrival_time)
         self._queues[request_id] = queue
         self._wake.set()
 
@@ -75,8 +75,7 @@ class EngineLoop:
             return
         for out in outputs:
             if out.finished:
-                for completion in out.outputs:
-                    self.metrics.requests_finished.labels(completion.finish_reason).inc()
+                self.metrics.observe_finished(out)
         if outputs:
             self._loop.call_soon_threadsafe(self._deliver, outputs)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from jaxmtp.outputs import Logprob
 from jaxmtp.server.generation import Choice
 
 
@@ -18,26 +19,22 @@ class TokenLogprob:
     top: list[tuple[str, float]]
 
 
-def token_text(tokenizer, previous: list[int], token: int) -> str:
-    """The text `token` adds after `previous`, special tokens included; a model without
-    a tokenizer names its tokens as vLLM's --return-tokens-as-token-ids does."""
-    if tokenizer is None:
-        return f"token_id:{token}"
-    return tokenizer.decode_continuation(previous, [token], skip_special_tokens=False)
+def token_text(token: int, logprob: Logprob) -> str:
+    """The text the token adds (the engine's decoded_token); a model without a tokenizer
+    names its tokens as vLLM's --return-tokens-as-token-ids does."""
+    return f"token_id:{token}" if logprob.decoded_token is None else logprob.decoded_token
 
 
-def top_entries(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    # the engine's entry is the chosen token first, then the top n not already in it
-    return sorted(entry.items(), key=lambda item: -item[1])[:n]
-
-
-def token_logprobs(tokenizer, choice: Choice, first_token: int, num_top: int) -> list[TokenLogprob]:
+def token_logprobs(choice: Choice, first_token: int, num_top: int) -> list[TokenLogprob]:
     """The logprobs of the choice's tokens from first_token on."""
-    ids, entries = choice.token_ids, []
+    entries = []
     for position in range(first_token, len(choice.logprobs)):
-        entry, previous = choice.logprobs[position], ids[:position]
-        top = [(token_text(tokenizer, previous, t), lp) for t, lp in top_entries(entry, num_top)]
-        entries.append(TokenLogprob(token_text(tokenizer, previous, ids[position]), entry[ids[position]], top))
+        entry, token = choice.logprobs[position], choice.token_ids[position]
+        # the engine's entry is the chosen token (its own rank) and the top n (ranks 1..n)
+        top = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
+        chosen = entry[token]
+        alternatives = [(token_text(t, lp), lp.logprob) for t, lp in top]
+        entries.append(TokenLogprob(token_text(token, chosen), chosen.logprob, alternatives))
     return entries
 
 
@@ -45,15 +42,20 @@ class CompletionFormat:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, tokenizer, num_logprobs: int | None):
-        self.tokenizer = tokenizer
+    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool = False):
         self.num_logprobs = num_logprobs
+        self.with_prompt_logprobs = with_prompt_logprobs  # vLLM's prompt_logprobs field
 
     def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
         body = {"index": choice.index, "text": text, "logprobs": self.logprobs(choice, first_token)}
         return self.finish(body, choice, done)
 
     def finish(self, body: dict, choice: Choice, done: bool) -> dict:
+        if self.with_prompt_logprobs:  # as vLLM's: per prompt token {id: {logprob, rank, decoded_token}}
+            body["prompt_logprobs"] = [
+                None if entry is None else {str(t): dataclasses.asdict(lp) for t, lp in entry.items()}
+                for entry in choice.prompt_logprobs or []
+            ]
         body["finish_reason"] = choice.finish_reason if done else None
         if done and choice.spec_stats is not None:
             body["spec_stats"] = choice.spec_stats
@@ -62,10 +64,13 @@ class CompletionFormat:
     def opening(self, choice: Choice) -> dict | None:
         return None
 
+    def usage(self, generation) -> dict:
+        return generation.usage()
+
     def logprobs(self, choice: Choice, first_token: int) -> dict | None:
         if self.num_logprobs is None or choice.logprobs is None:
             return None
-        return self.logprobs_body(token_logprobs(self.tokenizer, choice, first_token, self.num_logprobs))
+        return self.logprobs_body(token_logprobs(choice, first_token, self.num_logprobs))
 
     def logprobs_body(self, entries: list[TokenLogprob]) -> dict:
         return {
@@ -73,6 +78,52 @@ class CompletionFormat:
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [dict(e.top) for e in entries],
         }
+
+
+class EchoFormat(CompletionFormat):
+    """/v1/completions with echo: each choice's text and logprobs begin with its
+    prompt's (the first prompt token has no logprob: null, as OpenAI's). With max_tokens 0
+    the engine still samples one token, which the response leaves out."""
+
+    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool, decode, prompt_only: bool):
+        super().__init__(num_logprobs, with_prompt_logprobs)
+        self.decode = decode  # token ids -> text, for prompts given as ids
+        self.prompt_only = prompt_only
+
+    def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
+        prompt = choice.prompt if choice.prompt is not None else self.decode(choice.prompt_token_ids)
+        body = {"index": choice.index, "text": prompt + ("" if self.prompt_only else text)}
+        if self.num_logprobs is not None:
+            entries = [] if self.prompt_only else token_logprobs(choice, 0, self.num_logprobs)
+            logprobs = self.logprobs_body(prompt_logprobs(choice, self.num_logprobs) + entries)
+            logprobs["token_logprobs"][0] = logprobs["top_logprobs"][0] = None
+            body["logprobs"] = logprobs
+        else:
+            body["logprobs"] = None
+        body = self.finish(body, choice, done)
+        if self.prompt_only:
+            body["finish_reason"] = "length"
+        return body
+
+    def usage(self, generation) -> dict:
+        usage = generation.usage()
+        if self.prompt_only:
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        return usage
+
+
+def prompt_logprobs(choice: Choice, num_top: int) -> list[TokenLogprob]:
+    """The prompt's tokens as TokenLogprobs; the first, which nothing scores, with a
+    placeholder the caller replaces by null."""
+    entries = []
+    for position, (token, entry) in enumerate(zip(choice.prompt_token_ids, choice.prompt_logprobs)):
+        if entry is None:
+            entries.append(TokenLogprob(token_text(token, Logprob(0.0, None, None)), 0.0, []))
+            continue
+        top = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
+        chosen = entry[token]
+        entries.append(TokenLogprob(token_text(token, chosen), chosen.logprob, [(token_text(t, lp), lp.logprob) for t, lp in top]))
+    return entries
 
 
 class ChatFormat(CompletionFormat):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -35,7 +36,9 @@ class RequestGate:
         error = self.refusal(scope, key)
         if error is not None:
             return await error.response()(scope, receive, send)
-        scope.setdefault("state", {})["cache_salt"] = None if key is None else self.cache_salts[key]
+        state = scope.setdefault("state", {})
+        state["cache_salt"] = None if key is None else self.cache_salts[key]
+        state["arrival"] = time.monotonic()  # the request's latencies and timeout count from here
         too_large = APIError(413, f"request body over {self.max_body_bytes} bytes", code="request_too_large")
         received = 0
 

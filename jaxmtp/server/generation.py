@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 
-from jaxmtp.outputs import RequestOutput
+from jaxmtp.outputs import Logprob, RequestOutput
 from jaxmtp.sampling_params import SamplingParams
 from jaxmtp.server.engine_loop import EngineLoop
 from jaxmtp.server.metrics import Metrics
@@ -40,7 +40,10 @@ class Choice:
     stop_holdback: int  # characters a stop string could still cut: not streamed yet
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     spec_stats: dict | None = None
     streamed_chars: int = 0
@@ -59,6 +62,9 @@ class Choice:
                     metrics.inter_token_latency.observe((now - self.last_token_time) / new_tokens)
             self.last_token_time = now
         self.text, self.token_ids, self.logprobs = completion.text, completion.token_ids, completion.logprobs
+        self.prompt, self.prompt_token_ids = out.prompt, out.prompt_token_ids
+        if out.prompt_logprobs is not None:  # a stream's first output has them
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = completion.finish_reason
         self.spec_stats = out.spec_stats
 
@@ -82,12 +88,14 @@ class Generation:
 
     def __init__(
         self, engine_loop: EngineLoop, metrics: Metrics, prompts: list[list[int]], params: SamplingParams, n: int,
-        timeout: float, cache_salt: str | None = None,
+        timeout: float, cache_salt: str | None = None, arrival: float | None = None,
     ):
+        """arrival: when the HTTP request came in (time.monotonic(); default: now). Its
+        timeout and its latency metrics count from there."""
         self.engine_loop = engine_loop
         self.metrics = metrics
         self.created = int(time.time())
-        self.arrival = time.monotonic()
+        self.arrival = time.monotonic() if arrival is None else arrival
         self.timeout = timeout
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -104,7 +112,8 @@ class Generation:
                     # the engine's own seeding for n > 1: sample j of a request uses seed + j
                     seed = None if params.seed is None else params.seed + j
                     choice_params = dataclasses.replace(params, seed=seed)
-                    engine_loop.add(self.choices[i * n + j].request_id, prompt, choice_params, self.queue, cache_salt)
+                    request_id = self.choices[i * n + j].request_id
+                    engine_loop.add(request_id, prompt, choice_params, self.queue, cache_salt, self.arrival)
         except ValueError:
             self.cancel()
             raise

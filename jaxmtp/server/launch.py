@@ -1,6 +1,7 @@
 """`jaxmtp serve`: its command-line options, and the process that loads the engine,
-compiles its step and serves it with uvicorn, with a read timeout on every connection
-and a graceful drain on SIGTERM."""
+compiles the step's largest shape, serves it with uvicorn while the other shapes
+compile in the background, with a read timeout on every connection and a graceful
+drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import argparse
 import logging
 import os
 import signal
-import time
 
 import h11
 import uvicorn
@@ -22,6 +22,9 @@ from jaxmtp.server.serving import Server
 log = logging.getLogger("jaxmtp.server")
 
 AFTER_DRAIN_TIMEOUT = 5.0  # seconds for interrupted responses to go out after the drain
+# threads compiling shapes in the background: a quarter of the cores, as the engine
+# thread steps (and the event loop answers) on the same ones meanwhile
+COMPILE_THREADS = max(1, (os.cpu_count() or 1) // 4)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -100,25 +103,26 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    import jax
-
     from jaxmtp.engine import LLMEngine
+    from jaxmtp.programs import use_persistent_cache
 
     config = ServerConfig(**option_values(args, ServerConfig))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log.setLevel(config.log_level.upper())
+    logging.getLogger("jaxmtp").setLevel(config.log_level.upper())
     if config.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+        use_persistent_cache(config.compilation_cache_dir)
     model = resolve_model(args)
     engine = LLMEngine(model, **engine_kwargs(args))
-    start = time.monotonic()
-    shapes = engine.warmup()  # compile every batch shape before the port opens
-    log.info("compiled the step for %d batch shapes in %.1f s", shapes, time.monotonic() - start)
+    # the largest shape holds any batch: requests run on it until theirs is compiled
+    engine.warmup(COMPILE_THREADS, background=True)
+    log.info("serving on the step's largest batch shape while %d more compile in the background",
+             engine.runner.programs.num_left)
     app = create_app(engine, model, config)
     uvicorn_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level, http=timed_protocol(config.read_timeout),
         timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=AFTER_DRAIN_TIMEOUT,
     )
     DrainingServer(uvicorn_config, app.state.server, config.shutdown_timeout).run()
+    engine.runner.programs.stop()
     log.info("shut down")
     return 0

@@ -3,10 +3,11 @@ OpenAI's shapes."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Counts and ids reach the device as int32: a larger value would overflow the batch
 # array (and fail the step of every request in it), so it is refused here.
@@ -15,19 +16,68 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
+# OpenAI and vLLM fields the server does not implement yet, with what they wait for. A
+# request that sets one gets a 400 naming it; the values that ask for nothing (null, and
+# the listed ones) are accepted as if the field were absent.
+NOT_SUPPORTED_YET = {
+    "tools": ("tool parsing", ([],)),
+    "tool_choice": ("tool parsing", ("none",)),
+    "parallel_tool_calls": ("tool parsing", ()),
+    "functions": ("tool parsing", ([],)),
+    "function_call": ("tool parsing", ("none",)),
+}
+
+
+def unsupported_field_message(name: str) -> str:
+    """Why a field the request model does not have is refused."""
+    if name in NOT_SUPPORTED_YET:
+        return f"{name} is not supported yet (it needs {NOT_SUPPORTED_YET[name][0]})"
+    return f"{name} is not a field this server implements"
+
 
 class StrictModel(BaseModel):
-    # a known field of the wrong type is an error ("5" is no int); unknown fields are
-    # ignored; JSON's NaN and Infinity are no numbers here
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    # a known field of the wrong type is an error ("5" is no int); an unknown field is
+    # an error too (the server never ignores what a client asks); JSON's NaN and
+    # Infinity are no numbers here
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="accepted: the schema is always enforced")
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsFields(StrictModel):
+    """vLLM's structured_outputs (extra_body); exactly one of them."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# the fields of GenerationFields that are SamplingParams' fields of the same name
+SAMPLING_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words", "allowed_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens",
+)
+
+
 class GenerationFields(StrictModel):
-    """Fields both endpoints take; None means the default."""
+    """Fields both endpoints take; None means the default. Ranges are SamplingParams'."""
 
     model: str | None = None
     n: int = Field(1, ge=1, le=INT32_MAX, description="at most the server's --max-n")
@@ -37,18 +87,51 @@ class GenerationFields(StrictModel):
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**63, description="choice j samples with seed + j, also < 2**63")
     stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, description="in [-2, 2]")
+    frequency_penalty: float | None = Field(None, description="in [-2, 2]")
+    repetition_penalty: float | None = Field(None, description="> 0; 1 changes nothing")
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a string, as OpenAI's) -> bias")
+    min_tokens: int | None = Field(None, ge=0, le=INT32_MAX, description="at most max_tokens")
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=INT32_MAX, description="vLLM's: each prompt token's and the top n")
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    # older guided_* fields; one of them at most
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    user: str | None = Field(None, description="OpenAI's end-user id: accepted, and it changes nothing")
     stream: bool = False
     stream_options: StreamOptions | None = None
     timeout: float | None = Field(
         None, gt=0, description="jaxmtp extension: seconds before the request is aborted (capped by --request-timeout)"
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_what_asks_for_nothing(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            asks_nothing = {
+                k for k, v in data.items() if k in NOT_SUPPORTED_YET and v in (None, *NOT_SUPPORTED_YET[k][1])
+            }
+            data = {k: v for k, v in data.items() if k not in asks_nothing}
+        return data
+
 
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: Count | None = Field(DEFAULT_COMPLETION_TOKENS, description=f"null: {DEFAULT_COMPLETION_TOKENS}")
+    max_tokens: int | None = Field(
+        DEFAULT_COMPLETION_TOKENS, ge=0, le=INT32_MAX, description=f"null: {DEFAULT_COMPLETION_TOKENS}; 0 only with echo"
+    )
     logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    echo: bool = Field(False, description="the prompt before the completion, with its logprobs when logprobs is set")
 
 
 class TextPart(StrictModel):
@@ -59,14 +142,41 @@ class TextPart(StrictModel):
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = Field(None, description="passed to the chat template")
 
 
-class ChatCompletionRequest(GenerationFields):
+class ChatTemplateFields(StrictModel):
+    """How messages become a prompt (vLLM's extensions)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="the reply continues the last message (needs "
+                                         "add_generation_prompt: false)")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="more variables for the chat template")
+
+
+class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Count | None = Field(None, description="default: the rest of the context")
     max_completion_tokens: Count | None = Field(None, description="overrides max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+
+
+class TokenizeRequest(ChatTemplateFields):
+    """vLLM's /tokenize: a prompt, or messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(
+        None, description="add BOS and the like to a prompt (default: true); messages get the template's own"
+    )
+    tools: list[dict[str, Any]] | None = Field(None, description="rendered with messages, as the chat template does")
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 ERROR_TYPES = {408: "timeout_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -94,7 +204,7 @@ class APIError(Exception):
 def bad_request(err: ValueError, body: type[BaseModel], prompt_field: str = "prompt") -> APIError:
     """An engine ValueError as a 400; its message starts with the parameter it is about."""
     message = str(err)
-    param = message.split(" ", 1)[0]
+    param = message.split(" ", 1)[0].rstrip(":")
     if param == "prompt":
         param = prompt_field
     return APIError(400, message, param=param if param in body.model_fields else None)
@@ -135,5 +245,44 @@ def chat_conversation(messages: list[ChatMessage]) -> list[dict]:
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
         check_text(content, "messages")
-        conversation.append({"role": message.role, "content": content})
+        turn = {"role": message.role, "content": content}
+        if message.name is not None:
+            check_text(message.name, "messages")
+            turn["name"] = message.name
+        conversation.append(turn)
     return conversation
+
+
+def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON's string keys) with int keys."""
+    if logit_bias is None:
+        return None
+    bad = [key for key in logit_bias if not re.fullmatch("[0-9]{1,10}", key)]
+    if bad:
+        raise APIError(400, f"logit_bias: keys must be token ids (decimal integers), got {bad[0]!r}", "logit_bias")
+    return {int(key): bias for key, bias in logit_bias.items()}
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs_of(body: GenerationFields) -> dict | None:
+    """The request's constraint as SamplingParams.structured_outputs takes it, from
+    whichever field gave it; two fields giving one are a 400 naming both."""
+    given = {}
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = {"json_object": True}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
+        given["response_format"] = {"json": fmt.json_schema.schema_}
+    if body.structured_outputs is not None:
+        fields = body.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+        given["structured_outputs"] = {k: v for k, v in fields.items() if v is not False}
+    for name, kind in GUIDED.items():
+        if getattr(body, name) is not None:
+            given[name] = {kind: getattr(body, name)}
+    if len(given) > 1:
+        raise APIError(400, f"one constraint at most: {', '.join(given)} each give one", next(iter(given)))
+    return next(iter(given.values()), None)

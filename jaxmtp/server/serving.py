@@ -19,7 +19,10 @@ from jaxmtp.server.engine_loop import EngineLoop
 from jaxmtp.server.formatting import CompletionFormat, sse
 from jaxmtp.server.generation import SHUTDOWN, Generation, Interrupted
 from jaxmtp.server.metrics import Metrics
-from jaxmtp.server.protocol import APIError, GenerationFields, check_text
+from jaxmtp.server.protocol import (
+    SAMPLING_FIELDS, APIError, ChatMessage, ChatTemplateFields, GenerationFields, chat_conversation, check_text,
+    logit_bias_ids, structured_outputs_of,
+)
 
 log = logging.getLogger("jaxmtp.server")
 
@@ -42,7 +45,7 @@ class Server:
             self.model_names = {model}
         # where the model lies on this machine is nobody's business outside it
         self._paths = sorted({str(folder), str(model), str(engine.model_dir)}, key=len, reverse=True)
-        self.metrics = Metrics(engine)
+        self.metrics = Metrics(engine, self.model_id, config.metrics_names)
         self.engine_loop = EngineLoop(engine, self.metrics)
         self.draining = False
         self.generations: set[Generation] = set()
@@ -79,6 +82,8 @@ class Server:
         stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
         if len(stops) > config.max_stop_strings:
             raise APIError(400, f"stop: at most {config.max_stop_strings} stop strings, got {len(stops)}", "stop")
+        for word in body.bad_words or []:
+            check_text(word, "bad_words")
         for stop in stops:
             check_text(stop, "stop")
             if len(stop) > config.max_stop_string_length:
@@ -108,12 +113,24 @@ class Server:
         """A chat reply's default: the rest of the context, within max_request_tokens."""
         return max(1, min(self.engine.max_model_len - len(prompt), self.config.max_request_tokens // n))
 
-    def sampling_params(self, body: GenerationFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        given = dict(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            min_p=body.min_p, seed=body.seed, stop=body.stop, logprobs=logprobs,
+    @staticmethod
+    def sampling_params(
+        body: GenerationFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The request's SamplingParams: each sampling field under its own name (None:
+        SamplingParams' default); a value it refuses is a ValueError naming the field."""
+        given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
+        given.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=logit_bias_ids(body.logit_bias),
+                     structured_outputs=structured_outputs_of(body), prompt_logprobs=prompt_logprobs)
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+    def chat_prompt(self, body: ChatTemplateFields, messages: list[ChatMessage], tools: list[dict] | None = None):
+        """The messages' token ids, rendered with the chat template as the request asks. The
+        template writes its own special tokens (BOS); those typed in messages stay text."""
+        return self.engine.tokenizer.apply_chat_template(
+            chat_conversation(messages), body.add_generation_prompt, continue_final_message=body.continue_final_message,
+            tools=tools, chat_template_kwargs=body.chat_template_kwargs, tokenize=True,
         )
-        return SamplingParams(ignore_eos=body.ignore_eos, **{k: v for k, v in given.items() if v is not None})
 
     def check_admission(self, new: int) -> None:
         """503 while the server cannot serve, 429 while the queue has no room for `new`
@@ -129,17 +146,20 @@ class Server:
             )
 
     def submit(
-        self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None = None
+        self, body: GenerationFields, prompts: list[list[int]], params: SamplingParams, cache_salt: str | None,
+        arrival: float,
     ) -> Generation:
-        """Admit a request already validated (validate_prompts) on the event loop's thread."""
+        """Admit a request already validated (validate_prompts) on the event loop's thread;
+        arrival: when it came in (time.monotonic())."""
         self.check_admission(len(prompts) * body.n)
         timeout = min(body.timeout or self.config.request_timeout, self.config.request_timeout)
-        return self.start(prompts, params, body.n, timeout, cache_salt)
+        return self.start(prompts, params, body.n, timeout, cache_salt, arrival)
 
     def start(
-        self, prompts: list[list[int]], params: SamplingParams, n: int, timeout: float, cache_salt: str | None = None
+        self, prompts: list[list[int]], params: SamplingParams, n: int, timeout: float, cache_salt: str | None = None,
+        arrival: float | None = None,
     ) -> Generation:
-        generation = Generation(self.engine_loop, self.metrics, prompts, params, n, timeout, cache_salt)
+        generation = Generation(self.engine_loop, self.metrics, prompts, params, n, timeout, cache_salt, arrival)
         self.generations.add(generation)
         return generation
 
@@ -164,7 +184,7 @@ class Server:
 
         def body_of_the_response():  # off the event loop: logprobs of many tokens take a while
             choices = [fmt.choice(c, c.text, 0, True, False) for c in generation.choices]
-            return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": generation.usage()})
+            return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": fmt.usage(generation)})
 
         return await asyncio.to_thread(body_of_the_response)
 

@@ -1,0 +1,698 @@
+"""MoE and MLA on one NVIDIA H200: the grouped-matmul and MLA decode kernels alone, and a
+Moonlight-16B-A3B-shaped DeepSeek-V3 model end to end, against floors measured in the
+same run (device copy bandwidth, bf16 matmul rate) and against torch on the same GPU.
+
+    python benchmarks/moe.py --tag _a                          # everything
+    python benchmarks/moe.py --parts checks,experts,mla --sweep  # kernels, with tilings
+    python benchmarks/moe.py --tiny                            # CPU smoke test
+
+Parts, in this order: checks (the compiled kernels against their references on the
+GPU), experts (the routed-expert layer at 1..8192 tokens and its gate/up projection
+alone: ours, XLA's ragged_dot, JAX's Mosaic GPU ragged dot, torch._grouped_mm), mla
+(absorbed decode and verify over the latent cache, batch 1/32/128 at context 1k/4k/16k,
+against F.scaled_dot_product_attention over expanded K/V), e2e (the Moonlight-shaped
+model with dummy weights: batch-1 and batch-32 decode against their bytes floors, MTP
+k=1 with oracle drafts). Each timed program runs its kernel on several input sets (the
+weights and pages together larger than L2), so dispatch is amortised and the cache cold.
+Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names dated) and
+prints the table last; --tiny runs the kernels in interpret mode on a tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch measures alongside
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+MOONLIGHT = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 2048,
+    "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446,
+    "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "q_lora_rank": None,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "vocab_size": 163840, "max_position_embeddings": 4096, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
+    "num_nextn_predict_layers": 1,
+}
+TINY_MODEL = {**MOONLIGHT, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
+              "num_experts_per_tok": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+              "v_head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    experts: int = 64
+    top_k: int = 6
+    hidden: int = 2048
+    inter: int = 1408
+    expert_tokens: tuple = (1, 8, 32, 256, 2048, 8192)
+    gate_up_tokens: tuple = (1, 32, 256, 2048)
+    heads: int = 16
+    rank: int = 512
+    rope: int = 64
+    mla_batches: tuple = (1, 32, 128)
+    mla_contexts: tuple = (1024, 4096, 16384)
+    page_size: int = 16
+    prompt: int = 512
+    new_tokens: int = 64
+    batch: int = 32
+    batch_prompt: int = 256
+    batch_new_tokens: int = 24
+
+
+TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(8,), heads=4, rank=32,
+              rope=16, mla_batches=(2,), mla_contexts=(40,), page_size=8, prompt=24, new_tokens=8, batch=3,
+              batch_prompt=16, batch_new_tokens=6)
+
+PEER_SCRIPT = r"""
+import json, sys, time, torch
+import torch.nn.functional as F
+spec = json.loads(sys.argv[1]); out = {}
+def timed(fn, reps=20):
+    for _ in range(3): fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(reps): fn()
+        end.record(); torch.cuda.synchronize(); times.append(start.elapsed_time(end) / 1e3 / reps)
+    return sorted(times)[2]
+E, K, H, I = spec["experts"], spec["top_k"], spec["hidden"], spec["inter"]
+g = torch.Generator(device="cuda").manual_seed(0)
+gate_up = torch.randn(E, H, 2 * I, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+down = torch.randn(E, I, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+def gmm(a, b, offs):
+    return torch._grouped_mm(a, b, offs=offs)
+def layer(x, experts, weights):
+    flat = experts.flatten(); order = torch.argsort(flat, stable=True); row = order // K
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    up = gmm(x[row], gate_up, offs)
+    act = F.silu(up[:, :I]) * up[:, I:]
+    y = gmm(act, down, offs).float() * weights.flatten()[order][:, None]
+    return torch.zeros(x.shape[0], H, device="cuda").index_add_(0, row, y).to(x.dtype)
+for t in spec["expert_tokens"] + [-t for t in spec["gate_up_tokens"]]:
+    n = abs(t)
+    x = torch.randn(n, H, device="cuda", dtype=torch.bfloat16)
+    experts = torch.rand(n, E, device="cuda").topk(K, dim=1).indices
+    weights = torch.rand(n, K, device="cuda")
+    try:
+        if t > 0:
+            out[f"layer_{n}"] = timed(lambda: layer(x, experts, weights))
+        else:
+            flat = experts.flatten(); order = torch.argsort(flat, stable=True)
+            offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+            xs = x[order // K]
+            out[f"gate_up_{n}"] = timed(lambda: gmm(xs, gate_up, offs))
+    except Exception as e:
+        out[f"{'layer' if t > 0 else 'gate_up'}_{n}"] = repr(e)[:300]
+    print(t, out.get(f"layer_{n}") if t > 0 else out.get(f"gate_up_{n}"), flush=True)
+del gate_up, down
+Hq, Dn, Dr, Dv = spec["heads"], 128, spec["rope"], 128
+for b, ctx, rows in spec["mla"]:
+    try:
+        q = torch.randn(b, Hq, rows, Dn + Dr, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, Hq, ctx, Dn + Dr, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, Hq, ctx, Dv, device="cuda", dtype=torch.bfloat16)
+        out[f"mla_{b}_{ctx}_{rows}"] = timed(lambda: F.scaled_dot_product_attention(q, k, v), reps=10)
+        del q, k, v
+    except Exception as e:
+        out[f"mla_{b}_{ctx}_{rows}"] = repr(e)[:300]
+    torch.cuda.empty_cache()
+print("PEER_JSON " + json.dumps(out))
+"""
+
+
+def run_peer(shapes: Shapes, mla_cases, budget_s=150) -> dict:
+    spec = {**dataclasses.asdict(shapes), "mla": mla_cases}
+    proc = subprocess.run([sys.executable, "-c", PEER_SCRIPT, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=budget_s)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEER_JSON ")]
+    return json.loads(lines[-1][10:]) if lines else {"error": (proc.stdout + proc.stderr)[-1500:]}
+
+
+def programs_over(fn, shared, reps):
+    """Seconds per call of fn(*shared, *rep) over the list of per-repetition inputs,
+    all repetitions in one jitted program (median of several runs)."""
+    import jax
+    from timing import median_time
+
+    program = jax.jit(lambda shared, reps: [fn(*shared, *r) for r in reps])
+    return median_time(program, shared, reps, warmup=2, runs=5) / len(reps)
+
+
+class Run:
+    """The results, the floors and the budget of one run."""
+
+    def __init__(self, args):
+        self.args, self.t0 = args, time.perf_counter()
+        self.shapes = TINY if args.tiny else Shapes()
+        self.out_dir = Path(os.environ.get("OUT", args.out))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.results = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
+                        "command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]), "rows": [], "sweep": []}
+
+    def budget_left(self):
+        return self.args.budget_s - (time.perf_counter() - self.t0)
+
+    def save(self):
+        (self.out_dir / f"moe{self.args.tag}.json").write_text(json.dumps(self.results, indent=1))
+
+    def row(self, part, name, seconds, floor_s=None, peer_s=None, target="", note="", unit="us"):
+        """One timed row: its share of the floor (floor time / time) and its speed over
+        the peer's (peer time / time)."""
+        value = seconds * 1e6 if unit == "us" else seconds
+        peer = peer_s if isinstance(peer_s, (int, float)) else None
+        row = {"part": part, "scenario": name, "value": value, "unit": unit,
+               "floor_ratio": None if floor_s is None else floor_s / seconds,
+               "peer_ratio": None if peer is None else peer / seconds, "target": target, "note": note}
+        self.results["rows"].append(row)
+        print(f"[{time.perf_counter() - self.t0:5.0f}s] {part} {name}: {value:.4g} {unit} floor={row['floor_ratio']} "
+              f"peer={row['peer_ratio']} {note}", flush=True)
+        self.save()
+
+    def bytes_s(self, nbytes):
+        return nbytes / self.results["bandwidth"]
+
+    def flops_s(self, flops):
+        return flops / self.results["matmul_flops_per_s"]
+
+
+# ----- checks ----------------------------------------------------------------------------
+
+
+def relative_error(out, ref):
+    import numpy as np
+
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def part_checks(run: Run):
+    """The compiled kernels against their references on random bf16 inputs: ragged,
+    empty experts, one expert taking every row, padding rows; MLA decode and verify over
+    shuffled pages with a prefill sequence in the batch (whose rows must come out 0)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmtp.kernels import grouped_matmul as gm
+    from jaxmtp.kernels.mla_decode import mla_decode_attention
+    from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
+
+    rng, s, interpret = np.random.default_rng(1), run.shapes, run.args.tiny
+    checks = []
+    for loads in ("ragged", "empty-experts", "one-expert", "padding"):
+        rows = 6 * 300 if not run.args.tiny else 40
+        sizes = rng.multinomial(rows, np.ones(s.experts) / s.experts)
+        if loads == "empty-experts":
+            sizes = np.zeros(s.experts, int)
+            sizes[[1, s.experts - 2]] = rng.multinomial(rows, [0.3, 0.7])
+        elif loads == "one-expert":
+            sizes = np.zeros(s.experts, int)
+            sizes[s.experts // 2] = rows
+        elif loads == "padding":
+            sizes = rng.multinomial(rows - 37, np.ones(s.experts) / s.experts)
+        x = jnp.asarray(rng.standard_normal((rows // 2, s.hidden)), jnp.bfloat16)
+        order = jnp.asarray(rng.integers(0, rows // 2, rows), jnp.int32)
+        gate_up = jnp.asarray(0.05 * rng.standard_normal((s.experts, s.hidden, 2, s.inter)), jnp.bfloat16)
+        down = jnp.asarray(0.05 * rng.standard_normal((s.experts, s.inter, s.hidden)), jnp.bfloat16)
+        sizes = jnp.asarray(sizes, jnp.int32)
+        act = gm.grouped_swiglu_kernel(x, gate_up, sizes, order, interpret=interpret)
+        want = gm.grouped_swiglu_reference(x, gate_up, sizes, order)
+        out = gm.grouped_matmul_kernel(act, down, sizes, interpret=interpret)
+        want_out = gm.grouped_matmul_reference(act, down, sizes)
+        pad_zero = bool((np.asarray(out, np.float32)[int(sizes.sum()):] == 0).all())
+        checks.append({"kernel": "grouped swiglu + matmul", "case": loads,
+                       "rel_err": max(relative_error(act, want), relative_error(out, want_out)),
+                       "finite": bool(np.isfinite(np.asarray(out, np.float32)).all()), "padding_rows_zero": pad_zero})
+    for rows_per_seq in (1, 2):
+        case = mla_inputs(rng, s, [rows_per_seq] * 5 + [7], [300, 17, 1000, 64, 1, 500], reps=1)
+        args = (case["q_latent"][0], case["q_rope"][0], case["latent"], case["rope"], case["kv_lens"],
+                case["tables"][0], case["query_start"])
+        out = np.asarray(mla_decode_attention(*args, sm_scale=0.1, decode_rows=rows_per_seq, interpret=interpret),
+                         np.float32)
+        ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.1), np.float32)
+        decode = 5 * rows_per_seq
+        checks.append({"kernel": "mla decode", "case": f"{rows_per_seq} rows/seq + a 7-row prefill",
+                       "rel_err": relative_error(out[:decode], ref[:decode]),
+                       "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((out[decode:] == 0).all())})
+    x, routing, _ = expert_inputs(rng, s, 300 if not run.args.tiny else 9, 1)
+    from jaxmtp.moe import Routing, routed_experts
+
+    kernels = dict(expert_swiglu=functools.partial(gm.grouped_swiglu_kernel, interpret=interpret),
+                   expert_matmul=functools.partial(gm.grouped_matmul_kernel, interpret=interpret))
+    references = dict(expert_swiglu=gm.grouped_swiglu_reference, expert_matmul=gm.grouped_matmul_reference)
+    got, want = (routed_experts(x[0], Routing(*routing[0]), gate_up, down, **fns) for fns in (kernels, references))
+    checks.append({"kernel": "routed experts layer", "case": "random routing", "rel_err": relative_error(got, want),
+                   "finite": bool(np.isfinite(np.asarray(got, np.float32)).all()), "padding_rows_zero": True})
+    run.results["checks"] = checks
+    print("checks", checks, flush=True)
+    run.save()
+    engine_check(run)
+
+
+def engine_check(run: Run):
+    """A small DeepSeek-V3 engine (MLA, experts, one MTP layer, k=1), greedy, bf16, with
+    the MLA decode kernel and with the jnp reference (the MoE kernel in both, on the
+    GPU): tokens up to the first difference, and the logprobs of the shared prefix."""
+    import numpy as np
+
+    from jaxmtp import LLM, SamplingParams
+
+    folder = tempfile.mkdtemp()
+    Path(folder, "config.json").write_text(json.dumps(TINY_MODEL))
+    prompts = [np.random.default_rng(i).integers(3, 500, size=n).tolist() for i, n in enumerate((37, 90, 5))]
+    runs = {}
+    for backend in ("pallas_interpret" if run.args.tiny else "pallas", "reference"):
+        llm = LLM(folder, load_format="dummy", attention_backend=backend, max_num_seqs=4, max_num_batched_tokens=64,
+                  num_speculative_tokens=1, num_pages=200)
+        runs[backend] = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                             logprobs=0), use_tqdm=False)
+        del llm
+    agree, diffs = [], []
+    for a, b in zip(*runs.values()):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        agree.append(n)
+        diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())) - next(iter(b.outputs[0].logprobs[i].values())))
+                  for i in range(min(n + 1, len(ta)))]
+    run.results["engine_mla_kernel_vs_reference"] = {"tokens_equal_before_first_difference": agree, "of": 16,
+                                                     "max_logprob_diff_on_shared_prefix": float(max(diffs))}
+    print("engine check", run.results["engine_mla_kernel_vs_reference"], flush=True)
+    run.save()
+
+
+# ----- expert layer ----------------------------------------------------------------------
+
+
+def expert_inputs(rng, s: Shapes, tokens: int, reps: int):
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = [jnp.asarray(rng.standard_normal((tokens, s.hidden)), jnp.bfloat16) for _ in range(reps)]
+    experts = [np.argsort(rng.random((tokens, s.experts)), axis=1)[:, : s.top_k] for _ in range(reps)]
+    touched = float(np.mean([len(np.unique(e)) for e in experts]))
+    routing = [(jnp.asarray(e, jnp.int32), jnp.asarray(rng.random((tokens, s.top_k)), jnp.float32)) for e in experts]
+    return x, routing, touched
+
+
+def part_experts(run: Run):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmtp.moe import Routing, routed_experts
+    from jaxmtp.kernels import grouped_matmul as gm
+
+    s, rng, interpret = run.shapes, np.random.default_rng(2), run.args.tiny
+    peer = run.results["peer"]
+    key_w = np.random.default_rng(3)
+    gate_up = jnp.asarray(0.02 * key_w.standard_normal((s.experts, s.hidden, 2, s.inter)), jnp.bfloat16)
+    down = jnp.asarray(0.02 * key_w.standard_normal((s.experts, s.inter, s.hidden)), jnp.bfloat16)
+    expert_bytes = 3 * s.hidden * s.inter * 2
+
+    def ours(gu, dn, x, routing):
+        return routed_experts(x, Routing(*routing), gu, dn, expert_swiglu=kernel(gm.grouped_swiglu_kernel),
+                              expert_matmul=kernel(gm.grouped_matmul_kernel))
+
+    def kernel(fn, config=None):
+        return lambda *a, **kw: fn(*a, **kw, interpret=interpret, config=config)
+
+    def xla(gu, dn, x, routing):
+        return routed_experts(x, Routing(*routing), gu, dn, expert_swiglu=gm.grouped_swiglu_reference,
+                              expert_matmul=gm.grouped_matmul_reference)
+
+    for tokens in s.expert_tokens:
+        if run.budget_left() < 60:
+            run.results.setdefault("skipped_over_budget", []).append(f"experts {tokens}")
+            continue
+        reps = int(np.clip(2e8 // max(1, tokens * s.top_k * s.hidden * s.inter * 6), 2, 4))
+        x, routing, touched = expert_inputs(rng, s, tokens, reps)
+        nbytes = touched * expert_bytes + 2 * tokens * s.hidden * 2
+        flops = 2 * tokens * s.top_k * 3 * s.hidden * s.inter
+        floor = max(run.bytes_s(nbytes), run.flops_s(flops))
+        t_ours = programs_over(ours, (gate_up, down), list(zip(x, routing)))
+        t_xla = programs_over(xla, (gate_up, down), list(zip(x, routing)))
+        target = "<= 1.3x bytes floor" if tokens <= 32 else (">= 50% of matmul rate" if tokens >= 2048 else "")
+        run.row("experts", f"expert layer, {tokens} tokens", t_ours, floor, peer.get(f"layer_{tokens}"), target,
+                note=f"{touched:.1f} experts touched, {nbytes / 1e6:.0f} MB, {flops / t_ours / 1e12:.0f} TFLOP/s, "
+                     f"{nbytes / t_ours / 1e12:.2f} TB/s; XLA ragged_dot {t_xla * 1e6:.0f} us "
+                     f"({t_xla / t_ours:.1f}x ours); torch {fmt_peer(peer.get(f'layer_{tokens}'))}")
+        if run.args.sweep and tokens in SWEEP_TOKENS:
+            sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)
+
+    for tokens in s.gate_up_tokens:  # the gate/up projection alone, as the issue measured it
+        if run.budget_left() < 45:
+            continue
+        x, routing, touched = expert_inputs(rng, s, tokens, 4)
+        sorted_inputs = [sorted_rows(xi, r, s.experts) for xi, r in zip(x, routing)]
+        nbytes = touched * 2 * s.hidden * s.inter * 2
+        floor = max(run.bytes_s(nbytes), run.flops_s(2 * tokens * s.top_k * s.hidden * 2 * s.inter))
+        t_ours = programs_over(lambda gu, xs, sz: kernel(gm.grouped_swiglu_kernel)(xs, gu, sz), (gate_up,),
+                               sorted_inputs)
+        flat = gate_up.reshape(s.experts, s.hidden, 2 * s.inter)
+        t_xla = programs_over(lambda w, xs, sz: gm.grouped_matmul_reference(xs, w, sz), (flat,), sorted_inputs)
+        t_mgpu = time_mosaic_ragged_dot(flat, sorted_inputs) if not run.args.tiny else None
+        run.row("experts", f"gate/up + SiLU-and-multiply alone, {tokens} tokens", t_ours, floor,
+                peer.get(f"gate_up_{tokens}"),
+                note=f"XLA ragged_dot (no activation) {t_xla * 1e6:.0f} us; JAX Mosaic GPU ragged_dot "
+                     f"{'n/a' if t_mgpu is None else f'{t_mgpu * 1e6:.0f} us'}; torch._grouped_mm "
+                     f"{fmt_peer(peer.get(f'gate_up_{tokens}'))}")
+
+
+def fmt_peer(value):
+    return f"{value * 1e6:.0f} us" if isinstance(value, (int, float)) else f"n/a ({str(value)[:80]})"
+
+
+def sorted_rows(x, routing, num_experts):
+    import jax.numpy as jnp
+
+    experts = routing[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    return x[order // experts.shape[1]], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def time_mosaic_ragged_dot(flat_gate_up, sorted_inputs):
+    """JAX's own Mosaic GPU kernel (wgmma, TMA), the tiling the issue measured."""
+    try:
+        from jax.experimental.pallas.ops.gpu.ragged_dot_mgpu import ragged_dot
+
+        def call(w, xs, sz):
+            return ragged_dot(xs, w, group_sizes=sz, block_m=64, block_n=256, block_k=64, max_concurrent_steps=4,
+                              grid_block_n=1)
+
+        return programs_over(call, (flat_gate_up,), sorted_inputs)
+    except Exception as e:  # noqa: BLE001 - a peer that fails is n/a, with its reason printed
+        print("mosaic ragged_dot:", repr(e)[:300], flush=True)
+        return None
+
+
+SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)
+    "decode": [(16, 64, 128, 4, 4), (16, 16, 256, 4, 4), (16, 128, 64, 4, 4)],
+    "middle": [(32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (16, 64, 128, 4, 4)],
+    "prefill": [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)],
+}
+SWEEP_TOKENS = (1, 256, 2048)
+SWEEP_DOWN_TOKENS = (1, 2048)
+
+
+def sweep_tiling(run: Run, tokens, x, routing, gate_up, down):
+    """Each kernel alone over a few tilings, on one input set, against the default."""
+    from jaxmtp.kernels import grouped_matmul as gm
+
+    s = run.shapes
+    xs, sizes = sorted_rows(x, routing, s.experts)
+    interpret = run.args.tiny
+    act = gm.grouped_swiglu_kernel(xs, gate_up, sizes, interpret=interpret)
+    kind = "decode" if tokens <= 32 else ("middle" if tokens <= 256 else "prefill")
+    kernels = [("swiglu", gm.grouped_swiglu_kernel, xs, gate_up)]
+    if tokens in SWEEP_DOWN_TOKENS:
+        kernels.append(("down", gm.grouped_matmul_kernel, act, down))
+    for name, fn, lhs, rhs in kernels:
+        times = {}
+        # the default first and again last: the first timing of a sweep ran slow once
+        for label, tiling in [("default", None)] + [(str(t), t) for t in SWEEP[kind]] + [("default again", None)]:
+            config = None if tiling is None else gm.GroupedMatmulConfig(*tiling)
+            try:
+                def call(w, a, sz, c=config):
+                    return fn(a, w, sz, config=c, interpret=interpret)
+
+                times[label] = programs_over(call, (rhs,), [(lhs, sizes)]) * 1e6
+            except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+                times[label] = repr(e)[:120]
+        default = gm.default_config(lhs.shape[0], s.experts, rhs.shape[1], rhs.shape[-1], name == "swiglu")
+        run.results["sweep"].append({"kernel": name, "tokens": tokens, "default": dataclasses.astuple(default),
+                                     "us": times})
+        print("sweep", name, tokens, times, flush=True)
+
+
+# ----- MLA decode ------------------------------------------------------------------------
+
+
+def mla_inputs(rng, s: Shapes, rows_per_seq, kv_lens, reps):
+    """Latent and rope pages of a pool larger than L2, one shuffled page table a rep."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    pages_per_seq = math.ceil(max(kv_lens) / s.page_size)
+    num_seqs = len(kv_lens)
+    token_bytes = (s.rank + s.rope) * 2
+    sets = int(min(reps, max(1, math.ceil(256e6 / (sum(kv_lens) * token_bytes)))))
+    pool = num_seqs * pages_per_seq * sets
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
+    query_start = np.concatenate([[0], np.cumsum(rows_per_seq)]).astype(np.int32)
+    rows = int(query_start[-1])
+    tables = [(r % sets) * num_seqs * pages_per_seq + rng.permutation(num_seqs * pages_per_seq).reshape(num_seqs, -1)
+              for r in range(reps)]
+    return {
+        "latent": jax.random.normal(k1, (pool, s.page_size, 1, s.rank), jnp.bfloat16),
+        "rope": jax.random.normal(k2, (pool, s.page_size, 1, s.rope), jnp.bfloat16),
+        "q_latent": [jax.random.normal(jax.random.fold_in(k3, r), (rows, s.heads, s.rank), jnp.bfloat16) * 0.05
+                     for r in range(reps)],
+        "q_rope": [jax.random.normal(jax.random.fold_in(k4, r), (rows, s.heads, s.rope), jnp.bfloat16) * 0.05
+                   for r in range(reps)],
+        "tables": [jnp.asarray(t, jnp.int32) for t in tables],
+        "kv_lens": jnp.asarray(kv_lens, jnp.int32), "query_start": jnp.asarray(query_start),
+        "bytes": sum(kv_lens) * token_bytes,
+    }
+
+
+MLA_SWEEP = [(16, 32, None, 4, 3), (16, 64, None, 8, 2), (16, 64, "half", 4, 2), (16, 64, "double", 4, 2)]
+
+
+def time_mla(run: Run, case, rows_per_seq, config=None):
+    from jaxmtp.kernels.mla_decode import mla_decode_attention
+
+    def call(latent, rope, kv_lens, query_start, q_latent, q_rope, table):
+        return mla_decode_attention(q_latent, q_rope, latent, rope, kv_lens, table, query_start, sm_scale=0.1,
+                                    decode_rows=rows_per_seq, interpret=run.args.tiny, config=config)
+
+    shared = (case["latent"], case["rope"], case["kv_lens"], case["query_start"])
+    return programs_over(call, shared, list(zip(case["q_latent"], case["q_rope"], case["tables"])))
+
+
+def part_mla(run: Run, cases):
+    import numpy as np
+
+    from jaxmtp.kernels.mla_decode import MLAKernelConfig, default_config
+
+    s, rng, peer = run.shapes, np.random.default_rng(4), run.results["peer"]
+    for batch, context, rows in cases:
+        if run.budget_left() < 45:
+            run.results.setdefault("skipped_over_budget", []).append(f"mla {batch}x{context}")
+            continue
+        reps = int(np.clip(5e8 // (batch * context * (s.rank + s.rope) * 2), 2, 6))
+        case = mla_inputs(rng, s, [rows] * batch, [context] * batch, reps)
+        seconds = time_mla(run, case, rows)
+        kind = "decode" if rows == 1 else f"verify k+1={rows}"
+        target = ">= 75% of copy" if batch >= 32 and context == 4096 else ""
+        p = peer.get(f"mla_{batch}_{context}_{rows}")
+        run.row("mla", f"MLA {kind}, batch {batch}, context {context}", seconds, run.bytes_s(case["bytes"]), p,
+                target, note=f"{case['bytes'] / seconds / 1e9:.0f} GB/s over the latent cache; torch SDPA over "
+                             f"expanded K/V {fmt_peer(p)}")
+        if run.args.sweep and rows == 1 and (context == 4096 and batch > 1 or (batch == 1 and context > 4096)):
+            base = default_config(batch, s.heads, rows, context)
+            times = {str(dataclasses.astuple(base)): seconds * 1e6}
+            for block_h, block_kv, splits, warps, stages in MLA_SWEEP:
+                n = {None: base.num_splits, "half": max(1, base.num_splits // 2), "double": 2 * base.num_splits}[splits]
+                config = MLAKernelConfig(block_h, block_kv, n, warps, stages)
+                try:
+                    times[str(dataclasses.astuple(config))] = time_mla(run, case, rows, config) * 1e6
+                except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+                    times[str(dataclasses.astuple(config))] = repr(e)[:120]
+            run.results["sweep"].append({"kernel": "mla", "batch": batch, "context": context, "rows": rows,
+                                         "us": times})
+            print("sweep mla", batch, context, rows, times, flush=True)
+        del case
+        gc.collect()
+
+
+def mla_cases(s: Shapes):
+    cases = [(b, c, 1) for b in s.mla_batches for c in s.mla_contexts]
+    return cases + [(s.mla_batches[min(1, len(s.mla_batches) - 1)], s.mla_contexts[0], 2)]
+
+
+# ----- end to end ------------------------------------------------------------------------
+
+
+def step_bytes(params, cfg, batch: int, context: int) -> float:
+    """A decode step's fewest bytes: every weight but the embedding, the MTP modules and
+    the routed experts no row picks (expected distinct picks under uniform routing), plus
+    the batch's latent cache."""
+    import jax
+
+    moe = cfg.moe
+    routed = sum(layer.moe.experts_gate_up.nbytes + layer.moe.experts_down.nbytes
+                 for layer in params.layers if layer.moe is not None)
+    total = sum(x.nbytes for x in jax.tree.leaves(params.layers)) + params.final_norm.nbytes
+    total += 0 if params.lm_head is None else params.lm_head.nbytes
+    picked = moe.num_experts * (1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** batch)
+    kv = cfg.num_layers * context * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 2 * batch
+    return total - routed + routed * picked / moe.num_experts + kv
+
+
+def part_e2e(run: Run):
+    import numpy as np
+    from e2e import device_step_time, robust_greedy_weights, run_decode, write_bpe_tokenizer
+
+    from jaxmtp import LLM
+
+    s, config = run.shapes, TINY_MODEL if run.args.tiny else MOONLIGHT
+    folder = tempfile.mkdtemp()
+    Path(folder, "config.json").write_text(json.dumps(config))
+    write_bpe_tokenizer(Path(folder), config["vocab_size"])
+    rng = np.random.default_rng(5)
+
+    def engine(**kwargs):
+        gc.collect()
+        llm = LLM(folder, load_format="dummy", max_model_len=min(1024, config["max_position_embeddings"] - 64),
+                  num_pages=(400 if run.args.tiny else 1200), **kwargs)
+        # one greedy path that the oracle can follow (e2e.robust_greedy_weights)
+        llm.engine.runner.params = robust_greedy_weights(llm.engine.params)
+        return llm
+
+    def prompts(n, length):
+        return [rng.integers(3, config["vocab_size"] - 1, size=length).tolist() for _ in range(n)]
+
+    plain = engine(max_num_seqs=1, max_num_batched_tokens=s.prompt)
+    cfg, params = plain.engine.model_config, plain.engine.params
+    floors = {b: run.bytes_s(step_bytes(params, cfg, b, context)) for b, context in
+              ((1, s.prompt + s.new_tokens // 2), (s.batch, s.batch_prompt + s.batch_new_tokens // 2))}
+    del params
+    prompt = prompts(1, s.prompt)
+    t = time.perf_counter()
+    run_decode(plain, prompt, 4)
+    run.results["e2e_b1_first_run_with_compiles_s"] = time.perf_counter() - t
+    step_s, _, tokens, _ = run_decode(plain, prompt, s.new_tokens)
+    floor = floors[1]
+    device_s = device_step_time(plain.engine, 20)
+    run.row("e2e", f"b1 decode (prompt {s.prompt}), async scheduling", step_s * 1e3, floor * 1e3, unit="ms/token",
+            target="<= 1.35x bytes floor", note=f"bytes floor {floor * 1e3:.2f} ms; jitted step alone "
+                                                 f"{device_s * 1e3:.2f} ms ({floor / device_s:.2f} of floor)")
+    del plain
+    skipped = run.results.setdefault("skipped_over_budget", [])
+    if run.budget_left() <= 90:
+        skipped.append("e2e b1 MTP k=1")
+    else:
+        spec = engine(max_num_seqs=1, max_num_batched_tokens=s.prompt, num_speculative_tokens=1)
+        run_decode(spec, prompt, 4)
+        spec_s, _, spec_tokens, outs = run_decode(spec, prompt, s.new_tokens, oracle=tokens)
+        acc = outs[0].spec_stats["mean_acceptance_length"]
+        run.row("e2e", "b1 MTP k=1 oracle drafts: tokens/s over plain", acc * step_s / spec_s, unit="x",
+                target=">= 1.7x", note=f"acceptance length {acc:.2f}; {spec_s * 1e3:.2f} ms/step; output equal to "
+                                      f"plain: {spec_tokens == tokens}")
+        del spec
+    if run.budget_left() <= 90:
+        skipped.append(f"e2e b{s.batch} decode")
+    else:
+        batched = engine(max_num_seqs=s.batch, max_num_batched_tokens=max(512, s.batch_prompt) if not run.args.tiny
+                         else 64)
+        step_s, tps, _, _ = run_decode(batched, prompts(s.batch, s.batch_prompt), s.batch_new_tokens)
+        if step_s is not None:
+            floor = floors[s.batch]
+            run.row("e2e", f"b{s.batch} decode (prompt {s.batch_prompt}), async scheduling", step_s * 1e3,
+                    floor * 1e3, unit="ms/step", target=">= 60% of bytes floor",
+                    note=f"{tps:.0f} tokens/s; bytes floor {floor * 1e3:.2f} ms")
+        del batched
+    gc.collect()
+
+
+# ----- report ----------------------------------------------------------------------------
+
+
+def markdown(results) -> str:
+    bw, mm = results.get("bandwidth") or 0, results.get("matmul_flops_per_s") or 0
+    head = (f"# MoE and MLA benchmark\n\n{results['date']}, {results.get('device')}, jax {results.get('jax')}; "
+            f"copy bandwidth {bw / 1e12:.2f} TB/s ({results.get('bandwidth_source')}, same run), bf16 matmul "
+            f"{mm / 1e12:.0f} TFLOP/s (JAX 8192^3, same run); command: `{results['command']}`\n\n"
+            "share of floor: floor time / time (the floor: bytes at the copy bandwidth or FLOPs at the matmul rate, "
+            "the larger); x torch: torch's time / ours.\n\n")
+    lines = ["| part | scenario | value | unit | share of floor | x torch | target | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        share = "" if r["floor_ratio"] is None else f"{r['floor_ratio']:.3f}"
+        peer = "" if r["peer_ratio"] is None else f"{r['peer_ratio']:.2f}"
+        lines.append(f"| {r['part']} | {r['scenario']} | {r['value']:.4g} | {r['unit']} | {share} | {peer} | "
+                     f"{r['target']} | {r['note']} |")
+    checks = "".join(f"- {c['kernel']}, {c['case']}: relative error {c['rel_err']:.2e}, finite {c['finite']}, "
+                     f"padding rows 0 {c['padding_rows_zero']}\n" for c in results.get("checks", []))
+    sweep = "".join(f"- {json.dumps(entry)}\n" for entry in results.get("sweep", []))
+    extra = {k: v for k, v in results.items() if k.startswith(("e2e_", "engine_", "skipped", "failed"))}
+    return (head + "\n".join(lines) + ("\n\nGPU checks against the references:\n\n" + checks if checks else "")
+            + ("\n\nTilings swept (us):\n\n" + sweep if sweep else "")
+            + "".join(f"\n- {k}: {v}" for k, v in extra.items()) + "\n")
+
+
+PARTS = {"checks": part_checks, "experts": part_experts, "mla": lambda run: part_mla(run, mla_cases(run.shapes)),
+         "e2e": part_e2e}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
+    parser.add_argument("--budget-s", type=float, default=540)
+    parser.add_argument("--parts", default="checks,experts,mla,e2e", help="comma list of: " + ", ".join(PARTS))
+    parser.add_argument("--tag", default="", help="suffix of the output files (moe<tag>.json/.md)")
+    parser.add_argument("--sweep", action="store_true", help="also time a few tilings of each kernel")
+    parser.add_argument("--no-peer", action="store_true", help="skip torch")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret-mode kernels, a tiny model")
+    args = parser.parse_args()
+    run = Run(args)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise SystemExit(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    use_torch = not (args.tiny or args.no_peer)
+    wants_peer = use_torch and {"experts", "mla"} & set(parts)
+    run.results["peer"] = run_peer(run.shapes, mla_cases(run.shapes)) if wants_peer else {}
+    print("peer", run.results["peer"], flush=True)
+
+    import jax
+    from e2e import measure_floors, torch_copy_bandwidth
+
+    run.results["device"], run.results["jax"] = jax.devices()[0].device_kind, jax.__version__
+    torch_copy = torch_copy_bandwidth() if use_torch else None
+    run.results.update(measure_floors(args.tiny))
+    run.results["torch_copy_bytes_per_s"] = torch_copy
+    run.results["bandwidth"] = torch_copy or run.results["jax_copy_bytes_per_s"]
+    run.results["bandwidth_source"] = "torch device copy" if torch_copy else "jnp copy"
+    for name in parts:
+        if run.budget_left() < 30:
+            run.results.setdefault("skipped_over_budget", []).append(name)
+            continue
+        try:
+            PARTS[name](run)
+        except Exception as e:  # noqa: BLE001 - one part's failure is recorded; the others still run
+            import traceback
+
+            traceback.print_exc()
+            run.results.setdefault("failed_parts", {})[name] = repr(e)[:500]
+    run.save()
+    (run.out_dir / f"moe{args.tag}.md").write_text(markdown(run.results))
+    print("\n" + markdown(run.results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Structured outputs at batch 32: output tokens/s of JSON-schema-constrained requests
+against the same batch unconstrained, the host time spent computing grammar masks per
+step, and the mean acceptance length with MTP under the schema and without.
+
+    python benchmarks/structured.py            # Llama-3-8B shape, dummy weights, one GPU
+    python benchmarks/structured.py --tiny     # CPU smoke test
+
+The model is benchmarks/e2e.py's (random weights, its 128k byte-level BPE tokenizer);
+each configuration runs once untimed first, so that its batch shapes are compiled.
+Writes JSON and markdown (date, device, JAX version) under $OUT or --out."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+from e2e import LLAMA3_8B, TINY, Bench  # noqa: E402
+
+# a record whose free-text field outlasts max_tokens: every step is constrained
+SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["id", "tags", "summary"],
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 10**6},
+        "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"enum": ["red", "green", "blue"]}},
+        "summary": {"type": "string", "maxLength": 4000},
+    },
+}
+
+
+def timed_run(llm, prompts, params) -> dict:
+    """One batch to completion; the mask computation timed on the side."""
+    from jaxmtp import runner
+
+    spent = [0.0]
+    fill = runner.fill_row_masks
+
+    def timed_fill(*args):
+        t = time.perf_counter()
+        fill(*args)
+        spent[0] += time.perf_counter() - t
+
+    runner.fill_row_masks = timed_fill
+    steps_before = llm.engine.stats.steps
+    try:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t
+    finally:
+        runner.fill_row_masks = fill
+    steps = llm.engine.stats.steps - steps_before
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    spec = [o.spec_stats["mean_acceptance_length"] for o in outs if o.spec_stats]
+    return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "steps": steps, "mask_ms_per_step": 1e3 * spent[0] / steps,
+            "acceptance_length": sum(spec) / len(spec) if spec else None,
+            "finish": sorted({o.outputs[0].finish_reason for o in outs})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="small model, CPU smoke test (default: off)")
+    parser.add_argument("--batch", type=int, default=32, help="requests in the batch (default: 32)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    parser.add_argument("--out", default="docs/benchmarks", help="output folder when $OUT is unset (default: docs/benchmarks)")
+    args = parser.parse_args()
+    import jax
+
+    from jaxmtp import LLM, SamplingParams
+
+    batch, new = (2, 8) if args.tiny else (args.batch, args.new_tokens)
+    config = TINY if args.tiny else LLAMA3_8B
+    folder = Bench.model_folder(config)
+    rng = __import__("numpy").random.default_rng(0)
+    prompts = [rng.integers(3, config["vocab_size"] - 2, size=32 if args.tiny else 512).tolist() for _ in range(batch)]
+    results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+               "batch": batch, "new_tokens": new, "rows": {}}
+    for k in (0, 1):
+        llm = LLM(folder, load_format="dummy", num_speculative_tokens=k, max_num_seqs=batch,
+                  max_num_batched_tokens=512 if args.tiny else 2048, max_model_len=2048, num_pages=None)
+        for name, extra in (("unconstrained", {}), ("json_schema", {"structured_outputs": {"json": SCHEMA}})):
+            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, **extra)
+            timed_run(llm, prompts, params)  # compiles this configuration's shapes
+            results["rows"][f"k={k} {name}"] = timed_run(llm, prompts, params)
+            print(f"k={k} {name}", results["rows"][f"k={k} {name}"], flush=True)
+        del llm
+    for k in (0, 1):
+        rows = results["rows"]
+        rows[f"k={k} json_schema"]["vs_unconstrained"] = (
+            rows[f"k={k} json_schema"]["tokens_per_s"] / rows[f"k={k} unconstrained"]["tokens_per_s"]
+        )
+    out = Path(os.environ.get("OUT", args.out))
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{results['date']}_{results['device'].replace(' ', '-')}_structured{'_tiny' if args.tiny else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    lines = ["| configuration | tokens/s | vs unconstrained | mask ms / step | acceptance length | finish |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results["rows"].items():
+        ratio = f"{r['vs_unconstrained']:.3f}" if "vs_unconstrained" in r else ""
+        accept = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else ""
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {r['mask_ms_per_step']:.3f} | {accept} | "
+                     f"{', '.join(r['finish'])} |")
+    header = f"{results['date']}, {results['device']}, JAX {results['jax']}, batch {batch}, {new} tokens each\n\n"
+    (out / f"{stem}.md").write_text(header + "\n".join(lines) + "\n")
+    print(header + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

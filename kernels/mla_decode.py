@@ -1,0 +1,213 @@
+"""MLA decode attention over the paged latent cache, absorbed form, as one Pallas kernel
+lowered through Triton.
+
+Same contract as `kernels.mla_reference.mla_absorbed_attention_reference` (its docstring
+has the layout), for the rows of sequences with at most `decode_rows` rows this step
+(decode: 1, verify: k + 1); the rows of longer sequences (prefill chunks, which take
+the expanded form) and rows no sequence owns come out exactly 0.
+
+Every q head attends over the same latent c (R values a token) and rope key (Dr
+values): scores = q_latent . c + q_rope . k_rope, output = softmax @ c. So a program
+takes one sequence's rows for a block of `block_h` heads (the MMA tile: rows x heads,
+padded to 16) and streams the sequence's pages `block_kv` tokens at a time, loading each
+latent tile once for both products: the cache is read once per head block, the rope
+part alongside, with an online softmax in base 2. When there are too few programs to
+fill the GPU (small batches), the token range is split over `num_splits` programs and
+one XLA fusion merges their partial results (flash decoding).
+
+Every memory access is an explicit gather (row and slot index vectors), so the same
+kernel runs under Triton on the GPU and under `interpret=True` on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxmtp.kernels.ragged_paged_attention import _NUM_SMS, _TritonCompilerParams, _cdiv, _merge_splits, _next_power_of_2
+from jaxmtp.kernels.reference import row_ownership
+
+_LOG2E = math.log2(math.e)
+# Splits aim at about two programs per multiprocessor (as the GQA kernel's decode rule),
+# at most 32: batch 1 at context 16k took 140 / 89 / 71 us in 8 / 16 / 32 splits (H200,
+# docs/kernels.md, "MLA decode"); the merge reads R + 2 floats per row and head a split.
+_TARGET_PROGRAMS = 2 * _NUM_SMS
+_MAX_SPLITS = 32
+_MIN_TILE_ROWS = 16  # a Triton MMA minimum
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAKernelConfig:
+    """Static tiling of one call; `default_config` picks it from the shapes."""
+
+    block_h: int  # q heads per program (tile rows: decode rows x block_h, at least 16)
+    block_kv: int  # cache tokens per inner-loop step
+    num_splits: int  # programs sharing one sequence's token range (1 = no split)
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the page loads
+
+
+def supports(kv_lora_rank: int, rope_dim: int) -> bool:
+    """The kernel tiles R and Dr as powers of 2 of at least 16 (a Triton MMA minimum)."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (kv_lora_rank, rope_dim))
+
+
+def default_config(num_seqs: int, num_heads: int, decode_rows: int, max_context: int) -> MLAKernelConfig:
+    """Tiling from static shapes (first choices but the split cap; docs/kernels.md, "MLA decode"):
+    tiles of at most 32 rows (the float32 accumulator is 32 x R), 64 tokens a step,
+    splits until the grid has about two programs per multiprocessor."""
+    rows_pad = _next_power_of_2(decode_rows)
+    block_h = min(_next_power_of_2(num_heads), max(1, 32 // rows_pad))
+    programs = num_seqs * _cdiv(num_heads, block_h)
+    block_kv = 64
+    kv_steps = max(1, _cdiv(max_context, block_kv))
+    num_splits = 1 if programs >= _NUM_SMS else min(_cdiv(_TARGET_PROGRAMS, programs), kv_steps, _MAX_SPLITS)
+    return MLAKernelConfig(block_h, block_kv, num_splits, 4, 2)
+
+
+def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_ref, latent_ref, rope_ref, *out_refs,
+            num_heads: int, decode_rows: int, block_h: int, block_kv: int, page_size: int, pages_per_seq: int,
+            num_splits: int, sm_scale: float):
+    head_block, seq, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rank, rope_dim = latent_ref.shape[-1], rope_ref.shape[-1]
+    precision = lax.Precision.HIGHEST if q_latent_ref.dtype == jnp.float32 else None
+    start, end = query_start_ref[seq], query_start_ref[seq + 1]
+    taken = (end > start) & (end - start <= decode_rows)
+    num_rows = jnp.where(taken, end - start, 0)
+    kv_end = jnp.where(taken, kv_lens_ref[seq], 0)
+    first_pos = kv_end - num_rows
+
+    # Tile row r is the sequence's row r // block_h, head head_block * block_h + r % block_h.
+    tile_rows = max(_MIN_TILE_ROWS, _next_power_of_2(decode_rows) * block_h)
+    tile = jnp.arange(tile_rows, dtype=jnp.int32)
+    row_in_seq, head = lax.div(tile, block_h), head_block * block_h + lax.rem(tile, block_h)
+    row_ok = (row_in_seq < num_rows) & (head < num_heads)
+    q_index = (start + row_in_seq) * num_heads + head
+    position = first_pos + row_in_seq
+    rank_ids, rope_ids = jnp.arange(rank, dtype=jnp.int32), jnp.arange(rope_dim, dtype=jnp.int32)
+    q_latent = plgpu.load(q_latent_ref.at[q_index[:, None], rank_ids[None, :]],
+                          mask=jnp.broadcast_to(row_ok[:, None], (tile_rows, rank)), other=0)
+    q_rope = plgpu.load(q_rope_ref.at[q_index[:, None], rope_ids[None, :]],
+                        mask=jnp.broadcast_to(row_ok[:, None], (tile_rows, rope_dim)), other=0)
+
+    # Steps below full_hi are seen whole by every row: no mask; the rest (the diagonal)
+    # are masked, and never load slots at or past kv_end.
+    step_hi = _cdiv(kv_end, block_kv)
+    full_hi = jnp.clip((first_pos + 1) // block_kv, 0, step_hi)
+    per_split = _cdiv(step_hi, num_splits)
+    split_lo = split * per_split
+    split_hi = jnp.minimum(split_lo + per_split, step_hi)
+    page_table_offset = seq * pages_per_seq
+
+    def step(kv_step, carry, *, masked: bool):
+        acc, row_max, row_sum = carry
+        token = kv_step * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        page_index = page_table_ref.at[page_table_offset + lax.div(token, page_size)]
+        if masked:
+            token_ok = token < kv_end
+            page = plgpu.load(page_index, mask=token_ok, other=0)
+            latent_mask = jnp.broadcast_to(token_ok[:, None], (block_kv, rank))
+            rope_mask = jnp.broadcast_to(token_ok[:, None], (block_kv, rope_dim))
+        else:
+            page = plgpu.load(page_index)
+            latent_mask = rope_mask = None
+        slot = page * page_size + lax.rem(token, page_size)
+        other = 0 if masked else None
+        latent = plgpu.load(latent_ref.at[slot[:, None], rank_ids[None, :]], mask=latent_mask, other=other)
+        rope = plgpu.load(rope_ref.at[slot[:, None], rope_ids[None, :]], mask=rope_mask, other=other)
+        logits = plgpu.dot(q_latent, latent, trans_b=True, precision=precision)
+        logits += plgpu.dot(q_rope, rope, trans_b=True, precision=precision)
+        logits = logits * (sm_scale * _LOG2E)
+        if masked:
+            logits = jnp.where(token[None, :] <= position[:, None], logits, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+        # a row that has seen nothing yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
+        new_max_safe = jnp.where(new_max == -jnp.inf, 0.0, new_max) if masked else new_max
+        correction = jnp.exp2(row_max - new_max_safe)
+        probs = jnp.exp2(logits - new_max_safe[:, None])
+        row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+        acc = acc * correction[:, None] + plgpu.dot(probs.astype(latent.dtype), latent, precision=precision)
+        return acc, new_max, row_sum
+
+    carry = (jnp.zeros((tile_rows, rank), jnp.float32), jnp.full((tile_rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((tile_rows,), jnp.float32))
+    for lo, hi, masked in ((0, full_hi, False), (full_hi, step_hi, True)):
+        carry = lax.fori_loop(jnp.maximum(lo, split_lo), jnp.minimum(hi, split_hi),
+                              functools.partial(step, masked=masked), carry)
+    acc, row_max, row_sum = carry
+
+    out_index = (q_index[:, None], rank_ids[None, :])
+    row_mask = jnp.broadcast_to(row_ok[:, None], (tile_rows, rank))
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        plgpu.store(o_ref.at[out_index], (acc / row_sum[:, None]).astype(o_ref.dtype), mask=row_mask)
+    else:
+        acc_ref, max_ref, sum_ref = out_refs
+        plgpu.store(acc_ref.at[(split, *out_index)], acc, mask=row_mask)
+        plgpu.store(max_ref.at[split, q_index], row_max, mask=row_ok)
+        plgpu.store(sum_ref.at[split, q_index], row_sum, mask=row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "decode_rows", "interpret", "config"))
+def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, *,
+                         sm_scale: float, decode_rows: int, interpret: bool = False,
+                         config: MLAKernelConfig | None = None) -> jax.Array:
+    """q_latent [T, Hq, R] (W_UK folded in), q_rope [T, Hq, Dr] -> [T, Hq, R] for the rows
+    of sequences with at most decode_rows rows (others 0). `config` overrides the tiling
+    that `default_config` picks (for tuning)."""
+    num_rows, num_heads, rank = q_latent.shape
+    num_pages, page_size, _, _ = latent_pages.shape
+    rope_dim = rope_pages.shape[-1]
+    num_seqs, pages_per_seq = page_table.shape
+    if not supports(rank, rope_dim):
+        raise ValueError(f"the MLA decode kernel needs kv_lora_rank and the rope dim powers of 2 >= 16, "
+                         f"got {rank} and {rope_dim}")
+    if latent_pages.size > 2**31 - 1:  # the kernel's element offsets are int32
+        raise ValueError(f"the MLA decode kernel indexes in int32: a cache layer of {latent_pages.size} latent "
+                         f"values is too large")
+    if config is None:
+        config = default_config(num_seqs, num_heads, decode_rows, pages_per_seq * page_size)
+    flat_rows = num_rows * num_heads
+    if config.num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((flat_rows, rank), q_latent.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((config.num_splits, flat_rows, rank), jnp.float32),
+                     jax.ShapeDtypeStruct((config.num_splits, flat_rows), jnp.float32),
+                     jax.ShapeDtypeStruct((config.num_splits, flat_rows), jnp.float32)]
+    kernel = functools.partial(
+        _kernel, num_heads=num_heads, decode_rows=decode_rows, block_h=config.block_h, block_kv=config.block_kv,
+        page_size=page_size, pages_per_seq=pages_per_seq, num_splits=config.num_splits, sm_scale=float(sm_scale),
+    )
+    query_start = query_start.astype(jnp.int32)
+    outs = pl.pallas_call(
+        kernel,
+        # the head blocks of one sequence run side by side: each reads the same latent tiles
+        grid=(_cdiv(num_heads, config.block_h), num_seqs, config.num_splits),
+        out_shape=out_shape,
+        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="mla_decode_attention",
+    )(
+        query_start,
+        kv_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32).reshape(-1),
+        q_latent.reshape(flat_rows, rank),
+        q_rope.reshape(flat_rows, rope_dim),
+        latent_pages.reshape(num_pages * page_size, rank),
+        rope_pages.reshape(num_pages * page_size, rope_dim),
+    )
+    seq, owned = row_ownership(query_start, num_rows)
+    taken = owned & ((query_start[1:] - query_start[:-1])[seq] <= decode_rows)
+    taken = jnp.repeat(taken, num_heads)
+    if config.num_splits == 1:
+        out = jnp.where(taken[:, None], outs[0], 0)  # rows the kernel did not take were never written
+    else:
+        out = _merge_splits(*outs, taken).astype(q_latent.dtype)
+    return out.reshape(num_rows, num_heads, rank)

@@ -1,0 +1,125 @@
+"""The block-scaled fp8 matmul (jaxmtp/kernels/fp8_matmul.py): the Pallas kernel in
+interpret mode against the jnp reference on shapes whose edge blocks are partial, the
+reference against a float64 NumPy product, and the kernel lowered for the GPU
+(Triton) from this CPU machine, which catches what interpret mode does not check."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmtp.kernels.fp8_matmul import (
+    Fp8MatmulConfig, dequantize_blocks, fp8_matmul, fp8_matmul_reference,
+)
+
+E4M3_MAX = 448.0
+
+
+def make_case(rng, m, k, parts, n, block_k, block_n, dtype):
+    """x, and an fp8 weight [K, P, N] quantized per block from a float64 matrix whose
+    blocks differ in scale by up to 2^6 (so a scale applied to the wrong block shows)."""
+    blocks = (math.ceil(k / block_k), parts, math.ceil(n / block_n))
+    spread = 2.0 ** rng.uniform(-3, 3, blocks)
+    w = rng.standard_normal((k, parts, n)) * np.repeat(np.repeat(spread, block_k, 0)[:k], block_n, 2)[:, :, :n]
+    amax = np.zeros(blocks)
+    for i in range(blocks[0]):
+        for j in range(blocks[2]):
+            amax[i, :, j] = np.abs(w[i * block_k:(i + 1) * block_k, :, j * block_n:(j + 1) * block_n]).max(axis=(0, 2))
+    scale = (amax / E4M3_MAX).astype(np.float32)
+    expanded = np.repeat(np.repeat(scale, block_k, 0)[:k], block_n, 2)[:, :, :n]
+    q = jnp.asarray(w / expanded, jnp.float8_e4m3fn)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    return x, q, jnp.asarray(scale)
+
+
+def float64_product(x, q, scale, block_k, block_n):
+    k, _, n = q.shape
+    w = np.asarray(q.astype(jnp.float32), np.float64)
+    w = w * np.repeat(np.repeat(np.asarray(scale, np.float64), block_k, 0)[:k], block_n, 2)[:, :, :n]
+    return np.einsum("mk,kpn->mpn", np.asarray(x.astype(jnp.float32), np.float64), w)
+
+
+# (M, K, P, N, block_k, block_n, dtype): partial last blocks along K and N, one row
+# (decode), rows past one tile, gate/up-style column groups, blocks smaller than the
+# kernel's tiles and a block_n that is no power of 2, in each activation dtype
+CASES = [
+    (1, 300, 1, 200, 128, 128, jnp.bfloat16),
+    (5, 128, 2, 130, 128, 128, jnp.float32),
+    (37, 77, 1, 64, 128, 128, jnp.float16),
+    (70, 260, 2, 96, 128, 128, jnp.bfloat16),
+    (3, 200, 1, 150, 64, 96, jnp.float32),
+    (17, 48, 3, 40, 16, 16, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("m, k, parts, n, block_k, block_n, dtype", CASES)
+def test_kernel_in_interpret_mode_matches_the_reference(rng, m, k, parts, n, block_k, block_n, dtype):
+    x, q, scale = make_case(rng, m, k, parts, n, block_k, block_n, dtype)
+    blocks = dict(block_k=block_k, block_n=block_n)
+    reference = np.asarray(fp8_matmul_reference(x, q, scale, **blocks, out_dtype=jnp.float32))
+    got = np.asarray(fp8_matmul(x, q, scale, **blocks, out_dtype=jnp.float32, interpret=True))
+    exact = float64_product(x, q, scale, block_k, block_n)
+    # Every product is exact in float32 (e4m3 and the inputs have few mantissa bits;
+    # float32 x is multiplied at full precision), so the reference and the kernel differ
+    # from the float64 product only by float32 sums of k terms, in their own order.
+    magnitude = float64_product(jnp.abs(x.astype(jnp.float32)), jnp.abs(q.astype(jnp.float32)), scale, block_k, block_n)
+    bound = 4 * k * np.finfo(np.float32).eps * magnitude.max()
+    assert np.abs(reference - exact).max() <= bound
+    assert np.abs(got - exact).max() <= bound
+    # in x's dtype, each result is the float32 one rounded once
+    rounded = np.asarray(fp8_matmul(x, q, scale, **blocks, interpret=True))
+    assert rounded.dtype == np.dtype(dtype)
+    ulp = np.abs(got) * float(jnp.finfo(dtype).eps) + float(jnp.finfo(dtype).tiny)
+    assert (np.abs(rounded.astype(np.float64) - got) <= ulp + bound).all()
+
+
+def test_a_wrong_block_scale_shows(rng):
+    """The guard behind the tests above: scales of one block moved to its neighbour
+    change the result far beyond their bound."""
+    x, q, scale = make_case(rng, 4, 300, 1, 200, 128, 128, jnp.float32)
+    shifted = jnp.roll(scale, 1, axis=0)
+    exact = float64_product(x, q, scale, 128, 128)
+    got = np.asarray(fp8_matmul(x, q, shifted, block_k=128, block_n=128, out_dtype=jnp.float32, interpret=True))
+    assert np.abs(got - exact).max() > 1e-2 * np.abs(exact).max()
+
+
+def test_dequantize_blocks_scales_each_block_of_stacked_and_expert_weights(rng):
+    """Experts [E, K, 2, N] with blocks (1, 16, 1, 8): every (expert, part) has scales
+    of its own, and edge blocks along K and N are partial."""
+    e, k, n, bk, bn = 3, 40, 20, 16, 8
+    q = jnp.asarray(rng.standard_normal((e, k, 2, n)), jnp.float8_e4m3fn)
+    scale = rng.uniform(0.5, 2, (e, math.ceil(k / bk), 2, math.ceil(n / bn))).astype(np.float32)
+    got = np.asarray(dequantize_blocks(q, jnp.asarray(scale), (1, bk, 1, bn)))
+    expected = np.asarray(q.astype(jnp.float32)).copy()
+    for i in range(k):
+        for j in range(n):
+            expected[:, i, :, j] *= scale[:, i // bk, :, j // bn]
+    np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype, m", [(jnp.bfloat16, 1), (jnp.bfloat16, 300), (jnp.float32, 40), (jnp.float16, 16)])
+def test_kernel_lowers_for_the_gpu(dtype, m):
+    """The Triton lowering runs without a GPU: it rejects what Triton cannot express
+    (a masked fp8 load's fill value once failed there and nowhere else)."""
+    x = jax.ShapeDtypeStruct((m, 300), dtype)
+    q = jax.ShapeDtypeStruct((300, 2, 200), jnp.float8_e4m3fn)
+    scale = jax.ShapeDtypeStruct((3, 2, 2), jnp.float32)
+    lowered = jax.jit(lambda x, q, s: fp8_matmul(x, q, s, block_k=128, block_n=128)).trace(x, q, scale)
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text
+
+
+def test_bad_shapes_and_blocks_are_named():
+    x = jnp.zeros((2, 300), jnp.bfloat16)
+    q = jnp.zeros((300, 1, 200), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"scale_inv should be \(3, 1, 2\)"):
+        fp8_matmul(x, q, jnp.zeros((2, 1, 2)), block_k=128, block_n=128, interpret=True)
+    with pytest.raises(ValueError, match="block_k=96 must be a power of 2"):
+        fp8_matmul(x, q, jnp.zeros((4, 1, 2)), block_k=96, block_n=128, interpret=True)
+    config = Fp8MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    out = fp8_matmul(x, q, jnp.ones((3, 1, 2)), block_k=128, block_n=128, interpret=True, config=config)
+    assert out.shape == (2, 1, 200) and not np.asarray(out).any()

@@ -1,0 +1,215 @@
+"""The Pallas grouped-matmul and MLA decode kernels (interpret mode, CPU) against float64
+NumPy and the jnp references, and the model's entry points that take them on GPUs.
+
+Random inputs are fresh per test (the seed is in every failure message). Interpret mode
+fills outputs with NaN before a kernel runs, so a row the kernel should have written and
+did not shows up as NaN; cache slots nobody may attend hold NaN or 1e30 (make_case)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmtp.mla import mla_attention_fn, resolve_mla_backend
+from jaxmtp.moe import Routing, routed_experts
+from jaxmtp.kernels import grouped_matmul as gm
+from jaxmtp.kernels.mla_decode import MLAKernelConfig, mla_decode_attention
+from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
+from test_kernels import make_case, relative_error
+from test_moe_kernels import grouped_matmul_float64, seeded
+
+# Small tiles: groups span several row blocks, K several steps, N several column tiles.
+SMALL = gm.GroupedMatmulConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+
+
+def group_sizes_for(loads, rng, groups, rows):
+    if loads == "ragged":
+        return rng.multinomial(rows, np.ones(groups) / groups)
+    sizes = np.zeros(groups, int)
+    if loads == "empty-experts":
+        sizes[[1, 4]] = rng.multinomial(rows, [0.5, 0.5])
+    elif loads == "one-expert-takes-all":
+        sizes[groups - 1] = rows
+    else:  # padding rows: 7 sorted rows owned by no group
+        sizes = rng.multinomial(rows - 7, np.ones(groups) / groups)
+    return sizes
+
+
+@pytest.mark.parametrize("config", [None, SMALL], ids=["default-tiling", "small-tiles"])
+@pytest.mark.parametrize("loads", ["ragged", "empty-experts", "one-expert-takes-all", "padding-rows"])
+def test_grouped_kernels_on_ragged_loads(loads, config):
+    """Both kernels, their rows gathered from lhs through `rows`, against float64; the
+    padding rows are exactly 0 and every other row is written."""
+    rng, seed = seeded()
+    groups, rows, k, n = 6, 40, 32, 48
+    sizes = jnp.asarray(group_sizes_for(loads, rng, groups, rows), jnp.int32)
+    lhs = rng.standard_normal((25, k)).astype(np.float32)
+    source = rng.integers(0, 25, rows).astype(np.int32)
+    rhs = rng.standard_normal((groups, k, n)).astype(np.float32)
+    gate_up = (0.3 * rng.standard_normal((groups, k, 2, n))).astype(np.float32)
+    args = (jnp.asarray(lhs), jnp.asarray(rhs), sizes, jnp.asarray(source))
+    out = np.asarray(gm.grouped_matmul_kernel(*args, interpret=True, config=config))
+    want = grouped_matmul_float64(lhs[source], rhs, sizes)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    both = grouped_matmul_float64(lhs[source], gate_up.reshape(groups, k, 2 * n), sizes)
+    want = both[:, :n] / (1 + np.exp(-both[:, :n])) * both[:, n:]
+    got = np.asarray(gm.grouped_swiglu_kernel(jnp.asarray(lhs), jnp.asarray(gate_up), sizes, jnp.asarray(source),
+                                              interpret=True, config=config))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    reference = np.asarray(gm.grouped_swiglu_reference(jnp.asarray(lhs), jnp.asarray(gate_up), sizes,
+                                                       jnp.asarray(source)))
+    np.testing.assert_allclose(reference, want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed} reference")
+    total = int(sizes.sum())
+    assert (out[total:] == 0).all() and (got[total:] == 0).all(), f"seed={seed}: padding rows"
+
+
+def test_grouped_kernel_in_bfloat16_and_without_rows():
+    """bf16 operands (float32 accumulation), lhs already sorted (rows=None): within bf16
+    rounding of the reference."""
+    rng, seed = seeded()
+    sizes = jnp.asarray(rng.multinomial(64, np.ones(4) / 4), jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((4, 32, 16)), jnp.bfloat16)
+    out = gm.grouped_matmul_kernel(lhs, rhs, sizes, interpret=True, config=SMALL)
+    assert out.dtype == jnp.bfloat16
+    error = relative_error(out, gm.grouped_matmul_reference(lhs, rhs, sizes))
+    assert error < 1e-2, f"seed={seed}: relative error {error:.2e}"
+
+
+def test_routed_experts_through_the_kernels():
+    """The MoE layer with the kernels in its grouped-matmul slots equals the references'
+    layer (which test_moe_kernels checks against a per-token float64 loop)."""
+    rng, seed = seeded()
+    t, h, inter, num_experts, k = 20, 32, 16, 6, 3
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    gate_up = jnp.asarray(0.5 * rng.standard_normal((num_experts, h, 2, inter)), jnp.float32)
+    down = jnp.asarray(0.5 * rng.standard_normal((num_experts, inter, h)), jnp.float32)
+    experts = np.stack([rng.choice(num_experts - 1, size=k, replace=False) for _ in range(t)])  # expert 5 unused
+    routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32))
+
+    def interpret(fn):
+        return lambda *a, **kw: fn(*a, **kw, interpret=True, config=SMALL)
+
+    got = routed_experts(x, routing, gate_up, down, expert_swiglu=interpret(gm.grouped_swiglu_kernel),
+                         expert_matmul=interpret(gm.grouped_matmul_kernel))
+    want = routed_experts(x, routing, gate_up, down, expert_swiglu=gm.grouped_swiglu_reference,
+                          expert_matmul=gm.grouped_matmul_reference)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+
+
+def test_shapes_the_kernels_do_not_tile_are_refused():
+    lhs, sizes = jnp.zeros((8, 12)), jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="K and N multiples of 16, got K=12"):
+        gm.grouped_matmul_kernel(lhs, jnp.zeros((2, 12, 16)), sizes, interpret=True)
+    assert gm.supports(64, 2048, 2 * 1408) and not gm.supports(256, 7168, 2 * 2048)  # DeepSeek-V3: past int32
+    with pytest.raises(ValueError, match="kv_lora_rank and the rope dim powers of 2"):
+        mla_decode_attention(jnp.zeros((2, 4, 12)), jnp.zeros((2, 4, 16)), jnp.zeros((4, 4, 1, 12)),
+                             jnp.zeros((4, 4, 1, 16)), jnp.ones(2, jnp.int32), jnp.zeros((2, 1), jnp.int32),
+                             jnp.arange(3, dtype=jnp.int32), sm_scale=0.1, decode_rows=1, interpret=True)
+    with pytest.raises(ValueError, match="kv_lora_rank and qk_rope_head_dim powers of two >= 16, got 12 and 6"):
+        resolve_mla_backend("pallas", 12, 6)
+    with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
+        resolve_mla_backend("triton", 32, 16)
+    assert resolve_mla_backend("auto", 32, 16) == "reference"  # on the CPU
+
+
+# ----- MLA decode ------------------------------------------------------------------------
+
+R, DR, HEADS = 32, 16, 4
+
+
+def mla_decode_case(rng, seqs, dtype=jnp.float32, page_size=4):
+    """Latent and rope pages over shuffled pages (make_case: one kv head of R + Dr dims,
+    unattended slots poisoned), fresh absorbed queries."""
+    _, kv, _, kv_lens, page_table, query_start = make_case(
+        rng, seqs, num_q_heads=1, num_kv_heads=1, head_dim=R + DR, page_size=page_size, dtype=dtype
+    )
+    num_rows = int(query_start[-1]) + 3
+    q_latent = jnp.asarray(rng.standard_normal((num_rows, HEADS, R)), dtype)
+    q_rope = jnp.asarray(rng.standard_normal((num_rows, HEADS, DR)), dtype)
+    return q_latent, q_rope, kv[..., :R], kv[..., R:], kv_lens, page_table, query_start
+
+
+def taken_rows(query_start, num_rows, decode_rows):
+    query_start = np.asarray(query_start)
+    rows = np.diff(query_start)
+    seq = np.searchsorted(query_start[1:], np.arange(num_rows), side="right")
+    taken = np.zeros(num_rows, bool)
+    owned = np.arange(num_rows) < query_start[-1]
+    taken[owned] = rows[seq[owned]] <= decode_rows
+    return taken
+
+
+@pytest.mark.parametrize("case", [
+    dict(seqs=[(1, 9), (0, 0), (1, 1), (1, 30), (1, 5)], decode_rows=1, config=None),
+    # verify rows (k + 1 = 3), one prefill sequence in the batch whose rows the kernel leaves to the expanded form
+    dict(seqs=[(3, 9), (2, 3), (0, 0), (7, 11), (1, 1), (3, 40)], decode_rows=3, config=None),
+    # split token ranges (flash decoding) with short steps, several head blocks; the
+    # diagonals of (1, 7) and (2, 8) end a step early, on its last token
+    dict(seqs=[(2, 17), (1, 2), (1, 7), (2, 8), (2, 33)], decode_rows=2, config=MLAKernelConfig(2, 4, 3, 4, 2)),
+], ids=["decode", "verify-and-prefill", "splits-head-blocks"])
+def test_mla_decode_kernel_matches_the_reference(case):
+    rng, seed = seeded()
+    args = mla_decode_case(rng, case["seqs"])
+    out = np.asarray(mla_decode_attention(*args, sm_scale=0.3, decode_rows=case["decode_rows"], interpret=True,
+                                          config=case["config"]))
+    ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.3))
+    assert not np.isnan(out).any(), f"seed={seed}: NaN (a row not written, or a poisoned slot read)"
+    taken = taken_rows(args[-1], out.shape[0], case["decode_rows"])
+    assert (out[~taken] == 0).all(), f"seed={seed}: rows the kernel does not take must be 0"
+    np.testing.assert_allclose(out[taken], ref[taken], rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
+
+
+def test_mla_decode_kernel_in_bfloat16():
+    rng, seed = seeded()
+    args = mla_decode_case(rng, [(1, 50), (1, 7), (1, 64)], dtype=jnp.bfloat16, page_size=8)
+    out = mla_decode_attention(*args, sm_scale=0.1, decode_rows=1, interpret=True)
+    assert out.dtype == jnp.bfloat16
+    owned = slice(0, 3)
+    error = relative_error(np.asarray(out, np.float32)[owned],
+                           np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.1), np.float32)[owned])
+    assert error < 1e-2, f"seed={seed}: relative error {error:.2e}"
+
+
+def test_mla_entry_point_takes_the_kernel_for_decode_rows():
+    """mla_attention_fn on the pallas_interpret backend (the kernel for decode and verify
+    rows, the expanded reference for the prefill sequence) equals the reference backend
+    on a mixed step."""
+    rng, seed = seeded()
+    seqs = [(1, 9), (2, 3), (0, 0), (5, 11), (1, 1)]
+    q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start = mla_decode_case(rng, seqs)
+    num_rows, dn, dv = q_latent.shape[0], 8, 12
+    q_nope = jnp.asarray(rng.standard_normal((num_rows, HEADS, dn)), jnp.float32)
+    w_uk = jnp.asarray(0.4 * rng.standard_normal((R, HEADS, dn)), jnp.float32)
+    w_uv = jnp.asarray(rng.standard_normal((R, HEADS, dv)), jnp.float32)
+    new_latent = jnp.asarray(rng.standard_normal((num_rows, R)), jnp.float32)
+    new_rope = jnp.asarray(rng.standard_normal((num_rows, DR)), jnp.float32)
+    page_size = latent_pages.shape[1]
+    slots = np.arange(num_rows, dtype=np.int32) + latent_pages.shape[0] * page_size  # dropped unless set below
+    for s, (nq, kv_len) in enumerate(seqs):
+        for j in range(nq):
+            pos = kv_len - nq + j
+            slots[int(query_start[s]) + j] = int(page_table[s, pos // page_size]) * page_size + pos % page_size
+    args = (q_nope, q_rope, new_latent, new_rope, latent_pages, rope_pages, jnp.asarray(slots), kv_lens, page_table,
+            query_start, w_uk, w_uv)
+    got, got_latent, _ = mla_attention_fn("pallas_interpret", decode_rows=2)(*args, sm_scale=0.3)
+    want, want_latent, _ = mla_attention_fn("reference", decode_rows=2)(*args, sm_scale=0.3)
+    np.testing.assert_array_equal(np.asarray(got_latent), np.asarray(want_latent))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
+
+
+def test_engine_refuses_the_mla_kernel_for_sizes_it_cannot_tile(tmp_path):
+    """At construction, before any weights load, naming the sizes."""
+    import json
+
+    from jaxmtp import LLM
+
+    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 32,
+              "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+              "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10, "vocab_size": 97,
+              "max_position_embeddings": 64, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="qk_rope_head_dim powers of two >= 16, got 16 and 8"):
+        LLM(tmp_path, load_format="dummy", attention_backend="pallas")
