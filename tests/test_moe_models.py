@@ -31,10 +31,14 @@ FAMILIES = {
 }
 
 
-def make_moe_model(path, family: str, seed: int, num_layers: int = 3, max_shard_size="50GB", **overrides):
+def make_moe_model(path, family: str, seed: int, num_layers: int = 3, max_shard_size="50GB", fixed_routing=False,
+                   **overrides):
     """Save a tiny random model of one family with transformers; returns its folder
     and the torch model. Norms away from 1 and a random e_score_correction_bias, so
-    that a missed norm or bias shows."""
+    that a missed norm or bias shows. fixed_routing: the bias 3 * 2^i over a random
+    permutation i of the experts: any two sets of experts' biases then differ by 3 or
+    more, more than any group's sigmoid scores, so every token picks the same groups
+    and experts, with its own scores as their weights."""
     import transformers
 
     spec = {**MOE_SHAPE, **FAMILIES[family], **overrides}
@@ -53,7 +57,7 @@ def make_moe_model(path, family: str, seed: int, num_layers: int = 3, max_shard_
                 p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(0.3 * torch.randn_like(b))
+                b.copy_(3.0 * 2.0 ** torch.randperm(b.numel()).reshape(b.shape) if fixed_routing else 0.3 * torch.randn_like(b))
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return path, model
 
@@ -235,17 +239,19 @@ def test_llama_with_yarn_matches_transformers(tmp_path, rng):
 def test_bfloat16_deepseek_within_bf16_tolerance(tmp_path, rng):
     """bf16 weights and latent cache, the router kept float32: no further from the
     float32 logits than transformers' own bf16 run (a bf16 router would move more).
-    Compared on the median row's worst logit: where bf16 rounding flips one token's
-    expert choice (either run, at random), that row and the rows attending to it move
-    by far more than rounding does, so the worst logit alone has a heavy tail."""
+    With routing that rounding cannot change: where bf16 flips one token's expert choice
+    (in either run, at random), that row and the rows attending to it move by far more
+    than rounding does. Compared on the mean error: the worst logit's has a heavy tail
+    over random models. The mean's ratio to transformers' stayed under 1.15 over 40
+    seeds; a latent cache rounded to fp8 gives 2.4 to 3.4."""
     seed = int(rng.integers(1 << 30))
-    folder, hf = make_moe_model(tmp_path / "ds", "deepseek-qlora-yarn", seed)
+    folder, hf = make_moe_model(tmp_path / "ds", "deepseek-qlora-yarn", seed, fixed_routing=True)
     ids = random_prompt(rng, 30)
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0].numpy()
-        theirs = np.median(np.abs(hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy() - expected).max(axis=1))
+        theirs = np.abs(hf.to(torch.bfloat16)(torch.tensor([ids])).logits[0].float().numpy() - expected).mean()
     llm = LLM(folder, dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=16, page_size=4, prefill_chunk_size=8)
     moe = llm.engine.params.layers[1].moe
     assert (str(llm.engine.cache.k[0].dtype), str(moe.router.dtype), str(moe.router_bias.dtype)) == ("bfloat16", "float32", "float32")
-    ours = np.median(np.abs(prompt_logits(llm.engine, ids) - expected).max(axis=1))
-    assert ours <= 1.5 * theirs + 1e-3 * np.abs(expected).max(), (ours, theirs, seed)
+    ours = np.abs(prompt_logits(llm.engine, ids) - expected).mean()
+    assert ours <= 1.3 * theirs, (ours, theirs, seed)
