@@ -1,6 +1,8 @@
 """Structured outputs at batch 32: output tokens/s of JSON-schema-constrained requests
-against the same batch unconstrained, the host time spent computing grammar masks per
-step, and the mean acceptance length with MTP under the schema and without.
+against the same batch unconstrained, the host time per step that building the batch
+spends on grammar masks (waiting for those computed on worker threads since the
+request's tokens came in, and computing any others), and the mean acceptance length with
+MTP under the schema and without.
 
     python benchmarks/structured.py            # Llama-3-8B shape, dummy weights, one GPU
     python benchmarks/structured.py --tiny     # CPU smoke test

@@ -10,13 +10,19 @@ the grammar gives (the sampler's keyed draw makes speculation change nothing).
 
 Drafts are also chosen inside the grammar: where the grammar forces the next tokens
 (JSON punctuation, a property name) those are the drafts, and otherwise the MTP
-module's drafts up to the first one the grammar forbids."""
+module's drafts up to the first one the grammar forbids.
+
+A request's next masks start computing on a worker thread as soon as its drafts are
+chosen (llguidance releases the GIL), so they are computed while the host goes on with
+the other requests' tokens, the schedule and the batch; the batch then copies them in."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
+import os
 
 import llguidance
 import llguidance.numpy as llnp
@@ -72,6 +78,10 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.executor = llguidance.LLExecutor()
         self.mask_words = llnp.get_bitmask_shape(1, vocab_size)[1]
+        # as llguidance's own executor: 80% of the cores, at most 32
+        self.workers = concurrent.futures.ThreadPoolExecutor(
+            max(1, min(32, (os.cpu_count() or 1) * 4 // 5)), thread_name_prefix="grammar-masks"
+        )
 
     @functools.lru_cache(maxsize=256)
     def _compiled(self, text: str):
@@ -89,40 +99,84 @@ class GrammarCompiler:
             text = params.grammar_text()
         except (ValueError, TypeError) as err:
             raise ValueError(f"structured_outputs: {err}") from err
-        return GrammarMatcher(self._compiled(text).deep_copy(), self)
+        matcher = GrammarMatcher(self._compiled(text).deep_copy(), self)
+        matcher.prefetch([])  # the mask of its first token, while its prompt prefills
+        return matcher
 
 
 class GrammarMatcher:
-    """A sequence's grammar state: advanced by each token it emits."""
+    """A sequence's grammar state: advanced by each token it emits. While a prefetch
+    computes on a worker thread, only that thread touches the llguidance matcher: every
+    other use waits for it first (_settled)."""
 
     def __init__(self, matcher, compiler: GrammarCompiler):
         self._matcher = matcher
         self._compiler = compiler
+        # (drafts, masks [len(drafts) + 1, W], its future): row j's mask after drafts[:j]
+        self._prefetched: tuple[list[int], np.ndarray, concurrent.futures.Future] | None = None
+
+    def _settled(self):
+        """The llguidance matcher, once no prefetch is computing on it."""
+        if self._prefetched is not None:
+            concurrent.futures.wait([self._prefetched[2]])
+        return self._matcher
 
     def accept(self, token: int) -> bool:
         """Advance over an emitted token; True when the grammar is complete (stopped)."""
-        if not self._matcher.consume_token(token):
-            raise ValueError(f"structured_outputs: token {token} does not fit the grammar: {self._matcher.get_error()}")
-        return self._matcher.is_stopped()
+        matcher = self._settled()
+        self._prefetched = None  # masks of the state before this token
+        if not matcher.consume_token(token):
+            raise ValueError(f"structured_outputs: token {token} does not fit the grammar: {matcher.get_error()}")
+        return matcher.is_stopped()
 
     def propose(self, drafts: list[int], k: int) -> list[int]:
         """The next step's drafts: tokens the grammar forces, else the MTP drafts up to
-        the first the grammar forbids."""
-        forced = self._matcher.compute_ff_tokens()[:k]
-        if forced:
-            return forced
-        return drafts[: self._matcher.validate_tokens(drafts)]
+        the first the grammar forbids. Their rows' masks start computing (prefetch)."""
+        matcher = self._settled()
+        chosen = matcher.compute_ff_tokens()[:k] or drafts[: matcher.validate_tokens(drafts)]
+        self.prefetch(chosen)
+        return chosen
+
+    def prefetch(self, drafts: list[int]) -> None:
+        """Start computing, on a worker thread, the masks of the rows that follow each
+        prefix of drafts from the current state (the next step's rows)."""
+        self._settled()
+        masks = np.full((len(drafts) + 1, self._compiler.mask_words), -1, np.int32)
+        work = functools.partial(_fill, self._compiler.executor, [(self._matcher, 0, list(drafts))], masks)
+        self._prefetched = (list(drafts), masks, self._compiler.workers.submit(work))
+
+    def prefetched(self, drafts: list[int]) -> np.ndarray | None:
+        """The masks of the rows after each prefix of drafts, [len(drafts) + 1, W], if a
+        prefetch from the current state covered them (drafts a prefix of its drafts)."""
+        if self._prefetched is None:
+            return None
+        have, masks, future = self._prefetched
+        if have[: len(drafts)] != list(drafts):
+            return None
+        future.result()  # raises what the computing raised
+        return masks[: len(drafts) + 1]
+
+
+def _fill(executor, rows: list[tuple[object, int, list[int]]], masks: np.ndarray) -> None:
+    """llguidance's masks for (llguidance matcher, first mask row, drafts) rows."""
+    with_drafts = [(m, i, d) for m, i, d in rows if d]
+    if with_drafts:
+        llnp.fill_next_token_bitmask_par_with_draft_tokens(executor, with_drafts, masks)
+    without = [(m, i) for m, i, d in rows if not d]
+    if without:
+        llnp.fill_next_token_bitmask_par(executor, without, masks)
 
 
 def fill_row_masks(rows: list[tuple[GrammarMatcher, int, list[int]]], masks: np.ndarray) -> None:
     """masks [N, W] int32: for each (matcher, first mask row, drafts), the masks of rows
-    first..first+len(drafts), row j's after drafts[:j]. Other rows are left as they are."""
-    if not rows:
-        return
-    executor = rows[0][0]._compiler.executor
-    with_drafts = [(m._matcher, i, d) for m, i, d in rows if d]
-    if with_drafts:
-        llnp.fill_next_token_bitmask_par_with_draft_tokens(executor, with_drafts, masks)
-    without = [(m._matcher, i) for m, i, d in rows if not d]
-    if without:
-        llnp.fill_next_token_bitmask_par(executor, without, masks)
+    first..first+len(drafts), row j's after drafts[:j]: prefetched, or computed now.
+    Other rows are left as they are."""
+    left = []
+    for matcher, first, drafts in rows:
+        ready = matcher.prefetched(drafts)
+        if ready is not None:
+            masks[first : first + len(ready)] = ready
+        else:
+            left.append((matcher._settled(), first, drafts))
+    if left:
+        _fill(rows[0][0]._compiler.executor, left, masks)

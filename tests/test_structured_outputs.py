@@ -13,6 +13,7 @@ import pytest
 
 from conftest import MTP_MODEL, STORIES
 from jaxmtp import LLM, SamplingParams
+from jaxmtp.structured_outputs import StructuredOutputsParams
 
 ENGINE = dict(page_size=4, max_num_seqs=4, prefill_chunk_size=7, max_num_batched_tokens=16, num_pages=60,
               enable_prefix_caching=True)
@@ -116,3 +117,70 @@ def test_bad_constraints_are_refused_by_name(plain, so, message):
     with pytest.raises(ValueError, match=message):
         plain.generate(PROMPTS[:1], SamplingParams(structured_outputs=so), use_tqdm=False)
     assert texts(plain, SamplingParams(max_tokens=3, temperature=0.0))  # the engine still serves
+
+
+def test_prefetched_masks_equal_masks_computed_when_the_batch_is_built(spec, rng):
+    """A matcher's next masks, computed on a worker thread once its drafts are chosen,
+    are the masks of its state now: the same as computing them while building the
+    batch, for the drafts chosen or any prefix of them; other drafts are computed then."""
+    import numpy as np
+
+    from jaxmtp.structured_outputs import fill_row_masks
+
+    grammars = spec.engine.intake.grammars
+    seed = int(rng.integers(1 << 30))
+    walk = np.random.default_rng(seed)
+    matcher = grammars.matcher(StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT}))
+    reference = grammars.matcher(StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT}))
+    words = grammars.mask_words
+
+    def allowed(mask_row):
+        return np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little")[: grammars.vocab_size])
+
+    for _ in range(12):  # a random walk inside the grammar, k = 2
+        first = np.full((3, words), -1, np.int32)
+        fill_row_masks([(reference, 0, [])], first)
+        token = int(walk.choice(allowed(first[0])))
+        if matcher.accept(token) or reference.accept(token):
+            break
+        drafts = matcher.propose([int(t) for t in walk.integers(3, grammars.vocab_size, size=2)], 2)
+        reference.propose(drafts, 2)
+        reference._settled()
+        reference._prefetched = None  # the reference computes every mask while "the batch is built"
+        others = [[drafts[0] ^ 1]] if drafts else []  # not a prefix: computed when the batch is built
+        for prefix in [drafts, drafts[:1], [], *others]:
+            got, want = (np.full((3, words), -1, np.int32) for _ in range(2))
+            fill_row_masks([(matcher, 0, prefix)], got)
+            fill_row_masks([(reference, 0, prefix)], want)
+            np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} drafts={prefix}")
+        assert matcher.prefetched(drafts) is not None
+        assert matcher.prefetched(drafts + [5]) is None  # more than it computed
+
+
+def test_a_matcher_waits_for_the_prefetch_computing_on_its_state(spec):
+    """While its masks compute on a worker thread, the sequence's own thread does not
+    touch the llguidance matcher (which would raise 'Already borrowed' or advance the
+    state under the masks): accept waits. The workers are held busy to make it so."""
+    import threading
+
+    import numpy as np
+
+    from jaxmtp.structured_outputs import fill_row_masks
+
+    grammars = spec.engine.intake.grammars
+    params = StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT})
+    reference = grammars.matcher(params)
+    first = np.full((1, grammars.mask_words), -1, np.int32)
+    fill_row_masks([(reference, 0, [])], first)
+    token = int(np.flatnonzero(np.unpackbits(first[0].view(np.uint8), bitorder="little"))[0])
+    gate, accepted = threading.Event(), threading.Event()
+    blockers = [grammars.workers.submit(gate.wait) for _ in range(64)]  # more than the pool's threads
+    try:
+        matcher = grammars.matcher(params)  # its first prefetch waits behind the blockers
+        worker = threading.Thread(target=lambda: (matcher.accept(token), accepted.set()))
+        worker.start()
+        assert not accepted.wait(0.5)
+    finally:
+        gate.set()
+    worker.join(30)
+    assert accepted.is_set() and all(b.done() for b in blockers)
