@@ -184,3 +184,57 @@ def test_a_matcher_waits_for_the_prefetch_computing_on_its_state(spec):
         gate.set()
     worker.join(30)
     assert accepted.is_set() and all(b.done() for b in blockers)
+
+
+def test_constrained_sampling_follows_the_masked_distribution_with_and_without_mtp(plain, spec, rng):
+    """At temperature 0.8 a constrained request's outputs follow the model's
+    distribution restricted to the grammar's tokens at every step and renormalised,
+    with k = 0 and with k = 2. The exact distribution over the grammar's token paths
+    (every tokenization of every choice) comes from transformers' logits at each node
+    and llguidance's masks there. G-test of 1000 samples per engine at p < 1e-4 / 2
+    (two engines) / 2 (g_test's calibration): the test fails by chance with probability
+    at most 1e-4. A sample on a path the grammar forbids fails at once."""
+    from collections import Counter
+
+    import numpy as np
+    import torch
+    import transformers
+
+    from jaxmtp.structured_outputs import fill_row_masks
+    from test_sampling import g_test
+
+    so, temperature, samples, alpha = {"choice": ["cat", "dog", "bird", "fish"]}, 0.8, 1000, 1e-4 / 2 / 2
+    grammars = plain.engine.intake.grammars
+    prompt = plain.engine.intake.encode_prompt("Once upon a time")[1]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    exact: dict[tuple, float] = {}
+
+    def walk(path: list[int], p: float) -> None:
+        matcher = grammars.matcher(StructuredOutputsParams(**so))
+        if any([matcher.accept(t) for t in path]):  # the grammar is complete: the request stops here
+            exact[tuple(path)] = p
+            return
+        mask = np.full((1, grammars.mask_words), -1, np.int32)
+        fill_row_masks([(matcher, 0, [])], mask)
+        allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little")[: grammars.vocab_size])
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + path])).logits[0, -1].double().numpy()[allowed] / temperature
+        q = np.exp(logits - logits.max())
+        for token, qt in zip(allowed, q / q.sum()):
+            walk(path + [int(token)], p * qt)
+
+    walk([], 1.0)
+    paths = sorted(exact)
+    expected = np.array([exact[p] for p in paths])
+    seed = int(rng.integers(1 << 30))
+    failures = []
+    for name, llm in (("k=0", plain), ("k=2", spec)):
+        params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=12, structured_outputs=so)
+                  for i in range(samples)]
+        outs = llm.generate([prompt] * samples, params, use_tqdm=False)
+        counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
+        strays = {path: n for path, n in counts.items() if path not in exact}
+        p, bins = g_test(np.array([counts[path] for path in paths]), expected)
+        if strays or p < alpha or {o.outputs[0].finish_reason for o in outs} != {"stop"}:
+            failures.append(f"{name}: p={p:.2e} over {bins} bins, off the grammar's paths: {strays}")
+    assert not failures, f"seeds {seed}..{seed + samples - 1}: " + "; ".join(failures)
