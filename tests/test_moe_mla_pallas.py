@@ -213,3 +213,30 @@ def test_engine_refuses_the_mla_kernel_for_sizes_it_cannot_tile(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="qk_rope_head_dim powers of two >= 16, got 16 and 8"):
         LLM(tmp_path, load_format="dummy", attention_backend="pallas")
+
+
+def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(tmp_path, rng):
+    """The whole engine with attention_backend pallas_interpret (the MLA kernel for every
+    decode, verify and draft row, in interpret mode) against the jnp reference: a tiny
+    DeepSeek-V3 with its MTP layer, k = 2, chunked prefill, a batch of a prefill and a
+    decode: greedy tokens and per-position acceptance equal, the tokens' logprobs within
+    float32 rounding."""
+    from jaxmtp import LLM, SamplingParams
+    from test_moe_models import random_prompt
+    from test_moe_mtp import ENGINE, make_mtp_checkpoint
+
+    seed = int(rng.integers(1 << 30))
+    folder = make_mtp_checkpoint(tmp_path / "ds", "deepseek-qlora-yarn", seed, qk_rope_head_dim=16)[0]
+    prompts = [random_prompt(rng, 21), random_prompt(rng, 9)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs, logprobs = {}, {}
+    for backend in ("reference", "pallas_interpret"):
+        llm = LLM(folder, attention_backend=backend, num_speculative_tokens=2, prefill_chunk_size=5, **ENGINE)
+        assert llm.engine.runner.step_config.attention_backend == backend
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[backend] = [(o.outputs[0].token_ids, o.spec_stats["accepted_per_position"]) for o in outs]
+        logprobs[backend] = [[next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in outs]
+    assert runs["pallas_interpret"] == runs["reference"], f"seed={seed}"
+    np.testing.assert_allclose(logprobs["pallas_interpret"], logprobs["reference"], rtol=1e-4, atol=1e-5,
+                               err_msg=f"seed={seed}")
+    assert sum(sum(accepted) for _, accepted in runs["reference"]) > 0  # drafts were verified and accepted
