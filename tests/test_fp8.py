@@ -197,9 +197,10 @@ def test_the_engine_runs_the_pallas_kernel_where_the_attention_does(llama_fp8, l
                if isinstance(w, Fp8Weight)]
     assert weights and {w.matmul for w in weights} == {"pallas_interpret"}
     ids = [1] + rng.integers(3, 97, size=9).tolist()
-    # the same float32 products summed in another order: the float32 parity tolerance
-    np.testing.assert_allclose(prompt_logits(llm.engine, ids), prompt_logits(llama_engine.engine, ids),
-                               rtol=2e-4, atol=2e-4)
+    # the same float32 products summed in another order (per 128-block, then scaled):
+    # within float32 rounding of the logits' scale (seen in CI: 6.8e-5 of it, seed 1862870421)
+    want = prompt_logits(llama_engine.engine, ids)
+    np.testing.assert_allclose(prompt_logits(llm.engine, ids), want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
 
 
 @pytest.fixture(scope="module")

@@ -228,7 +228,7 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
     seed = int(rng.integers(1 << 30))
     folder = make_mtp_checkpoint(tmp_path / "ds", "deepseek-qlora-yarn", seed, qk_rope_head_dim=16)[0]
     prompts = [random_prompt(rng, 21), random_prompt(rng, 9)]
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     runs, logprobs = {}, {}
     for backend in ("reference", "pallas_interpret"):
         llm = LLM(folder, attention_backend=backend, num_speculative_tokens=2, prefill_chunk_size=5, **ENGINE)
