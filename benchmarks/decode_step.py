@@ -40,8 +40,8 @@ def decode_batch(batch: int, context: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmtp.batch import Batch, unprocessed
-    from jaxmtp.cache import dropped_index
+    from jaxmtp.worker.batch import Batch, unprocessed
+    from jaxmtp.worker.cache import dropped_index
 
     rows = max(batch, MIN_ROWS)
     pages_per_seq = -(-context // PAGE_SIZE)
@@ -68,7 +68,7 @@ def decode_batch(batch: int, context: int):
 def random_cache(cfg, num_pages: int):
     import jax
 
-    from jaxmtp.cache import allocate_cache
+    from jaxmtp.worker.cache import allocate_cache
 
     cache = allocate_cache(cfg, num_pages, PAGE_SIZE, 0)
     fill = lambda n, pages: jax.random.normal(jax.random.key(n), pages.shape, pages.dtype)  # noqa: E731
@@ -89,8 +89,8 @@ def time_step(params, cfg, batch, cache, kernel_config, backend, profile):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmtp import model
-    from jaxmtp.attention import attention_fn
+    from jaxmtp.models import model
+    from jaxmtp.models.attention import attention_fn
     from profile_step import profile_kernels
     from timing import replay_time
 
@@ -127,8 +127,8 @@ def main() -> None:
     import jax
 
     from e2e import LLAMA3_8B, TINY
-    from jaxmtp.config import load_config
-    from jaxmtp.params import random_params
+    from jaxmtp.models.registry import load_config
+    from jaxmtp.models.params import random_params
     from jaxmtp.kernels import default_config
 
     folder = tempfile.mkdtemp()

@@ -322,7 +322,7 @@ class Bench:
         """An engine on the dummy model (of folder, default the benchmark's); robust:
         with robust_greedy_weights."""
         from jaxmtp import LLM
-        from jaxmtp.config import load_config
+        from jaxmtp.models.registry import load_config
 
         self.current.clear()
         gc.collect()
@@ -646,7 +646,7 @@ def main() -> None:
     bench = Bench(args, results, t0)
     if "checks" in chosen:
         gpu_checks(results)
-    from jaxmtp.loader import load_params  # noqa: F401  (import before timing)
+    from jaxmtp.loading.loader import load_params  # noqa: F401  (import before timing)
 
     probe = bench.engine(max_num_seqs=1, max_num_batched_tokens=8)
     results["weight_bytes"] = weight_bytes(probe.engine.params)

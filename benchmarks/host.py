@@ -119,7 +119,7 @@ def main() -> None:
                                        stop=["Once upon a midnight"])
         delta = args.repo is None  # older checkouts stream cumulative outputs only
         if delta:
-            from jaxmtp.sampling_params import RequestOutputKind
+            from jaxmtp.engine.sampling_params import RequestOutputKind
 
             stream_params.output_kind = RequestOutputKind.DELTA
         stream = measure_stream(engine(), stream_params, delta)

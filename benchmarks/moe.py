@@ -258,7 +258,7 @@ def part_checks(run: Run):
                        "rel_err": relative_error(out[:decode], ref[:decode]),
                        "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((out[decode:] == 0).all())})
     x, routing, _ = expert_inputs(rng, s, 300 if not run.args.tiny else 9, 1)
-    from jaxmtp.moe import Routing, routed_experts
+    from jaxmtp.models.moe import Routing, routed_experts
 
     kernels = dict(expert_swiglu=functools.partial(gm.grouped_swiglu_kernel, interpret=interpret),
                    expert_matmul=functools.partial(gm.grouped_matmul_kernel, interpret=interpret))
@@ -321,7 +321,7 @@ def part_experts(run: Run):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmtp.moe import Routing, routed_experts
+    from jaxmtp.models.moe import Routing, routed_experts
     from jaxmtp.kernels import grouped_matmul as gm
 
     s, rng, interpret = run.shapes, np.random.default_rng(2), run.args.tiny

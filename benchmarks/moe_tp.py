@@ -4,7 +4,7 @@ forced CPU devices (no accelerator needed).
     python benchmarks/moe_tp.py [--devices 2,4] [--tokens 8,64,512] [--out DIR]
     python benchmarks/moe_tp.py --tiny     # 2 devices, small shapes: checks that it runs
 
-- gathered (what jaxmtp/moe.py runs): under tensor parallelism every device holds every
+- gathered (what jaxmtp/models/moe.py runs): under tensor parallelism every device holds every
   row already (the residual stream is replicated), so each routes them all, runs the
   (row, expert) pairs of its own experts, and one all-reduce of [T, H] sums the parts;
 - all-to-all: each device routes its T/N rows, sends each pair to its expert's device (a
@@ -42,8 +42,8 @@ def all_to_all_experts(mesh, cfg):
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec
 
-    from jaxmtp.moe import Routing, route, routed_experts
-    from jaxmtp.sharding import ROWS_AXES, TP, param_specs, shard_per_device
+    from jaxmtp.models.moe import Routing, route, routed_experts
+    from jaxmtp.worker.sharding import ROWS_AXES, TP, param_specs, shard_per_device
 
     n = mesh.size
 
@@ -78,10 +78,10 @@ def worker(devices: int, tokens: list[int], shape: dict) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmtp.config import MoEConfig
-    from jaxmtp.moe import experts_fn
-    from jaxmtp.params import MoEParams
-    from jaxmtp.sharding import make_mesh, param_shardings, replicated
+    from jaxmtp.models.config import MoEConfig
+    from jaxmtp.models.moe import experts_fn
+    from jaxmtp.models.params import MoEParams
+    from jaxmtp.worker.sharding import make_mesh, param_shardings, replicated
     from timing import median_time
 
     assert len(jax.devices()) == devices

@@ -40,24 +40,24 @@ SCHEMA = {
 
 def timed_run(llm, prompts, params) -> dict:
     """One batch to completion; the mask computation timed on the side."""
-    from jaxmtp import runner
+    from jaxmtp.engine import llm_engine
 
     spent = [0.0]
-    fill = runner.fill_row_masks
+    fill = llm_engine.fill_row_masks
 
     def timed_fill(*args):
         t = time.perf_counter()
         fill(*args)
         spent[0] += time.perf_counter() - t
 
-    runner.fill_row_masks = timed_fill
+    llm_engine.fill_row_masks = timed_fill
     steps_before = llm.engine.stats.steps
     try:
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t
     finally:
-        runner.fill_row_masks = fill
+        llm_engine.fill_row_masks = fill
     steps = llm.engine.stats.steps - steps_before
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     # over the batch's steps that ran with drafts (a request with none has no length)

@@ -79,7 +79,8 @@ def worker(tp: int, budget_s: float, tiny: bool, vocab_replicated: bool) -> None
     before anything is traced: jit reuses a step's trace, and the rules are read then."""
     import jax
 
-    from jaxmtp import LLM, sharding
+    from jaxmtp import LLM
+    from jaxmtp.worker import sharding
 
     t0 = time.perf_counter()
     scale = TINY if tiny else FULL
@@ -237,7 +238,7 @@ def correctness(result, tp, small_config) -> None:
     import numpy as np
 
     from jaxmtp import LLM, SamplingParams
-    from jaxmtp.attention import resolve_backend
+    from jaxmtp.models.attention import resolve_backend
 
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import STORIES, golden_ids

@@ -35,10 +35,10 @@ def _import_kernels_from_checkout() -> None:
 _import_kernels_from_checkout()
 
 from jaxmtp.api import LLM  # noqa: E402
-from jaxmtp.engine import LLMEngine  # noqa: E402
-from jaxmtp.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
-from jaxmtp.sampling_params import SamplingParams  # noqa: E402
-from jaxmtp.structured_outputs import StructuredOutputsParams  # noqa: E402
+from jaxmtp.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxmtp.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput  # noqa: E402
+from jaxmtp.engine.sampling_params import SamplingParams  # noqa: E402
+from jaxmtp.engine.structured_outputs import StructuredOutputsParams  # noqa: E402
 
 __all__ = [
     "__version__", "LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics",

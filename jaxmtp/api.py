@@ -9,9 +9,9 @@ from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
-from jaxmtp.engine import LLMEngine
-from jaxmtp.outputs import RequestOutput
-from jaxmtp.sampling_params import RequestOutputKind, SamplingParams
+from jaxmtp.engine.llm_engine import LLMEngine
+from jaxmtp.engine.outputs import RequestOutput
+from jaxmtp.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict  # dicts as vLLM's: {"prompt": text} or {"prompt_token_ids": ids}
 
@@ -43,7 +43,7 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self):
-        """The model's jaxmtp.tokenizer.Tokenizer (None for a model without tokenizer.json)."""
+        """The model's jaxmtp.loading.tokenizer.Tokenizer (None for a model without tokenizer.json)."""
         return self.tokenizer
 
     def generate(

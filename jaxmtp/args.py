@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from jaxmtp.engine_config import EngineConfig
+from jaxmtp.engine.engine_config import EngineConfig
 
 # The shipped models: checkpoints/ beside the package in a checkout (and an editable
 # install), jaxmtp/checkpoints/ inside it when installed from a wheel (pyproject's package-dir).
@@ -95,8 +95,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's keyword arguments from the parsed engine options."""
     kwargs = option_values(args, EngineConfig)
     if kwargs["num_speculative_tokens"] is None:
-        from jaxmtp import hub
-        from jaxmtp.config import load_config
+        from jaxmtp.loading import hub
+        from jaxmtp.models.registry import load_config
 
         has_mtp = load_config(hub.resolve_model(resolve_model(args), kwargs["revision"])).num_mtp_modules
         kwargs["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS if has_mtp else 0

@@ -39,8 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_train_mtp(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jaxmtp import LLM
-    from jaxmtp import train
+    from jaxmtp import LLM, train
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,13 +20,14 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from jaxmtp import model, mtp
-from jaxmtp.allocator import pages_for
-from jaxmtp.batch import Batch, slot_of, unprocessed
-from jaxmtp.cache import allocate_cache
-from jaxmtp.config import ModelConfig
-from jaxmtp.loader import save_checkpoint
-from jaxmtp.params import MTPParams, Params, pytree_dataclass
+from jaxmtp.engine.allocator import pages_for
+from jaxmtp.loading.loader import save_checkpoint
+from jaxmtp.models import model
+from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.params import MTPParams, Params, pytree_dataclass
+from jaxmtp.worker import mtp
+from jaxmtp.worker.batch import Batch, slot_of, unprocessed
+from jaxmtp.worker.cache import allocate_cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +198,7 @@ def story_prompts(names: list[str], openings: list[str]) -> list[str]:
 
 def self_distillation_corpus(llm, prompts: list[str], samples_per_prompt: int, max_tokens: int, seed: int) -> list[list[int]]:
     """Text the base model writes itself: sampled at several temperatures plus greedy."""
-    from jaxmtp.sampling_params import SamplingParams
+    from jaxmtp.engine.sampling_params import SamplingParams
 
     requests, params = [], []
     temperatures = (0.0, 0.5, 0.8, 1.0)

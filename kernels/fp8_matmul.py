@@ -2,7 +2,7 @@
 one per block_k x block_n block (DeepSeek-V3's format, 128 x 128), as one Pallas
 kernel lowered through Triton, and its jnp reference (same signature).
 
-Layout (jaxmtp/linear.py puts every linear layer's weight in it):
+Layout (jaxmtp/models/linear.py puts every linear layer's weight in it):
   x          [M, K]               activations (float32, bfloat16 or float16)
   weight     [K, P, N]            float8_e4m3fn; P column groups of N (gate and up of a
                                   stacked MLP: P = 2; a plain matrix: P = 1)

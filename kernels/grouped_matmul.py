@@ -1,7 +1,7 @@
 """Grouped matmul: the expert FFNs of a mixture of experts, one Pallas kernel per
 projection, lowered through Triton; with its plain-jnp reference of the same signature.
 
-Layout (fixed by jaxmtp/moe.py):
+Layout (fixed by jaxmtp/models/moe.py):
   lhs          [M0, K]    the rows; with `rows`, sorted row i is lhs[rows[i]] (the
                           token gather fused into the kernel's loads), else lhs itself
   rows         int32 [M]  optional: which lhs row each sorted row reads
@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.ragged_paged_attention import _TritonCompilerParams, _cdiv, _next_power_of_2
+from jaxmtp.kernels.ragged_paged_attention import _cdiv, _next_power_of_2, _TritonCompilerParams
 
 HIGHEST = lax.Precision.HIGHEST
 

@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.ragged_paged_attention import _NUM_SMS, _TritonCompilerParams, _cdiv, _merge_splits, _next_power_of_2
+from jaxmtp.kernels.ragged_paged_attention import _NUM_SMS, _cdiv, _merge_splits, _next_power_of_2, _TritonCompilerParams
 from jaxmtp.kernels.reference import row_ownership
 
 _LOG2E = math.log2(math.e)

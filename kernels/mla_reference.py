@@ -2,7 +2,7 @@
 the engine's path for the expanded form, and for the absorbed form off GPUs (on GPUs it
 is kernels/mla_decode.py).
 
-Layout (jaxmtp/cache.py, MLA):
+Layout (jaxmtp/worker/cache.py, MLA):
   latent_pages  [num_pages, page_size, 1, R]   the compressed latent c (after its norm)
   rope_pages    [num_pages, page_size, 1, Dr]  the shared rope key (after RoPE)
   kv_lens, page_table, query_start: as kernels/reference.py (ragged q rows, each

@@ -77,11 +77,11 @@ def until_prefill_emits(engine, prompt: list[int], request_id: str = "probe", ma
 
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     """Logits at every prompt position through the engine's real paged path."""
-    from jaxmtp import model
-    from jaxmtp.batch import BatchShape, build_batch
-    from jaxmtp.sampling_params import SamplingParams
-    from jaxmtp.scheduler import ScheduledRows
-    from jaxmtp.sequence import Sequence
+    from jaxmtp.models import model
+    from jaxmtp.worker.batch import BatchShape, build_batch
+    from jaxmtp.engine.sampling_params import SamplingParams
+    from jaxmtp.engine.scheduler import ScheduledRows
+    from jaxmtp.engine.sequence import Sequence
 
     pages = engine.allocator.allocate(math.ceil(len(ids) / engine.page_size))
     seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
@@ -105,8 +105,8 @@ def make_modules_model(folder: Path, num_modules: int) -> Path:
 
     import jax
 
-    from jaxmtp.config import load_config
-    from jaxmtp.loader import load_params, save_checkpoint
+    from jaxmtp.models.registry import load_config
+    from jaxmtp.loading.loader import load_params, save_checkpoint
 
     cfg = load_config(MTP_MODEL)
     params = load_params(MTP_MODEL, cfg)

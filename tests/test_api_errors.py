@@ -107,7 +107,7 @@ def test_vllm_prompt_dicts_and_get_tokenizer(llm):
 
 
 def test_speculative_config_in_vllm_form():
-    from jaxmtp.engine_config import EngineConfig
+    from jaxmtp.engine.engine_config import EngineConfig
 
     assert EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).num_speculative_tokens == 3
     for bad, message in [

@@ -81,7 +81,7 @@ def test_throughput_runs_every_prompt(tmp_path, capsys):
 def server():
     import uvicorn
 
-    from jaxmtp.engine import LLMEngine
+    from jaxmtp.engine.llm_engine import LLMEngine
     from jaxmtp.server import create_app
 
     engine = LLMEngine(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=16)

@@ -10,7 +10,7 @@ import numpy as np
 
 from conftest import STORIES, make_hf_model, prompt_logits
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.loader import save_checkpoint
+from jaxmtp.loading.loader import save_checkpoint
 
 GREEDY = SamplingParams(max_tokens=30, temperature=0.0)
 
@@ -54,7 +54,7 @@ def test_dummy_load_format_needs_only_config(tmp_path):
 def test_trained_head_exports_to_the_deepseek_hf_layout(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from jaxmtp.loader import export_hf_checkpoint
+    from jaxmtp.loading.loader import export_hf_checkpoint
 
     mtp_model = STORIES.parent / "stories260K-mtp"
     llm = LLM(mtp_model, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=64)
@@ -109,14 +109,14 @@ def _stories_config(tmp_path, **changes):
     (dict(torch_dtype="float64"), "torch_dtype 'float64'"),
 ])
 def test_config_values_the_engine_does_not_implement_are_refused_by_name(tmp_path, changes, message):
-    from jaxmtp.config import load_config
+    from jaxmtp.models.registry import load_config
 
     with pytest.raises(ValueError, match=message):
         load_config(_stories_config(tmp_path, **changes))
 
 
 def test_dtype_auto_is_the_checkpoints_and_an_explicit_dtype_wins(tmp_path):
-    from jaxmtp.config import load_config
+    from jaxmtp.models.registry import load_config
 
     for name in ("float32", "bfloat16", "float16"):
         assert load_config(_stories_config(tmp_path, torch_dtype=name)).dtype == name
@@ -130,8 +130,8 @@ def test_dtype_auto_is_the_checkpoints_and_an_explicit_dtype_wins(tmp_path):
 def test_weight_loading_shows_a_progress_bar_of_its_tensors(monkeypatch):
     import io
 
-    import jaxmtp.loader as loader
-    from jaxmtp.config import load_config
+    import jaxmtp.loading.loader as loader
+    from jaxmtp.models.registry import load_config
 
     bars = []
 

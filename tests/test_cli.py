@@ -67,7 +67,7 @@ def test_engine_options_are_engine_config_fields_with_their_defaults():
     import dataclasses
 
     from jaxmtp.args import CLI_ENGINE_DEFAULTS
-    from jaxmtp.engine_config import EngineConfig
+    from jaxmtp.engine.engine_config import EngineConfig
 
     parsers = subcommand_parsers()
     for name in ("generate", "serve"):
@@ -89,7 +89,7 @@ def test_engine_kwargs_keep_the_command_lines_own_defaults():
     from conftest import MTP_MODEL, STORIES
     from jaxmtp.args import engine_kwargs
     from jaxmtp.cli import build_parser
-    from jaxmtp.engine_config import EngineConfig
+    from jaxmtp.engine.engine_config import EngineConfig
 
     parser = build_parser()
     kwargs = engine_kwargs(parser.parse_args(["generate", "--model", str(MTP_MODEL)]))

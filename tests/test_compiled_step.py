@@ -13,8 +13,8 @@ import pytest
 
 from conftest import MTP_MODEL, ROOT, STORIES, assert_no_leaks, random_prompts, token_ids
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.batch import BatchShape, BucketPlan
-from jaxmtp.engine import num_compiles
+from jaxmtp.worker.batch import BatchShape, BucketPlan
+from jaxmtp.worker.programs import num_compiles
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -87,8 +87,8 @@ def test_kv_write_fills_the_rows_slots_and_drops_the_padding_rows(rng, rows):
     slots past the end) change nothing; one row takes the two-row scatter path."""
     import jax
 
-    from jaxmtp.attention import write_kv
-    from jaxmtp.cache import dropped_index
+    from jaxmtp.models.attention import write_kv
+    from jaxmtp.worker.cache import dropped_index
 
     pages, page_size, heads, dim = 6, 4, 2, 8
     num_slots = pages * page_size
@@ -105,7 +105,7 @@ def test_kv_write_fills_the_rows_slots_and_drops_the_padding_rows(rng, rows):
 
 
 def test_page_copies_read_every_source_first_and_drop_the_padding(rng):
-    from jaxmtp.cache import KVCache, copy_pages, page_copy_arrays
+    from jaxmtp.worker.cache import KVCache, copy_pages, page_copy_arrays
 
     pages = rng.standard_normal((2, 7, 4, 2, 8)).astype(np.float32)
     cache = KVCache(k=[pages[0]], v=[pages[1]])
@@ -124,7 +124,7 @@ import jax
 jax.config.update("jax_compilation_cache_dir", {str(tmp_path)!r})
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.engine import num_compiles
+from jaxmtp.worker.programs import num_compiles
 llm = LLM({str(MTP_MODEL)!r}, num_speculative_tokens=1, max_num_seqs=2, max_num_batched_tokens=16)
 shapes = llm.engine.warmup(num_threads=2)
 before = num_compiles()

@@ -1,6 +1,6 @@
 """Incremental detokenisation and stop strings against full decodes and brute force.
 
-The exact contract (jaxmtp/detokenizer.py): "".join(pieces) + finish() equals
+The exact contract (jaxmtp/engine/detokenizer.py): "".join(pieces) + finish() equals
 decode(P + O)[len(decode(P)):] when decode(P + O) starts with decode(P) and no more than
 MAX_HELD_TOKENS tokens in a row leave the text unfinished. The random outputs here keep
 byte-fallback runs at most 6 long, each closed by an ordinary token; the byte-level
@@ -19,10 +19,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conftest import STORIES
-from jaxmtp import detokenizer
-from jaxmtp.detokenizer import IncrementalDetokenizer
-from jaxmtp.stop_strings import StopStringMatcher
-from jaxmtp.tokenizer import Tokenizer
+from jaxmtp.engine.llm_engine import detokenizer
+from jaxmtp.engine.detokenizer import IncrementalDetokenizer
+from jaxmtp.engine.stop_strings import StopStringMatcher
+from jaxmtp.loading.tokenizer import Tokenizer
 
 BPE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MULTIBYTE = ["中", "日本語", "😀", "👍🏽", "é", "ñ", "ß", "Ω", "€", "🇫🇷", "한국어", "\u00a0"]

@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import ROOT, fresh_rng, greedy, make_hf_model, prompt_logits, token_ids
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.config import load_config
-from jaxmtp.params import FP8, Fp8Weight
+from jaxmtp.models.registry import load_config
+from jaxmtp.models.params import FP8, Fp8Weight
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 BLOCK = 128
@@ -185,7 +185,7 @@ def test_logits_and_greedy_match_transformers_on_the_dequantized_weights(llama_f
 def test_the_engine_runs_the_pallas_kernel_where_the_attention_does(llama_fp8, llama_engine, rng):
     """attention_backend pallas_interpret: every fp8 matmul goes through the kernel (in
     interpret mode), and gives the reference's logits."""
-    from jaxmtp.linear import fp8_matmul_for
+    from jaxmtp.models.linear import fp8_matmul_for
 
     quantization = llama_engine.engine.model_config.quantization
     assert fp8_matmul_for("auto", 1, quantization) == "reference"  # a CPU
@@ -253,11 +253,11 @@ def test_dummy_weights_of_an_fp8_config_are_fp8_and_leave_the_kv_pool_the_bytes_
     """load_format dummy builds fp8 weights for any config with this
     quantization_config (so every shape can be benchmarked): a byte a weight plus
     their scales. On an accelerator the KV pool is sized from the allocator's bytes in
-    use after the weights are placed (jaxmtp/memory.py), so it gains what fp8 saves."""
+    use after the weights are placed (jaxmtp/worker/memory.py), so it gains what fp8 saves."""
     import dataclasses
 
-    from jaxmtp.memory import activation_bytes, page_bytes, plan_kv_pool
-    from jaxmtp.params import param_shapes
+    from jaxmtp.worker.memory import activation_bytes, page_bytes, plan_kv_pool
+    from jaxmtp.models.params import param_shapes
     from test_memory import FakeGPU
 
     hf = {"model_type": "llama", "vocab_size": 97, "num_hidden_layers": 2, "torch_dtype": "bfloat16",

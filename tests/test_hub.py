@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, STORIES, golden_ids
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.hub import resolve_model
+from jaxmtp.loading.hub import resolve_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 OTHER = "fedcba9876543210fedcba9876543210fedcba98"

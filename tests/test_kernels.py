@@ -218,11 +218,11 @@ def test_default_config_shapes():
 @pytest.mark.parametrize("extra", [1, 2])
 def test_rows_before_each_request_as_a_draft_module_lays_them_out(extra):
     """MTP module j > 1 recomputes up to j-1 rows before each request's first row
-    (jaxmtp.batch.with_rows_before): the kernel takes that layout as it comes, every row
+    (jaxmtp.worker.batch.with_rows_before): the kernel takes that layout as it comes, every row
     at the position with_rows_before gave it (its kv_len minus its rows after it)."""
     import dataclasses
 
-    from jaxmtp.batch import Batch, field_shapes, with_rows_before
+    from jaxmtp.worker.batch import Batch, field_shapes, with_rows_before
 
     rng, seed = _new_rng()
     page_size, k, pad_rows = 4, 2, 3

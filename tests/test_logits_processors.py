@@ -14,8 +14,8 @@ import pytest
 
 from conftest import MTP_MODEL, STORIES, fresh_rng
 from jaxmtp import LLM, SamplingParams
-from jaxmtp import logits_processors as lp
-from jaxmtp.intake import bad_words_ids
+from jaxmtp.worker import logits_processors as lp
+from jaxmtp.engine.intake import bad_words_ids
 
 VOCAB = 512
 EOS = 2

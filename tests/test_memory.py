@@ -1,4 +1,4 @@
-"""How the KV pool is sized (jaxmtp/memory.py): from an accelerator's free memory after
+"""How the KV pool is sized (jaxmtp/worker/memory.py): from an accelerator's free memory after
 the weights and activations, from a byte budget, capped at what max_num_seqs requests
 of max_model_len need, and a ValueError naming what to change when one request cannot
 fit. The accelerator branch runs here on a stand-in device that reports memory stats."""
@@ -11,8 +11,8 @@ import jax
 import pytest
 
 from conftest import STORIES
-from jaxmtp.config import load_config
-from jaxmtp.memory import GiB, activation_bytes, page_bytes, plan_kv_pool
+from jaxmtp.models.registry import load_config
+from jaxmtp.worker.memory import GiB, activation_bytes, page_bytes, plan_kv_pool
 
 CFG = load_config(STORIES)
 
@@ -75,7 +75,7 @@ def test_under_tensor_parallelism_a_device_holds_its_share_of_a_page():
     """GQA's K and V pages split by kv head; MLA's latent pages (no head dim) and the
     hidden pages of several MTP modules whole on every device. So an MLA pool does not
     grow with the devices: each holds all of it."""
-    from jaxmtp.config import MLAConfig
+    from jaxmtp.models.config import MLAConfig
 
     mla = dataclasses.replace(CFG, mla=MLAConfig(None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                                  v_head_dim=128))

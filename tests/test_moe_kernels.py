@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import fresh_rng
-from jaxmtp.config import MoEConfig
-from jaxmtp.mla import mla_attention_fn
-from jaxmtp.moe import route, routed_experts
+from jaxmtp.models.config import MoEConfig
+from jaxmtp.models.mla import mla_attention_fn
+from jaxmtp.models.moe import route, routed_experts
 from jaxmtp.kernels.grouped_matmul import grouped_matmul_reference
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from test_kernels import make_case
@@ -157,7 +157,7 @@ def test_routed_experts_match_a_per_token_loop():
     down = (0.5 * rng.standard_normal((num_experts, inter, h))).astype(np.float32)
     experts = np.stack([rng.choice(num_experts - 1, size=k, replace=False) for _ in range(t)])  # expert 5 unused
     weights = rng.random((t, k)).astype(np.float32)
-    from jaxmtp.moe import Routing
+    from jaxmtp.models.moe import Routing
 
     got = routed_experts(jnp.asarray(x), Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(weights)),
                          jnp.asarray(gate_up), jnp.asarray(down))
@@ -175,7 +175,7 @@ def test_experts_held_apart_add_up_to_all_experts(num_devices):
     """Expert parallelism's split, on one device: each device's routed_experts over the
     experts it holds (from first_expert; the pairs of others weigh nothing) sums to
     all experts' output, also when a device's experts get no row or every row."""
-    from jaxmtp.moe import Routing
+    from jaxmtp.models.moe import Routing
 
     rng, seed = seeded()
     t, h, inter, num_experts, k = 20, 12, 8, 6, 3
@@ -281,7 +281,7 @@ def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
     np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
 
     import jaxmtp.kernels.mla_reference as ref
-    import jaxmtp.mla as mla
+    import jaxmtp.models.mla as mla
 
     original = mla.mla_absorbed_attention_reference
     mla.mla_absorbed_attention_reference = lambda *a, **kw: 2 * original(*a, **kw)

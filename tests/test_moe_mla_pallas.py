@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmtp.mla import mla_attention_fn, resolve_mla_backend
-from jaxmtp.moe import Routing, routed_experts
+from jaxmtp.models.mla import mla_attention_fn, resolve_mla_backend
+from jaxmtp.models.moe import Routing, routed_experts
 from jaxmtp.kernels import grouped_matmul as gm
 from jaxmtp.kernels.mla_decode import MLAKernelConfig, mla_decode_attention
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference

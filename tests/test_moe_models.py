@@ -12,8 +12,8 @@ import torch
 
 from conftest import prompt_logits
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.config import load_config
-from jaxmtp.moe import route
+from jaxmtp.models.registry import load_config
+from jaxmtp.models.moe import route
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 0.8, "rope_theta": 10000.0}
@@ -201,8 +201,8 @@ def test_real_configs_give_the_published_parameter_counts(tmp_path, hf_config, m
 
     import jax
 
-    from jaxmtp.params import param_shapes
-    from jaxmtp.sharding import check_divisible
+    from jaxmtp.models.params import param_shapes
+    from jaxmtp.worker.sharding import check_divisible
 
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
     cfg = load_config(tmp_path)

@@ -2,7 +2,7 @@
 device, experts split) and GLM-4.5 (GQA heads split, experts split), each with its MTP
 layer, on forced CPU devices: TP=2 and TP=4 give TP=1's greedy tokens, first drafts,
 draft cache rows and per-position acceptance, under chunked prefill, prefix caching and
-preemption; every array is placed as jaxmtp/sharding.py's rules say. (Sampling reads
+preemption; every array is placed as jaxmtp/worker/sharding.py's rules say. (Sampling reads
 the logits the same way for every body: tests/test_tensor_parallel.py samples under TP.)
 
 As tests/test_tensor_parallel.py, the engines run in ONE subprocess (this file run as a
@@ -70,7 +70,7 @@ def _run(folder: str, tp: int) -> dict:
 
     from conftest import greedy, until_prefill_emits
     from jaxmtp import LLM
-    from jaxmtp.engine import num_compiles
+    from jaxmtp.worker.programs import num_compiles
 
     start, compiles = time.perf_counter(), num_compiles()
     llm = LLM(folder, tensor_parallel_size=tp, **ENGINE)

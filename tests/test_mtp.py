@@ -11,8 +11,8 @@ import pytest
 
 from conftest import MTP_MODEL, STORIES, assert_no_leaks, greedy, make_modules_model, token_ids, until_prefill_emits
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.engine import num_compiles
-from jaxmtp.sampling import verify_and_sample
+from jaxmtp.worker.programs import num_compiles
+from jaxmtp.worker.sampling import verify_and_sample
 from test_sampling import g_test
 
 PAGE = 16
@@ -199,8 +199,8 @@ def test_greedy_with_several_modules_equals_without(plain, modules_model, rng, k
 
 def test_only_the_modules_drafting_runs_are_loaded(modules_model):
     """k speculative tokens draft with min(k, N) modules; the others stay on disk."""
-    from jaxmtp.config import load_config
-    from jaxmtp.loader import load_params
+    from jaxmtp.models.registry import load_config
+    from jaxmtp.loading.loader import load_params
 
     for k, m in ((1, 1), (2, 2), (4, 3)):
         engine = make_llm(modules_model, num_speculative_tokens=k).engine

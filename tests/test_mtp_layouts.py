@@ -3,7 +3,7 @@
 Tiny checkpoints are written by hand (safetensors + config.json) with random norms and
 biases, so a mixed-up norm, a swapped concat order or the wrong pre/post-final-norm
 hidden state changes the draft logits. The reference below is float64 NumPy and shares
-no code with jaxmtp.model.
+no code with jaxmtp.models.model.
 """
 
 from __future__ import annotations
@@ -266,10 +266,11 @@ def engine_draft_logits(engine, ids: list[int]) -> tuple[np.ndarray, np.ndarray]
     layer cfg.num_layers), mtp.module_logits."""
     import jax.numpy as jnp
 
-    from jaxmtp import model, mtp
-    from jaxmtp.batch import BatchShape, build_batch
-    from jaxmtp.scheduler import ScheduledRows
-    from jaxmtp.sequence import Sequence
+    from jaxmtp.models import model
+    from jaxmtp.worker import mtp
+    from jaxmtp.worker.batch import BatchShape, build_batch
+    from jaxmtp.engine.scheduler import ScheduledRows
+    from jaxmtp.engine.sequence import Sequence
 
     cfg, params, cache = engine.model_config, engine.params, engine.cache
     assert len(cache.k) == cfg.num_layers + 1
@@ -304,7 +305,7 @@ def _prompt(rng, n: int) -> list[int]:
 
 
 def test_hand_built_config_selects_the_layout(tmp_path, rng):
-    from jaxmtp.config import load_config
+    from jaxmtp.models.registry import load_config
 
     expected = {"mimo": ("mimo", True), "deepseek-own-head": ("deepseek", False)}
     for layout, (mtp_layout, bias) in expected.items():

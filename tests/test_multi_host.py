@@ -84,7 +84,7 @@ def scenario(**nodes) -> dict:
 def collectives(runner) -> dict:
     """The cross-device collectives of the compiled decode step (2 requests, greedy),
     from its HLO: per kind, how many and the bytes of their results."""
-    from jaxmtp.batch import BatchShape
+    from jaxmtp.worker.batch import BatchShape
 
     sizes = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "pred": 1}
     found: dict[str, list[int]] = {}
@@ -320,7 +320,7 @@ def test_nodes_whose_engines_differ_refuse_to_start(tmp_path):
 
 
 def test_node_options_are_checked_before_anything_runs():
-    from jaxmtp.engine_config import EngineConfig
+    from jaxmtp.engine.engine_config import EngineConfig
 
     for kwargs, message in (
         (dict(num_nodes=2), "needs coordinator as HOST:PORT"),
@@ -336,9 +336,9 @@ def test_node_options_are_checked_before_anything_runs():
 
 
 def test_step_messages_carry_every_input_exactly():
-    from jaxmtp import distributed
-    from jaxmtp.batch import BatchShape
-    from jaxmtp.runner import StepInputs
+    from jaxmtp.worker import distributed
+    from jaxmtp.worker.batch import BatchShape
+    from jaxmtp.worker.runner import StepInputs
 
     rng = np.random.default_rng(0)
     inputs = StepInputs(

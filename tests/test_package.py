@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 from conftest import ROOT
 
@@ -52,11 +54,15 @@ def test_a_wheel_install_generates_with_the_shipped_model_from_another_folder(tm
 def test_an_editable_install_maps_jaxmtp_kernels_to_the_kernels_folder(tmp_path):
     """pip install -e . (CI and the GPU machine run from the source tree so): setuptools'
     finder maps jaxmtp.kernels to kernels/, and no top-level `kernels`. Installed into a
-    venv made here, over this interpreter's packages, so the shared install is left alone."""
+    venv made here that sees this interpreter's packages through a .pth file (its pip and
+    setuptools build the install; --system-site-packages would give the base Python's,
+    not this environment's), so the shared install is left alone."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True,
-                   timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    venv_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    (Path(venv_site) / "outer_environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e",
                               str(ROOT)], capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-2000:]

@@ -102,8 +102,8 @@ def test_a_float16_checkpoint_runs_in_float16_within_float16_rounding(tmp_path, 
 def test_every_hidden_act_is_transformers_activation():
     from transformers.activations import ACT2FN
 
-    from jaxmtp.config import HIDDEN_ACTIVATIONS
-    from jaxmtp.layers import ACTIVATIONS
+    from jaxmtp.models.config import HIDDEN_ACTIVATIONS
+    from jaxmtp.models.layers import ACTIVATIONS
 
     assert set(ACTIVATIONS) == set(HIDDEN_ACTIVATIONS)
     x = np.linspace(-6, 6, 1001, dtype=np.float32)

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, STORIES, assert_no_leaks, greedy, make_modules_model, random_prompts, token_ids
-from jaxmtp import LLM, SamplingParams, prefix_cache
-from jaxmtp.allocator import PageAllocator
-from jaxmtp.engine import num_compiles
-from jaxmtp.prefix_cache import PrefixCache
-from jaxmtp.sequence import Sequence
+from jaxmtp import LLM, SamplingParams
+from jaxmtp.engine.llm_engine import prefix_cache
+from jaxmtp.engine.allocator import PageAllocator
+from jaxmtp.worker.programs import num_compiles
+from jaxmtp.engine.prefix_cache import PrefixCache
+from jaxmtp.engine.sequence import Sequence
 
 MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"
 PAGE = 16

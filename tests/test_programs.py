@@ -11,9 +11,9 @@ import time
 
 from conftest import MTP_MODEL, random_prompts, token_ids
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.batch import BatchShape, BucketPlan
-from jaxmtp.engine import num_compiles
-from jaxmtp.programs import StepPrograms
+from jaxmtp.worker.batch import BatchShape, BucketPlan
+from jaxmtp.worker.programs import num_compiles
+from jaxmtp.worker.programs import StepPrograms
 
 
 class FakeLowered:
@@ -72,7 +72,7 @@ def test_background_compilation_counts_down_and_a_failed_shape_stays_on_a_larger
     programs.compile_all([largest])
     gate.clear()
     rest = [shape(8, 1), shape(16, 2), shape(16, 4), largest]
-    with caplog.at_level(logging.INFO, "jaxmtp.programs"):
+    with caplog.at_level(logging.INFO, "jaxmtp.worker.programs"):
         programs.compile_all(rest, background=True)
         assert programs.compiling and programs.num_left == 3  # the largest was compiled already
         assert programs.shape_to_run(shape(8, 1)) == largest

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import MTP_MODEL, STORIES, fresh_rng, random_prompts
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.sampling_params import RequestOutputKind
+from jaxmtp.engine.sampling_params import RequestOutputKind
 
 ENGINE = dict(page_size=4, max_num_seqs=4, prefill_chunk_size=7, max_num_batched_tokens=16, max_logprobs=5)
 TOP = 3

@@ -12,7 +12,7 @@ from scipy import stats
 
 from conftest import STORIES
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.sampling import filter_logits, verify_and_sample
+from jaxmtp.worker.sampling import filter_logits, verify_and_sample
 
 
 def numpy_filtered_probs(logits, temperature, top_k, top_p, min_p, margin=None):

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from jaxmtp.allocator import PageAllocator, pages_for
-from jaxmtp.prefix_cache import PrefixCache
-from jaxmtp.sampling_params import SamplingParams
-from jaxmtp.scheduler import Scheduler, SchedulerConfig
-from jaxmtp.sequence import Sequence, Status
+from jaxmtp.engine.allocator import PageAllocator, pages_for
+from jaxmtp.engine.prefix_cache import PrefixCache
+from jaxmtp.engine.sampling_params import SamplingParams
+from jaxmtp.engine.scheduler import Scheduler, SchedulerConfig
+from jaxmtp.engine.sequence import Sequence, Status
 
 
 def create_scheduler(num_pages=16, page_size=4, max_num_seqs=4, budget=16, chunk=None, k=0, prefix_caching=False):

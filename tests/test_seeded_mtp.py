@@ -2,7 +2,7 @@
 alone, in a crowd that preempts it, and with or without MTP speculation.
 
 The token at output index n is the target distribution's sample under noise keyed by
-(seed, n), whether a plain row or a verify row produces it (jaxmtp/sampling.py), so a
+(seed, n), whether a plain row or a verify row produces it (jaxmtp/worker/sampling.py), so a
 request resumed after preemption (whose first token comes from a plain prefill row
 where the uninterrupted run verified a draft) continues as if nothing happened."""
 

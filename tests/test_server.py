@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -135,7 +136,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from jaxmtp.tokenizer import Tokenizer
+    from jaxmtp.loading.tokenizer import Tokenizer
 
     return Tokenizer(MODEL)
 
@@ -407,22 +408,41 @@ def test_api_key_guards_all_but_health(guarded_server):
 
 
 def test_overload_answers_429_at_once(guarded_server):
+    """With one request running and one waiting (the guarded server's limits), further
+    requests get 429 without waiting for room: each 429 arrives before the running
+    stream has finished its 300 tokens (an ordering of two events, not a wall-clock
+    bound, so a loaded machine cannot fail it)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    body = dict(prompt="Once upon a time", max_tokens=64, ignore_eos=True, **GREEDY)
+    body = dict(prompt="Once upon a time", max_tokens=300, ignore_eos=True, **GREEDY)
+    first_chunk, finished = threading.Event(), {}
 
-    def post(_):
-        start = time.monotonic()
-        response = httpx.post(guarded_server.url + "/v1/completions", json=body, headers=headers, timeout=120)
-        return response, time.monotonic() - start
+    def stream(name):
+        with httpx.stream("POST", guarded_server.url + "/v1/completions", json={**body, "stream": True},
+                          headers=headers, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: ") and name == "running":
+                    first_chunk.set()
+        finished[name] = time.monotonic()
 
-    with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        results = list(pool.map(post, range(12)))
-    statuses = [r.status_code for r, _ in results]
-    assert set(statuses) == {200, 429}, statuses
-    for response, elapsed in results:
-        if response.status_code == 429:
-            assert assert_openai_error(response, 429)["type"] == "rate_limit_error"
-            assert elapsed < 2.0
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        running = pool.submit(stream, "running")
+        assert first_chunk.wait(60), "the running stream sent nothing"
+        waiting = pool.submit(stream, "waiting")
+        deadline = time.monotonic() + 60
+        while sample_value(httpx.get(guarded_server.url + "/metrics", headers=headers).text, "jaxmtp_requests_waiting") != 1:
+            assert time.monotonic() < deadline, "the second stream never waited"
+            time.sleep(0.01)
+
+        def post(_):
+            response = httpx.post(guarded_server.url + "/v1/completions", json=body, headers=headers, timeout=120)
+            return response, time.monotonic()
+
+        refused = list(pool.map(post, range(4)))
+        running.result(), waiting.result()
+    for response, answered in refused:
+        assert assert_openai_error(response, 429)["type"] == "rate_limit_error"
+        assert answered < finished["running"]
 
 
 # ----- schema fuzzing -----------------------------------------------------------------------
@@ -476,7 +496,7 @@ def test_serve_reports_bad_options_without_a_traceback():
 def inprocess():
     from fastapi.testclient import TestClient
 
-    from jaxmtp.engine import LLMEngine
+    from jaxmtp.engine.llm_engine import LLMEngine
     from jaxmtp.server import create_app
 
     engine = LLMEngine(MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8)

@@ -25,7 +25,7 @@ HI = [{"role": "user", "content": "Hi"}]
 
 @pytest.fixture(scope="module")
 def engine():
-    from jaxmtp.engine import LLMEngine
+    from jaxmtp.engine.llm_engine import LLMEngine
 
     return LLMEngine(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8)
 

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MTP_MODEL, STORIES
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.structured_outputs import StructuredOutputsParams
+from jaxmtp.engine.structured_outputs import StructuredOutputsParams
 
 ENGINE = dict(page_size=4, max_num_seqs=4, prefill_chunk_size=7, max_num_batched_tokens=16, num_pages=60,
               enable_prefix_caching=True)
@@ -125,7 +125,7 @@ def test_prefetched_masks_equal_masks_computed_when_the_batch_is_built(spec, rng
     batch, for the drafts chosen or any prefix of them; other drafts are computed then."""
     import numpy as np
 
-    from jaxmtp.structured_outputs import fill_row_masks
+    from jaxmtp.engine.structured_outputs import fill_row_masks
 
     grammars = spec.engine.intake.grammars
     seed = int(rng.integers(1 << 30))
@@ -165,7 +165,7 @@ def test_a_matcher_waits_for_the_prefetch_computing_on_its_state(spec):
 
     import numpy as np
 
-    from jaxmtp.structured_outputs import fill_row_masks
+    from jaxmtp.engine.structured_outputs import fill_row_masks
 
     grammars = spec.engine.intake.grammars
     params = StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT})
@@ -201,7 +201,7 @@ def test_constrained_sampling_follows_the_masked_distribution_with_mtp(spec, rng
     import torch
     import transformers
 
-    from jaxmtp.structured_outputs import fill_row_masks
+    from jaxmtp.engine.structured_outputs import fill_row_masks
     from test_sampling import g_test
 
     so, temperature, samples, alpha = {"choice": ["cat", "dog", "bird", "fish"]}, 0.8, 1500, 1e-4 / 2

@@ -1,5 +1,5 @@
 """Tensor parallelism on forced CPU devices: TP=2 and TP=4 give TP=1's outputs, every
-array is sharded as jaxmtp/sharding.py's rules say, and bad sizes fail clearly.
+array is sharded as jaxmtp/worker/sharding.py's rules say, and bad sizes fail clearly.
 
 The cases run in ONE subprocess (this file run as a script) with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 set before JAX starts: compile time
@@ -127,7 +127,7 @@ def _greedy_steps_run(tp: int) -> dict:
     acceptance and drafts. At TP=2 also the all-gathers of the compiled greedy and
     general steps."""
     from jaxmtp import LLM, SamplingParams
-    from jaxmtp.batch import BatchShape
+    from jaxmtp.worker.batch import BatchShape
 
     llm = LLM(STORIES_MTP, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8,
               num_speculative_tokens=2, prefill_chunk_size=3)
@@ -164,7 +164,7 @@ def _argmax_against_jnp(seed: int) -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxmtp import sharding
+    from jaxmtp.worker import sharding
 
     rng = np.random.default_rng(seed)
     vocab = 512
@@ -242,7 +242,7 @@ def worker(seed: int) -> dict:
 
     from conftest import make_modules_model
     from jaxmtp import LLM
-    from jaxmtp.loader import save_checkpoint
+    from jaxmtp.loading.loader import save_checkpoint
 
     assert len(jax.devices()) == NUM_DEVICES
     report = {"runs": {}, "layouts": {}, "errors": {}}

@@ -12,7 +12,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from conftest import STORIES
-from jaxmtp.tokenizer import Tokenizer
+from jaxmtp.loading.tokenizer import Tokenizer
 from test_detokenizer import build_byte_level_bpe
 
 transformers = pytest.importorskip("transformers")

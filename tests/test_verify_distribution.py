@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmtp.sampling import verify_and_sample
+from jaxmtp.worker.sampling import verify_and_sample
 from test_sampling import g_test, numpy_filtered_probs
 
 VOCAB = 6

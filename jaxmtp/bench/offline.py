@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from jaxmtp.bench.stats import RequestTimes, emit, environment, percentiles_ms, summarize
-from jaxmtp.sampling_params import RequestOutputKind, SamplingParams
+from jaxmtp.engine.sampling_params import RequestOutputKind, SamplingParams
 
 _request_ids = itertools.count()
 
@@ -59,8 +59,8 @@ def run_requests(engine, prompts: list, params: list[SamplingParams], arrivals=N
 
 def _engine(args: argparse.Namespace):
     from jaxmtp.args import engine_kwargs, resolve_model
-    from jaxmtp.engine import LLMEngine
-    from jaxmtp.programs import use_persistent_cache
+    from jaxmtp.engine.llm_engine import LLMEngine
+    from jaxmtp.worker.programs import use_persistent_cache
 
     if args.compilation_cache_dir:
         use_persistent_cache(args.compilation_cache_dir)
@@ -87,7 +87,7 @@ def _spec_results(engine, before) -> dict:
 
 
 def latency(args: argparse.Namespace) -> dict:
-    from jaxmtp.engine import num_compiles
+    from jaxmtp.worker.programs import num_compiles
 
     engine = _engine(args)
     rng = np.random.default_rng(args.prompt_seed)
@@ -118,7 +118,7 @@ def latency(args: argparse.Namespace) -> dict:
 
 
 def throughput(args: argparse.Namespace) -> dict:
-    from jaxmtp.engine import num_compiles
+    from jaxmtp.worker.programs import num_compiles
 
     engine = _engine(args)
     rng = np.random.default_rng(args.prompt_seed)

@@ -15,13 +15,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 import jaxmtp
-from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.server.config import ServerConfig
 from jaxmtp.server.formatting import ChatFormat, CompletionFormat, EchoFormat
 from jaxmtp.server.gate import RequestGate
 from jaxmtp.server.protocol import (
-    DEFAULT_COMPLETION_TOKENS, APIError, ChatCompletionRequest, CompletionRequest, bad_request, check_prompt_texts,
-    prompt_list, unsupported_field_message,
+    DEFAULT_COMPLETION_TOKENS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    check_prompt_texts,
+    prompt_list,
+    unsupported_field_message,
 )
 from jaxmtp.server.serving import Server
 from jaxmtp.server.stats_log import StatsLogger

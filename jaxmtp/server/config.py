@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from jaxmtp.engine_config import option
+from jaxmtp.engine.engine_config import option
 from jaxmtp.server.metrics import METRICS_NAMES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

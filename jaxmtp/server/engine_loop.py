@@ -8,8 +8,8 @@ import asyncio
 import logging
 import threading
 
-from jaxmtp.outputs import RequestOutput
-from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.engine.outputs import RequestOutput
+from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.server.metrics import Metrics
 from jaxmtp.server.protocol import APIError
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from jaxmtp.outputs import Logprob
+from jaxmtp.engine.outputs import Logprob
 from jaxmtp.server.generation import Choice
 
 

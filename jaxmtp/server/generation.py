@@ -9,8 +9,8 @@ import logging
 import time
 import uuid
 
-from jaxmtp.outputs import Logprob, RequestOutput
-from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.engine.outputs import Logprob, RequestOutput
+from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.server.engine_loop import EngineLoop
 from jaxmtp.server.metrics import Metrics
 from jaxmtp.server.protocol import APIError

@@ -103,8 +103,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from jaxmtp.engine import LLMEngine
-    from jaxmtp.programs import use_persistent_cache
+    from jaxmtp.engine.llm_engine import LLMEngine
+    from jaxmtp.worker.programs import use_persistent_cache
 
     config = ServerConfig(**option_values(args, ServerConfig))
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxmtp.outputs import RequestOutput
+from jaxmtp.engine.outputs import RequestOutput
 
 # series: (jaxmtp's name, vLLM's or None). Counters are named without "_total", which
 # the exposition adds.

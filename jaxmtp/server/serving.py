@@ -13,15 +13,22 @@ from pathlib import Path
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from jaxmtp.sampling_params import SamplingParams
+from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.server.config import ServerConfig
 from jaxmtp.server.engine_loop import EngineLoop
 from jaxmtp.server.formatting import CompletionFormat, sse
 from jaxmtp.server.generation import SHUTDOWN, Generation, Interrupted
 from jaxmtp.server.metrics import Metrics
 from jaxmtp.server.protocol import (
-    SAMPLING_FIELDS, APIError, ChatMessage, ChatTemplateFields, GenerationFields, chat_conversation, check_text,
-    logit_bias_ids, structured_outputs_of,
+    SAMPLING_FIELDS,
+    APIError,
+    ChatMessage,
+    ChatTemplateFields,
+    GenerationFields,
+    chat_conversation,
+    check_text,
+    logit_bias_ids,
+    structured_outputs_of,
 )
 
 log = logging.getLogger("jaxmtp.server")

@@ -1,0 +1,379 @@
+"""LLMEngine: request intake and the loop, one way:
+
+    outputs = postprocess(run(schedule()))
+
+The scheduler (host) decides the rows of the step, the runner (device) runs them, and
+postprocessing appends the tokens and makes the outputs. add_request/abort_request are
+safe to call from other threads (the server's event loop); step() runs on one thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxmtp.engine.allocator import PageAllocator, pages_for
+from jaxmtp.engine.engine_config import EngineConfig
+from jaxmtp.engine.intake import RequestIntake
+from jaxmtp.engine.output_processor import OutputProcessor, Request
+from jaxmtp.engine.outputs import RequestMetrics, RequestOutput
+from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
+from jaxmtp.engine.sampling_params import SamplingParams
+from jaxmtp.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxmtp.engine.sequence import SpecStats
+from jaxmtp.engine.structured_outputs import fill_row_masks
+from jaxmtp.loading.hub import resolve_model
+from jaxmtp.loading.tokenizer import Tokenizer
+from jaxmtp.models.registry import load_config
+from jaxmtp.worker.distributed import start_runner
+
+if TYPE_CHECKING:
+    from jaxmtp.worker.runner import InFlightStep, StepResult
+
+log = logging.getLogger("jaxmtp.engine.llm_engine")
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    computed_tokens: int = 0  # rows run through the main model (prefill and verify)
+    spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # all requests' drafts together
+    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
+    requests_finished: int = 0
+    failed_steps: int = 0
+    generation_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, **kwargs):
+        self.config = config = EngineConfig(**kwargs)
+        self.model_dir = model_dir = resolve_model(model, config.revision)
+        self.model_config = cfg = load_config(model_dir, config.dtype)
+        k = config.num_speculative_tokens
+        if k and not cfg.num_mtp_modules:
+            raise ValueError(
+                f"num_speculative_tokens={k} needs MTP weights, and {model_dir!s} has none "
+                "(no num_nextn_predict_layers in config.json)"
+            )
+        # M: the MTP modules the draft pass runs (module j drafts at depth j; past M, module M chains)
+        self.num_draft_modules = m = min(k, cfg.num_mtp_modules)
+        if config.enable_prefix_caching and m > 1 and (config.page_size < m or config.prefix_cache_boundary != "exact"):
+            # the rows a step rewrites before its first (up to M-1) must lie in the private
+            # copy-on-write page a cache hit ends with (docs/prefix-cache.md)
+            raise ValueError(
+                f"prefix caching with {m} MTP modules drafting needs page_size >= {m} and "
+                f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
+                f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
+            )
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.page_size = config.page_size
+        # room for k verify rows plus k-1 chained draft positions past the last token
+        self.max_pages_per_seq = pages_for(self.max_model_len + 2 * k, self.page_size)
+        self.runner = start_runner(model_dir, config, cfg, m, self.max_pages_per_seq)  # other ranks than 0 stay there
+        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        self.prefix_cache = None
+        # the salt: what besides the tokens decides a page's KV in this engine
+        self._salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
+        if config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.page_size, k > 0, config.prefix_cache_boundary, m)
+        self.allocator = PageAllocator(self.runner.num_pages, self.page_size, self.prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_chunk_size=config.chunk_size,
+                page_size=self.page_size,
+                max_pages_per_seq=self.max_pages_per_seq,
+                num_speculative_tokens=k,
+                num_draft_modules=m,
+            ),
+            self.allocator,
+            self.prefix_cache,
+        )
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.intake = RequestIntake(
+            tokenizer, model_dir.name, cfg.vocab_size, self.max_model_len, self.runner.step_config.num_top_logprobs,
+            self.eos_token_ids, config.seed,
+        )
+        self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
+        self.output_processor = OutputProcessor(tokenizer, with_spec_stats=k > 0, stats=self.stats)
+        self.requests: dict[str, Request] = {}
+        self._incoming: deque[Request] = deque()
+        self._aborts: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._in_flight: deque[InFlightStep] = deque()
+        self._step_ids = 0
+        self.usable = True  # False once a failed step could not be recovered from
+        # the last step read: its record (schedule and device arguments), rows and output,
+        # for tests, benchmarks and debugging
+        self.last_step: InFlightStep | None = None
+        self.last_schedule = []
+        self.last_step_output: StepResult | None = None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer (None without a tokenizer.json); the intake encodes with it."""
+        return self.intake.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Tokenizer | None) -> None:
+        self.intake.tokenizer = tokenizer
+
+    # ----- what the runner owns, for research code and tests --------------------------------
+
+    @property
+    def params(self):
+        return self.runner.params
+
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    @property
+    def oracle_tokens(self):
+        return self.runner.oracle_tokens
+
+    @oracle_tokens.setter
+    def oracle_tokens(self, table) -> None:
+        self.runner.oracle_tokens = table
+
+    def warmup(self, num_threads: int = 1, background: bool = False) -> int:
+        """Compile the step for every bucket shape; background: the largest now, the
+        rest while the engine already runs steps (ModelRunner.warmup)."""
+        return self.runner.warmup(num_threads, with_page_copies=self.prefix_cache is not None, background=background)
+
+    # ----- requests -------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        return self.intake.encode_prompt(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        self.intake.validate(prompt_ids, params)
+        tokens = len(prompt_ids) + params.max_tokens + self.config.num_speculative_tokens
+        if self.allocator.pages_for(tokens) > self.allocator.num_pages:
+            raise ValueError(f"request needs more KV pages than the pool holds ({self.allocator.num_pages})")
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+        cache_salt: str | None = None, arrival_time: float | None = None,
+    ) -> None:
+        """cache_salt: requests reuse each other's cached KV only when their salts are equal
+        (the server salts by API key, so one tenant's prompts cannot be probed by another).
+        arrival_time: when the request arrived, in time.monotonic() seconds (default: now);
+        the server gives the time its HTTP request came in."""
+        metrics = RequestMetrics(time.monotonic() if arrival_time is None else arrival_time)
+        params = params or SamplingParams()
+        params.validate()
+        text, ids = self.encode_prompt(prompt)
+        self.validate(ids, params)
+        salt = self._salt if cache_salt is None else model_salt(self._salt, cache_salt)
+        with self._lock:
+            if request_id in self.requests or any(r.request_id == request_id for r in self._incoming):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            seqs = self.intake.sequences(request_id, ids, params, salt)
+            for seq in seqs:
+                self.output_processor.start(seq)
+            self._incoming.append(Request(request_id, text, seqs, metrics))
+
+    def abort_request(self, request_id: str) -> None:
+        self._aborts.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._incoming)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Dispatched steps not read yet (at most one, with async_scheduling)."""
+        return len(self._in_flight)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet running: queued in the scheduler or not yet admitted. Safe from
+        any thread (the server's metrics and stats line read it while the engine steps)."""
+        with self._lock:  # the engine thread empties _incoming under it
+            incoming = sum(len(r.seqs) for r in self._incoming)
+        return len(self.scheduler.waiting) + incoming
+
+    # ----- the loop -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that progressed (as
+        its RequestOutputKind asks). With async_scheduling the step dispatched here is
+        read on the next call: step N+1 is scheduled, built and queued on the device
+        before step N's tokens are read, so the host's work overlaps the device's."""
+        outputs = self._admit_and_abort()
+        # A constrained request's next rows need its in-flight step's tokens (its grammar
+        # masks): scheduling without them would leave it out of the next step, and
+        # constrained requests would split into groups taking turns, each in half-full
+        # steps. Its step is read first instead.
+        while self._in_flight and any(item.seq.grammar is not None for item in self._in_flight[0].scheduled.rows):
+            outputs += self._postprocess(self._in_flight.popleft())
+        scheduled = self.scheduler.schedule()
+        if scheduled.rows:
+            self._dispatch(scheduled, outputs)
+        keep = 1 if scheduled.rows and self.config.async_scheduling else 0
+        while len(self._in_flight) > keep:
+            outputs += self._postprocess(self._in_flight.popleft())
+        return [out for out in outputs if out is not None]
+
+    def _admit_and_abort(self) -> list[RequestOutput | None]:
+        with self._lock:
+            while self._incoming:
+                request = self._incoming.popleft()
+                self.requests[request.request_id] = request
+                for seq in request.seqs:
+                    self.stats.prompt_tokens += len(seq.prompt_token_ids)
+                    self.scheduler.add(seq)
+        outputs = []
+        while self._aborts:
+            request = self.requests.get(self._aborts.popleft())
+            if request is not None:
+                outputs.append(self._end_request(request, "abort"))
+        return outputs
+
+    def _dispatch(self, scheduled: SchedulerOutput, outputs: list) -> None:
+        """Run the scheduled step. A batch that cannot be built fails only the requests
+        that break it; a step that fails on the device fails the requests it held and,
+        if it consumed the cache, every running request, and the engine goes on."""
+        self._step_ids += 1
+        try:
+            scheduled.token_bitmask = self._grammar_masks(scheduled.rows)
+            record = self.runner.dispatch(self._step_ids, scheduled)
+        except Exception as err:  # noqa: BLE001 - whatever broke, the engine must go on
+            outputs += self._recover(scheduled, err)
+            return
+        self.scheduler.on_dispatch(self._step_ids, scheduled)
+        self._in_flight.append(record)
+        now = time.monotonic()
+        for item in scheduled.rows:
+            metrics = self.requests[item.seq.request_id].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+
+    def _postprocess(self, record: InFlightStep) -> list[RequestOutput | None]:
+        """Read a dispatched step back and apply it to its sequences."""
+        try:
+            result = self.runner.read(record)
+        except Exception as err:  # noqa: BLE001
+            return self._recover(record.scheduled, err)
+        self.last_step, self.last_schedule, self.last_step_output = record, record.scheduled.rows, result
+        self.stats.steps += 1
+        # rows of the next step, already dispatched, that continue this step's output
+        following = {id(item.seq): item for item in self._in_flight[0].scheduled.rows} if self._in_flight else {}
+        touched: dict[str, Request] = {}
+        first_row = 0
+        now = time.monotonic()  # when this step's tokens reached the host
+        for i, item in enumerate(record.scheduled.rows):
+            seq = item.seq
+            first_row += len(item.token_ids)
+            # finished (aborted, or another sequence of its request failed) or preempted
+            # since dispatch: its recompute will produce these tokens again
+            if seq.finished or seq.num_preemptions != record.preemptions[i]:
+                continue
+            self.stats.computed_tokens += len(item.token_ids)
+            if result.prompt_logprobs is not None and seq.params.prompt_logprobs is not None:
+                rows = len(item.token_ids)
+                self.output_processor.append_prompt_logprobs(seq, item.start, first_row - rows, rows, result)
+            if not item.has_output:
+                continue
+            accepted = int(result.num_accepted[i])
+            drafts = result.drafts[i].tolist()
+            self.scheduler.on_step_output(
+                record.step_id, item, accepted, int(result.tokens[i, accepted]), drafts, following.get(id(seq))
+            )
+            if item.num_drafts:
+                seq.spec_stats.record(item.num_drafts, accepted)
+                self.stats.spec.record(item.num_drafts, accepted)
+            request = self.requests[seq.request_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.last_token_time = now
+            try:
+                if self.output_processor.append(seq, result, i):
+                    self.scheduler.finish(seq)
+                elif seq.grammar is not None:
+                    seq.drafts = seq.grammar.propose(seq.drafts, self.config.num_speculative_tokens)
+            except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
+                self._fail_request(request, err)
+            touched[seq.request_id] = request
+        for item in record.scheduled.rows:
+            if not item.seq.finished:  # (a finished one registered its pages on release)
+                self.scheduler.register_cached(item.seq)
+        return [self._finish(r) if r.finished else self.output_processor.output(r) for r in touched.values()]
+
+    # ----- failures and endings -------------------------------------------------------
+
+    def _recover(self, scheduled: SchedulerOutput, err: Exception) -> list[RequestOutput | None]:
+        """A step could not run. Fail the requests whose own rows break the batch if
+        there are such (the rest run next step); otherwise fail the step's requests,
+        and every running one if the donated cache is gone (rebuilt empty)."""
+        self.stats.failed_steps += 1
+        culprits = [item for item in scheduled.rows if not self._builds(item)]
+        if culprits:
+            log.error("failing %d request(s) whose input breaks the batch: %s", len(culprits), err)
+            return [self._end_request(self.requests[item.seq.request_id], "error", err) for item in culprits]
+        log.exception("engine step failed", exc_info=err)
+        failed = {item.seq.request_id for item in scheduled.rows}
+        if self.runner.cache_is_lost:
+            try:
+                self.runner.reset()
+            except Exception:  # noqa: BLE001
+                self.usable = False
+                log.exception("could not rebuild the KV cache; the engine is unusable")
+            self._in_flight.clear()
+            failed |= {seq.request_id for seq in self.scheduler.reset()}
+            self.allocator.reset()
+        return [self._end_request(self.requests[rid], "error", err) for rid in failed if rid in self.requests]
+
+    def _grammar_masks(self, rows) -> np.ndarray | None:
+        """SchedulerOutput.token_bitmask of rows: verify row j of a constrained request
+        gets its grammar's mask after the drafts before j (prefetched, or computed now)."""
+        if not any(item.seq.grammar is not None for item in rows):
+            return None
+        k = self.config.num_speculative_tokens
+        masks = np.full((len(rows), k + 1, self.runner.mask_width), -1, np.int32)
+        fill_row_masks([(item.seq.grammar, i * (k + 1), item.token_ids[1:] if item.num_drafts else [])
+                        for i, item in enumerate(rows) if item.seq.grammar is not None and item.has_output],
+                       masks.reshape(-1, masks.shape[-1]))
+        return masks
+
+    def _builds(self, item) -> bool:
+        """Whether one request's rows make a batch on their own."""
+        try:
+            self.runner.host_batch([item], self.runner.shape_for([item]), self._grammar_masks([item]))
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    def _fail_request(self, request: Request, err: Exception) -> None:
+        request.error = f"{type(err).__name__}: {err}"
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+
+    def _end_request(self, request: Request, reason: str, err: Exception | None = None) -> RequestOutput | None:
+        """End every unfinished sequence of the request (abort, error) and report it."""
+        if err is not None:
+            self._fail_request(request, err)
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+        return self._finish(request)
+
+    def _finish(self, request: Request) -> RequestOutput | None:
+        self.requests.pop(request.request_id, None)
+        self.stats.requests_finished += 1
+        request.metrics.finished_time = time.monotonic()
+        return self.output_processor.output(request)

@@ -1,0 +1,161 @@
+"""A safetensors folder's tensors as the engine reads them: a reference to each
+parameter (its name, the engine's shape, transpose, stacking) from which each device
+reads only its own block, when the parameter is placed.
+
+fp8 tensors are read from the file's bytes (numpy has no float8 dtype to name, so
+safetensors' numpy reader cannot return them) as ml_dtypes' float8_e4m3fn, which
+JAX places as it is: 1 byte a weight on the device."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from jaxmtp.models.params import FP8, Fp8Weight
+from jaxmtp.models.quantization import Fp8BlockConfig
+
+STORED_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """One parameter as a checkpoint stores it, read from disk only when placed.
+    shape is the engine's ([in, out] for matrices); Hugging Face stores matrices
+    [out, in] (transpose); row_offset picks a block of the engine-side rows (the MTP
+    input projection is one stored [2H, H] matrix for two parameters)."""
+
+    name: str
+    shape: tuple[int, ...]
+    transpose: bool = False
+    row_offset: int = 0
+    dtype: str | None = None  # None: the model's dtype (the MoE router stays float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedRef:
+    """Tensors the checkpoint stores apart and the engine keeps as one, stacked on
+    `axis` (gate and up on axis 1: LayerParams.gate_up_proj; experts on axis 0:
+    MoEParams.experts_gate_up, whose parts are stacked gate and up themselves)."""
+
+    parts: tuple[TensorRef | StackedRef, ...]
+    axis: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0].shape
+        return first[: self.axis] + (len(self.parts),) + first[self.axis :]
+
+    @property
+    def dtype(self) -> str | None:
+        return self.parts[0].dtype
+
+
+def stack_refs(parts: tuple, axis: int) -> StackedRef | Fp8Weight:
+    """Parts stacked on `axis`; fp8 parts as one fp8 weight whose weights and scales are
+    stacked alike (every index of the new axis has scales of its own)."""
+    if not any(isinstance(part, Fp8Weight) for part in parts):
+        return StackedRef(parts, axis)
+    first = parts[0]
+    return Fp8Weight(StackedRef(tuple(part.weight for part in parts), axis),
+                     StackedRef(tuple(part.scale_inv for part in parts), axis),
+                     first.block[:axis] + (1,) + first.block[axis:])
+
+
+class TensorSource:
+    """Every tensor of a safetensors folder (single file or sharded index), opened lazily."""
+
+    def __init__(self, model_dir: Path):
+        index = model_dir / "model.safetensors.index.json"
+        single = model_dir / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            files = [single.name]
+        else:
+            raise FileNotFoundError(
+                f"model folder {model_dir!s} has neither model.safetensors nor model.safetensors.index.json"
+            )
+        self.model_dir = model_dir
+        self.file_of = {}
+        self.handles = {}
+        self.headers = {}  # file -> (its data's offset, its JSON header), for fp8 tensors
+        for name in files:
+            if not (model_dir / name).is_file():
+                raise FileNotFoundError(f"shard {name} listed in the index is missing from {model_dir!s}")
+            # numpy: blocks are read to host memory, each then sent to its own device
+            handle = safe_open(str(model_dir / name), framework="numpy")
+            self.handles[name] = handle
+            for key in handle.keys():
+                self.file_of[key] = name
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def stored_dtype(self, name: str) -> str:
+        return self.handles[self.file_of[name]].get_slice(name).get_dtype()
+
+    def ref(self, name: str, transpose: bool = False, rows: tuple[int, int] | None = None, dtype: str | None = None) -> TensorRef:
+        if name not in self.file_of:
+            raise ValueError(f"checkpoint in {self.model_dir!s} is missing tensor {name!r}")
+        if self.stored_dtype(name) == STORED_FP8 and dtype != FP8.dtype.name:
+            raise ValueError(f"{name} is stored as float8_e4m3fn where the engine keeps the model's dtype: "
+                             "dequantizing it while loading is not implemented")
+        shape = tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
+        shape = shape[::-1] if transpose else shape
+        if rows is not None:
+            shape = (rows[1] - rows[0],) + shape[1:]
+        return TensorRef(name, shape, transpose, rows[0] if rows else 0, dtype)
+
+    def weight_ref(self, module: str, quantization: Fp8BlockConfig | None) -> TensorRef | Fp8Weight:
+        """A linear layer's `{module}.weight` as the engine keeps it ([in, out]); in a
+        quantized checkpoint, float8_e4m3fn with its block scales `weight_scale_inv`."""
+        name = f"{module}.weight"
+        if quantization is None:
+            return self.ref(name, transpose=True)
+        scale_name = f"{module}.weight_scale_inv"
+        if name in self and (self.stored_dtype(name) != STORED_FP8 or scale_name not in self):
+            raise ValueError(f"{name} is stored as {self.stored_dtype(name)}{'' if scale_name in self else ' without a weight_scale_inv'}: "
+                             "a checkpoint with an fp8 quantization_config stores every linear weight as F8_E4M3 "
+                             "with its weight_scale_inv (other layouts are not implemented)")
+        weight = self.ref(name, transpose=True, dtype=FP8.dtype.name)
+        scale = self.ref(scale_name, transpose=True, dtype="float32")
+        block = (quantization.block_in, quantization.block_out)
+        blocks = tuple(-(-n // b) for n, b in zip(weight.shape, block))
+        if scale.shape != blocks:
+            raise ValueError(f"{scale_name} has shape {scale.shape[::-1]}; blocks of {list(block[::-1])} over "
+                             f"{name}'s {list(weight.shape[::-1])} need {list(blocks[::-1])}")
+        return Fp8Weight(weight, scale, block)
+
+    def read(self, ref: TensorRef | StackedRef, index: tuple[slice, ...], dtype) -> np.ndarray:
+        """The block `index` (slices over ref.shape, as jax.make_array_from_callback
+        asks for one device's shard) of a tensor, read from disk."""
+        if isinstance(ref, StackedRef):
+            which, rest = index[ref.axis], index[: ref.axis] + index[ref.axis + 1 :]
+            return np.stack([self.read(part, rest, dtype) for part in ref.parts[which]], axis=ref.axis)
+        bounds = [(s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, ref.shape)]
+        bounds[0] = (bounds[0][0] + ref.row_offset, bounds[0][1] + ref.row_offset)
+        stored = [slice(lo, hi) for lo, hi in (bounds[::-1] if ref.transpose else bounds)]
+        if self.stored_dtype(ref.name) == STORED_FP8:
+            block = self._fp8_tensor(ref.name)[tuple(stored)]
+        else:
+            block = self.handles[self.file_of[ref.name]].get_slice(ref.name)[tuple(stored)]
+        return (block.T if ref.transpose else block).astype(dtype)
+
+    def _fp8_tensor(self, name: str) -> np.ndarray:
+        """A float8_e4m3fn tensor as a read-only view of its file's bytes. A safetensors
+        file is an 8-byte little-endian header size, the JSON header (each tensor's
+        dtype, shape and data offsets), then the data."""
+        file = self.file_of[name]
+        if file not in self.headers:
+            with open(self.model_dir / file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self.headers[file] = (8 + size, json.loads(f.read(size)))
+        data_offset, header = self.headers[file]
+        begin, end = header[name]["data_offsets"]
+        data = np.memmap(self.model_dir / file, np.uint8, mode="r", offset=data_offset + begin, shape=(end - begin,))
+        return data.view(FP8).reshape(header[name]["shape"])

@@ -1,0 +1,81 @@
+"""The one function every projection of the model goes through: x @ w, plus a bias
+where the layer has one, for weights in the model's dtype and for fp8 weights with
+block scales (jaxmtp/models/quantization.py; jaxmtp.models.params.Fp8Weight). An fp8 weight's
+`matmul` says how: the Pallas kernel (jaxmtp/kernels/fp8_matmul.py) on GPUs, its
+jnp reference (dequantize, then one float32 matmul) elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.kernels.fp8_matmul import dequantize_blocks, fp8_matmul, fp8_matmul_reference
+from jaxmtp.models.config import check_attention_backend
+from jaxmtp.models.params import Fp8Weight
+from jaxmtp.models.quantization import Fp8BlockConfig
+
+log = logging.getLogger("jaxmtp.models.linear")
+
+FP8_MATMULS = {
+    "reference": fp8_matmul_reference,
+    "pallas": fp8_matmul,
+    "pallas_interpret": functools.partial(fp8_matmul, interpret=True),
+}
+
+
+def linear(x: jax.Array, w: jax.Array | Fp8Weight, bias: jax.Array | None = None) -> jax.Array:
+    """x [T, K] times w [K, ...] (an [in, out] matrix, or gate and up stacked [K, 2, I]).
+    A bias is added as nn.Linear adds it (addmm): to the float32 accumulator, before
+    the one rounding to x's dtype; rounding the product first and then the sum again
+    moves float16 logits measurably further from float32's (tests/test_parity.py)."""
+    if isinstance(w, Fp8Weight):
+        out = _fp8_linear(x, w, jnp.float32 if bias is not None else x.dtype)
+    elif bias is None:
+        return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
+    else:
+        out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return out if bias is None else (out + bias).astype(x.dtype)
+
+
+def _fp8_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
+    """The matmul kernels' layout is [K, P, N] (P column groups: gate and up, or 1)."""
+    k, out_shape = w.shape[0], w.shape[1:]
+    weight, scale = w.weight.reshape(k, -1, out_shape[-1]), w.scale_inv.reshape(w.scale_inv.shape[0], -1, w.scale_inv.shape[-1])
+    out = FP8_MATMULS[w.matmul](x, weight, scale, block_k=w.block[0], block_n=w.block[-1], out_dtype=out_dtype)
+    return out.reshape(x.shape[0], *out_shape)
+
+
+def dense(w: jax.Array | Fp8Weight, dtype) -> jax.Array:
+    """The weight itself, in dtype (fp8: dequantized), for the products that are not
+    x @ w (MLA's absorbed kv_b_proj)."""
+    return dequantize_blocks(w.weight, w.scale_inv, w.block).astype(dtype) if isinstance(w, Fp8Weight) else w
+
+
+def fp8_matmul_for(attention_backend: str, num_devices: int, quantization: Fp8BlockConfig) -> str:
+    """The fp8 matmul the engine runs: the Pallas kernel where the attention backend
+    picks Pallas kernels (auto on a GPU, pallas, pallas_interpret), on one device; the
+    reference under tensor parallelism (XLA cannot split a Pallas call, and would
+    gather each weight whole onto every device) and everywhere else."""
+    check_attention_backend(attention_backend)
+    matmul = attention_backend
+    if attention_backend == "auto":
+        matmul = "pallas" if jax.default_backend() == "gpu" else "reference"
+    if matmul != "reference" and num_devices > 1:
+        log.info("fp8 matmuls run the jnp reference under tensor parallelism (the Pallas kernel is one device's)")
+        return "reference"
+    block_k = quantization.block_in
+    if matmul != "reference" and (block_k < 16 or block_k & (block_k - 1)):
+        log.warning("fp8 matmuls run the jnp reference: the Pallas kernel steps K by the scale block, and "
+                    "weight_block_size's %d is not a power of 2 >= 16", block_k)
+        return "reference"
+    return matmul
+
+
+def with_fp8_matmul(params, matmul: str):
+    """params with every fp8 weight multiplied by `matmul` (one of FP8_MATMULS)."""
+    return jax.tree.map(lambda w: dataclasses.replace(w, matmul=matmul) if isinstance(w, Fp8Weight) else w,
+                        params, is_leaf=lambda x: isinstance(x, Fp8Weight))

@@ -1,0 +1,118 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache.
+
+An MLA layer's cache layer holds, per token, the compressed latent c (kv_lora_rank
+values, after kv_a_layernorm) in KVCache.k and the shared rope key (qk_rope_head_dim
+values, after RoPE) in KVCache.v: the same pages and slots as every other layer, so
+the page table, prefix caching, copy-on-write and preemption carry it unchanged.
+
+Prefill rows attend from the expanded form (per-head keys and values rebuilt from the
+latent), decode and verify rows from the absorbed form (W_UK folded into the query,
+W_UV applied after attention): both through `mla_attention_fn`, the one entry point.
+The absorbed form runs the Pallas kernel (kernels/mla_decode.py) on GPUs, the jnp
+reference elsewhere; the expanded form is the jnp reference on every backend.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxmtp.kernels.mla_decode import mla_decode_attention, supports
+from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
+from jaxmtp.kernels.reference import row_ownership
+from jaxmtp.models.attention import write_kv
+from jaxmtp.models.config import ModelConfig, check_attention_backend
+from jaxmtp.models.layers import apply_rope, rms_norm
+from jaxmtp.models.linear import dense, linear
+from jaxmtp.models.params import LayerParams
+from jaxmtp.worker.batch import Batch
+from jaxmtp.worker.sharding import shard_mla_over_heads
+
+# transformers and DeepSeek's own code build q_a_layernorm and kv_a_layernorm with the
+# RMSNorm default, not the config's rms_norm_eps
+LORA_NORM_EPS = 1e-6
+
+MLAAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+def resolve_mla_backend(name: str, kv_lora_rank: int, rope_dim: int) -> str:
+    """The absorbed form's backend: "auto" is the Pallas kernel on GPUs where it tiles
+    the latent and rope sizes, else the jnp reference."""
+    check_attention_backend(name)
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and supports(kv_lora_rank, rope_dim) else "reference"
+    if name.startswith("pallas") and not supports(kv_lora_rank, rope_dim):
+        raise ValueError(f"the Pallas MLA decode kernel needs kv_lora_rank and qk_rope_head_dim powers of two "
+                         f">= 16, got {kv_lora_rank} and {rope_dim}")
+    return name
+
+
+def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -> MLAAttentionFn:
+    """(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
+    page_table, query_start, w_uk, w_uv, *, sm_scale) -> (out [T, Hq, Dv], latent_pages,
+    rope_pages): writes this step's latent and rope key rows into their slots, then
+    attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
+    draft rows) take the absorbed form, longer runs (prefill chunks) the expanded one.
+    A step with both kinds of rows runs each form where some row takes it and picks
+    per row (the kernel computes the decode rows alone, the references all rows). With
+    a mesh, each device runs it on its own q heads and a whole copy of the latent cache
+    (sharding.shard_mla_over_heads)."""
+    check_attention_backend(backend)
+
+    def write_and_attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
+                         page_table, query_start, w_uk, w_uv, *, sm_scale):
+        latent_pages, rope_pages = write_kv(latent_pages, rope_pages, slot_mapping, latent[:, None], rope_key[:, None])
+        cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
+        seq, owned = row_ownership(query_start, q_nope.shape[0])
+        is_decode_row = (query_start[1:] - query_start[:-1])[seq] <= decode_rows
+        out_shape = q_nope.shape[:2] + (w_uv.shape[-1],)
+
+        def absorbed():
+            q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+            kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
+            if kind == "reference":
+                out = mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale)
+            else:
+                out = mla_decode_attention(q_latent, q_rope, *cache_args, sm_scale=sm_scale, decode_rows=decode_rows,
+                                           interpret=kind == "pallas_interpret")
+            return jnp.einsum("thr,rhv->thv", out, w_uv)
+
+        def expanded():
+            return mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
+
+        def skipped():
+            return jnp.zeros(out_shape, q_nope.dtype)
+
+        # each form only where some row takes it: a decode step never expands the context
+        decode_out = jax.lax.cond(jnp.any(is_decode_row & owned), absorbed, skipped)
+        prefill_out = jax.lax.cond(jnp.any(~is_decode_row & owned), expanded, skipped)
+        return jnp.where(is_decode_row[:, None, None], decode_out, prefill_out), latent_pages, rope_pages
+
+    return write_and_attend if mesh is None else shard_mla_over_heads(write_and_attend, mesh)
+
+
+def mla_attention(
+    p: LayerParams, cfg: ModelConfig, h: jax.Array, batch: Batch, latent_pages: jax.Array, rope_pages: jax.Array,
+    attention: MLAAttentionFn,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention over normed rows h [T, H]: returns the o_proj output
+    [T, H] and the cache layer with this step's latent rows written."""
+    m, heads, t = cfg.mla, cfg.num_heads, h.shape[0]
+    if p.mla.q_proj is not None:
+        q = linear(h, p.mla.q_proj)
+    else:
+        q = linear(rms_norm(linear(h, p.mla.q_a_proj), p.mla.q_a_norm, LORA_NORM_EPS), p.mla.q_b_proj)
+    q = q.reshape(t, heads, m.qk_head_dim)
+    q_nope, q_rope = q[..., : m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim :], batch.positions, cfg)
+    kv = linear(h, p.mla.kv_a_proj)
+    latent = rms_norm(kv[:, : m.kv_lora_rank], p.mla.kv_a_norm, LORA_NORM_EPS)
+    rope_key = apply_rope(kv[:, None, m.kv_lora_rank :], batch.positions, cfg)[:, 0]
+    kv_b = dense(p.mla.kv_b_proj, h.dtype).reshape(m.kv_lora_rank, heads, m.qk_nope_head_dim + m.v_head_dim)
+    out, latent_pages, rope_pages = attention(
+        q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, batch.slot_mapping, batch.kv_len,
+        batch.page_table, batch.query_start, kv_b[..., : m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim :],
+        sm_scale=cfg.mla_softmax_scale(),
+    )
+    return linear(out.reshape(t, heads * m.v_head_dim), p.o_proj), latent_pages, rope_pages

@@ -1,0 +1,111 @@
+"""The decoder-only transformer as pure functions over a flattened ragged batch: the
+Llama family (GQA), GLM-4.5 (GQA with partial rotary, experts) and DeepSeek-V3 (MLA,
+experts)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxmtp.models.attention import AttentionFn, attention_fn, resolve_backend
+from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.layers import apply_rope, gated_mlp, rms_norm
+from jaxmtp.models.linear import linear
+from jaxmtp.models.mla import mla_attention, mla_attention_fn, resolve_mla_backend
+from jaxmtp.models.moe import ExpertsFn, experts_fn
+from jaxmtp.models.params import LayerParams, Params
+from jaxmtp.worker.batch import Batch
+from jaxmtp.worker.cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOps:
+    """What a decoder layer runs that depends on the backend and the mesh: attention
+    (GQA's, jaxmtp.models.attention, or MLA's, jaxmtp.models.mla) and the routed experts (jaxmtp.models.moe).
+    Without a mesh, experts run on one device."""
+
+    attention: AttentionFn
+    experts: ExpertsFn = experts_fn()
+
+
+def check_backend(cfg: ModelConfig, backend: str) -> None:
+    """A ValueError, before anything is loaded, for an attention backend this model
+    cannot run (naming it)."""
+    if cfg.mla is None:
+        resolve_backend(backend, cfg.head_dim)
+    else:
+        resolve_mla_backend(backend, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim)
+
+
+def layer_ops(cfg: ModelConfig, backend: str, mesh=None, decode_rows: int = 1) -> LayerOps:
+    """The layers' attention (MLA: rows of sequences with at most decode_rows rows take
+    the absorbed form) and experts, run per device over mesh when one is given."""
+    if cfg.mla is None:
+        attention = attention_fn(backend, cfg.head_dim, mesh)
+    else:
+        attention = mla_attention_fn(backend, decode_rows, mesh)
+    return LayerOps(attention, experts_fn(mesh))
+
+
+def gqa_attention(
+    p: LayerParams, cfg: ModelConfig, h: jax.Array, batch: Batch, k_pages: jax.Array, v_pages: jax.Array,
+    attention: AttentionFn,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Grouped-query attention over normed rows h [T, H]; writes this step's K/V."""
+    t = h.shape[0]
+    q, k, v = linear(h, p.q_proj, p.q_bias), linear(h, p.k_proj, p.k_bias), linear(h, p.v_proj, p.v_bias)
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if p.q_norm is not None:
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k, p.k_norm, cfg.rms_norm_eps)
+    q, k = apply_rope(q, batch.positions, cfg), apply_rope(k, batch.positions, cfg)
+    out, k_pages, v_pages = attention(
+        q, k, v, k_pages, v_pages, batch.slot_mapping, batch.kv_len, batch.page_table, batch.query_start,
+        sliding_window=cfg.sliding_window,
+    )
+    return linear(out.reshape(t, cfg.q_size), p.o_proj, p.o_bias), k_pages, v_pages
+
+
+def decoder_layer(
+    p: LayerParams,
+    cfg: ModelConfig,
+    x: jax.Array,
+    batch: Batch,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    ops: LayerOps,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pre-norm block over T rows; writes this step's K/V (MLA: latent and rope
+    key) through batch.slot_mapping. ops.attention is the one the layer kind takes
+    (layer_ops)."""
+    h = rms_norm(x, p.input_norm, cfg.rms_norm_eps)
+    block = gqa_attention if p.mla is None else mla_attention
+    out, k_pages, v_pages = block(p, cfg, h, batch, k_pages, v_pages, ops.attention)
+    x = x + out
+    h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)
+    if p.moe is None:
+        ffn = gated_mlp(h, p.gate_up_proj, p.down_proj, cfg.hidden_act, p.gate_up_bias, p.down_bias)
+    else:
+        ffn = ops.experts(p.moe, cfg.moe, h)
+    return x + ffn, k_pages, v_pages
+
+
+def forward(
+    params: Params, cfg: ModelConfig, batch: Batch, cache: KVCache, ops: LayerOps
+) -> tuple[jax.Array, KVCache]:
+    """Main model over the batch's rows. Returns the last hidden state BEFORE the final
+    norm ([T, H]) and the cache with this step's K/V written."""
+    x = params.embed[batch.input_ids]
+    k_layers, v_layers = list(cache.k), list(cache.v)
+    for i, layer in enumerate(params.layers):
+        x, k_layers[i], v_layers[i] = decoder_layer(layer, cfg, x, batch, k_layers[i], v_layers[i], ops)
+    return x, dataclasses.replace(cache, k=k_layers, v=v_layers)
+
+
+def logits(head: jax.Array, norm: jax.Array, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final norm and LM head, in float32."""
+    return (rms_norm(hidden, norm, cfg.rms_norm_eps) @ head).astype(jnp.float32)

@@ -1,0 +1,106 @@
+"""Mixture-of-experts FFN (DeepSeek-V3, GLM-4.5): the router on the device, the routed
+experts through one grouped matmul, plus shared experts; under tensor parallelism the
+experts split over the devices (expert parallel)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxmtp.kernels.grouped_matmul import grouped_matmul, grouped_swiglu
+from jaxmtp.models.config import MoEConfig
+from jaxmtp.models.layers import gated_mlp
+from jaxmtp.models.linear import dense
+from jaxmtp.models.params import MoEParams
+from jaxmtp.worker.sharding import ROWS_AXES, TP, param_specs, shard_per_device
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    experts: jax.Array  # int32 [T, k]: the experts each row goes to
+    weights: jax.Array  # float32 [T, k]: their weights in the row's output
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: MoEConfig) -> Routing:
+    """noaux_tc routing: sigmoid scores; the correction bias is added for the choice
+    only. Groups are ranked by the sum of their two best biased scores, the best
+    topk_group kept, and the k best experts of those chosen; their weights are the
+    unbiased scores, normalised to sum 1 (norm_topk_prob), times routed_scaling_factor.
+    Ties go to the lower index (lax.top_k)."""
+    t = x.shape[0]
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST))
+    choice = scores + bias
+    per_group = cfg.num_experts // cfg.n_group
+    group_scores = jax.lax.top_k(choice.reshape(t, cfg.n_group, per_group), 2)[0].sum(axis=-1)
+    _, groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    kept = jnp.sum(jax.nn.one_hot(groups, cfg.n_group, dtype=jnp.int32), axis=1) > 0  # [T, G]
+    choice = jnp.where(jnp.repeat(kept, per_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return Routing(experts.astype(jnp.int32), weights * cfg.routed_scaling_factor)
+
+
+def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
+                   first_expert: jax.Array | int = 0, *, expert_swiglu=grouped_swiglu,
+                   expert_matmul=grouped_matmul) -> jax.Array:
+    """sum over a row's k experts of weight * expert(x), in float32, over the experts
+    gate_up and down hold: first_expert .. first_expert + len(gate_up) - 1 (all of them
+    on one device, a device's own under expert parallelism; pairs routed to other
+    experts add nothing). The T*k (row, expert) pairs are sorted by expert so that each
+    expert's rows are contiguous (those of experts held elsewhere last); the gate/up
+    projection and SiLU-and-multiply run as one grouped call that gathers its rows from
+    x itself, the down projection as another, and the outputs are summed back onto
+    their rows. expert_swiglu, expert_matmul: kernels/grouped_matmul.py's entry points
+    (the Pallas kernel on GPUs), or its references or kernels of the same signature
+    (tests, benchmarks)."""
+    t, h = x.shape
+    gate_up, down = dense(gate_up, x.dtype), dense(down, x.dtype)  # fp8 experts: dequantized (no grouped fp8 kernel yet)
+    num_held = gate_up.shape[0]
+    k = routing.experts.shape[1]
+    local = routing.experts.reshape(-1) - first_expert
+    held = (local >= 0) & (local < num_held)
+    local = jnp.where(held, local, num_held)
+    order = jnp.argsort(local, stable=True)
+    row = order // k
+    group_sizes = jnp.bincount(local, length=num_held).astype(jnp.int32)  # counts no pair held elsewhere
+    # the pairs held elsewhere lie past every group: the grouped calls' rows there are 0
+    out = expert_matmul(expert_swiglu(x, gate_up, group_sizes, rows=row), down, group_sizes)
+    weighted = out.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
+    return jnp.zeros((t, h), jnp.float32).at[row].add(weighted)
+
+
+def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array | int = 0) -> jax.Array:
+    """The routed experts p holds (from first_expert) plus the shared experts, in float32."""
+    out = routed_experts(h, route(h, p.router, p.router_bias, cfg), p.experts_gate_up, p.experts_down, first_expert)
+    if p.shared_gate_up is not None:
+        out = out + gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
+    return out
+
+
+ExpertsFn = Callable[[MoEParams, MoEConfig, jax.Array], jax.Array]
+
+
+def experts_fn(mesh: Mesh | None = None) -> ExpertsFn:
+    """(p, cfg, h [T, H]) -> the MoE FFN's output [T, H]. With a mesh, expert parallel:
+    every device holds every row (the residual stream is replicated) and routes them
+    all alike, runs the rows routed to its own experts and its columns of the shared
+    experts, and one all-reduce (in float32) sums the devices' parts, as after a dense
+    down_proj. Rows are not sent to their experts' devices with an all-to-all: each
+    device has them already (docs/tensor-parallel.md has the measurement)."""
+    if mesh is None:
+        return lambda p, cfg, h: moe_ffn(p, cfg, h).astype(h.dtype)
+
+    def per_device(p, h, *, cfg):
+        first = jax.lax.axis_index(TP) * p.experts_gate_up.shape[0]
+        return jax.lax.psum(moe_ffn(p, cfg, h, first), TP).astype(h.dtype)
+
+    def expert_parallel(p, cfg, h):
+        return shard_per_device(per_device, mesh, (param_specs(p, mesh), ROWS_AXES), ROWS_AXES)(p, h, cfg=cfg)
+
+    return expert_parallel

@@ -1,0 +1,149 @@
+"""StepPrograms: the compiled step, one executable per batch shape, and the compiling
+of shapes in the background while the engine already serves.
+
+A step runs only on a program compiled ahead of time. While a shape waits its turn in
+the background, its batches run on the smallest compiled shape that holds them (more
+padding, the same tokens), so a request never waits on a compile and nothing compiles
+inside a step. A shape nobody is compiling is compiled when first needed (an engine
+that was not warmed up, as the offline API's)."""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import Callable
+
+import jax
+from tqdm import tqdm
+
+from jaxmtp.worker.batch import BatchShape
+
+log = logging.getLogger("jaxmtp.worker.programs")
+
+_compile_events = {"count": 0}
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compile_events["count"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def num_compiles() -> int:
+    """XLA compilations in this process so far (all functions)."""
+    return _compile_events["count"]
+
+
+def use_persistent_cache(path: str) -> None:
+    """JAX's persistent compilation cache in `path`, for every program, also those that
+    compile in under JAX's default second (most, on a CPU), so that a warm start loads
+    them all."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def run_cost(shape: BatchShape) -> tuple:
+    """Orders the shapes that hold a batch: fewest rows, then requests, then table
+    width; the greedy program (no sampling branches) before the general one."""
+    return shape.num_tokens, shape.num_seqs, shape.pages_per_seq, not shape.greedy
+
+
+class StepPrograms:
+    """lower(shape) -> jax.stages.Lowered: the step lowered for a full BatchShape."""
+
+    def __init__(self, lower: Callable):
+        self._lower = lower
+        self._compiled: dict[BatchShape, object] = {}
+        # shapes whose batches run on a larger compiled shape: waiting for the background
+        # compilation, or whose compiling failed there (logged) or was stopped
+        self._deferred: set[BatchShape] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.num_compiled_on_demand = 0  # compiled inside a step, because nothing else held its batch
+
+    @property
+    def num_left(self) -> int:
+        """Shapes the background compilation has not compiled (yet)."""
+        return len(self._deferred)
+
+    @property
+    def compiling(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def compile(self, shape: BatchShape):
+        program = self._lower(shape).compile()
+        with self._lock:
+            self._compiled[shape] = program
+            self._deferred.discard(shape)
+        return program
+
+    def shape_to_run(self, shape: BatchShape) -> BatchShape:
+        """The compiled shape a batch of `shape` runs on: itself, or while it is deferred
+        the smallest compiled shape that holds it; itself when none does."""
+        if shape in self._compiled or shape not in self._deferred:
+            return shape
+        with self._lock:
+            holders = [have for have in self._compiled if have.holds(shape)]
+        return min(holders, key=run_cost, default=shape)
+
+    def program(self, shape: BatchShape):
+        """The executable of a shape shape_to_run chose; compiled now if it is not yet."""
+        program = self._compiled.get(shape)
+        if program is None:
+            self.num_compiled_on_demand += 1
+            program = self.compile(shape)
+        return program
+
+    def compile_all(self, shapes: list[BatchShape], num_threads: int = 1, background: bool = False) -> None:
+        """Compile the shapes not compiled yet, in this order, num_threads at a time,
+        with a progress bar of the shapes left; background: on a thread of its own,
+        returning at once (the shapes are deferred until compiled)."""
+        todo = [shape for shape in dict.fromkeys(shapes) if shape not in self._compiled]
+        if not background:
+            self._compile_each(todo, num_threads, background=False)
+            return
+        if self.compiling:
+            raise RuntimeError("a background compilation is already running")
+        with self._lock:
+            self._deferred.update(todo)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._compile_each, args=(todo, num_threads, True), name="compile", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # an interpreter exiting mid-compile must not tear XLA down under it
+
+    def _compile_each(self, shapes: list[BatchShape], num_threads: int, background: bool) -> None:
+        start = time.monotonic()
+        with tqdm(total=len(shapes), desc="compiling the step", unit="shape", disable=not shapes) as bar:
+
+            def one(shape: BatchShape) -> None:
+                if self._stopping:
+                    return
+                if shape not in self._compiled:
+                    try:
+                        self.compile(shape)
+                    except Exception:  # noqa: BLE001 - its batches keep running on a larger shape
+                        if not background:
+                            raise
+                        log.exception("compiling the step for %s failed; its batches run on a larger shape", shape)
+                bar.update(1)
+
+            with concurrent.futures.ThreadPoolExecutor(max(1, num_threads)) as pool:
+                list(pool.map(one, shapes))
+        if shapes and not self._stopping:
+            log.info("compiled the step for %d batch shape(s) in %.1f s", len(shapes), time.monotonic() - start)
+
+    def wait(self) -> None:
+        """Until the background compilation has finished."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def stop(self) -> None:
+        """Compile nothing more in the background (the shape being compiled finishes)."""
+        self._stopping = True
+        self.wait()

@@ -1,0 +1,304 @@
+"""ModelRunner: everything on the device. It loads the params, owns the donated KV
+cache and the carry between steps, turns a SchedulerOutput into one compiled step (page
+copies first), reads a step's output back, compiles every bucket shape (warm-up, also
+in the background while serving: jaxmtp/worker/programs.py) and inspects the compiled step.
+The engine never touches a device array.
+
+A step's device work is built on the host first, as StepInputs, then run (apply): on a
+mesh over several processes, rank 0's runner sends it to the others' runners, which run
+the same (self.peers; jaxmtp/worker/distributed.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jaxmtp.engine.engine_config import EngineConfig
+from jaxmtp.engine.scheduler import ScheduledRows, SchedulerOutput
+from jaxmtp.loading.loader import load_params
+from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.linear import fp8_matmul_for, with_fp8_matmul
+from jaxmtp.worker.batch import BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch
+from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
+from jaxmtp.worker.logits_processors import state_rows, write_rows, zero_state
+from jaxmtp.worker.memory import plan_kv_pool
+from jaxmtp.worker.programs import StepPrograms
+from jaxmtp.worker.sharding import check_divisible, make_mesh, param_shardings, put_replicated, replicated
+from jaxmtp.worker.step import StepConfig, StepOutput, jitted_step
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched step whose output has not been read yet."""
+
+    step_id: int
+    scheduled: SchedulerOutput
+    preemptions: list[int]  # each sequence's num_preemptions at dispatch
+    output: StepOutput  # on the device
+    args: tuple  # the step's arguments after params and cache, for replays
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """A step's device work as host arrays, run in this order: page copies, the
+    LogitsState rows of newly admitted requests, the step (no shape: its batch could not
+    be built). What rank 0 sends the other processes each step."""
+
+    page_copies: list[tuple[np.ndarray, np.ndarray]]  # (src, dst), PAGE_COPY_BATCH each (cache.page_copy_arrays)
+    state_slots: np.ndarray | None = None  # [N]: the rows' slots (N a power of two; padding: past the last)
+    state_rows: dict[str, np.ndarray] | None = None  # LogitsState field -> [N, ...]
+    ints: np.ndarray | None = None  # the packed batch (batch.pack_batch)
+    floats: np.ndarray | None = None
+    shape: BatchShape | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A step's output on the host: what postprocessing reads, nothing more."""
+
+    tokens: np.ndarray  # [B, k+1]; request b emitted tokens[b, :num_accepted[b] + 1]
+    num_accepted: np.ndarray  # [B]
+    drafts: np.ndarray  # [B, k]
+    boundary_token: np.ndarray  # [B]
+    logprobs: np.ndarray | None  # [B, k+1], when a request asked for logprobs
+    ranks: np.ndarray | None  # [B, k+1] each token's rank in the model's distribution (1: its top)
+    top_logprobs: np.ndarray | None  # [B, k+1, n]
+    top_token_ids: np.ndarray | None
+    prompt_logprobs: np.ndarray | None  # [T] per row, the token after it (BatchShape.prompt_logprobs)
+    prompt_ranks: np.ndarray | None  # [T]
+    prompt_top_logprobs: np.ndarray | None  # [T, n]
+    prompt_top_token_ids: np.ndarray | None
+
+
+class ModelRunner:
+    def __init__(
+        self, model_dir, config: EngineConfig, model_config: ModelConfig, num_draft_modules: int, max_pages_per_seq: int
+    ):
+        self.config = config
+        self.model_config = model_config
+        self.mesh = make_mesh(config.tensor_parallel_size)
+        check_divisible(model_config, config.tensor_parallel_size)
+        self.num_draft_modules = num_draft_modules
+        self.mask_width = mask_words(model_config.vocab_size)  # 32-bit words of a grammar's token bitmask
+        self.peers = None  # rank 0 of several processes: what sends them its device work (distributed.Leader)
+        self.params = load_params(
+            model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules,
+            shardings=functools.partial(param_shardings, mesh=self.mesh),
+        )
+        if model_config.quantization is not None:
+            matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
+            self.params = with_fp8_matmul(self.params, matmul)
+        self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
+        # before the pool is sized: its memory is the weights' and this state's remainder
+        self.logits_state = put_replicated(zero_state(config.max_num_seqs, model_config.vocab_size), self.mesh)
+        # sized after the weights are placed, from the memory they leave
+        self.kv_pool = plan_kv_pool(
+            model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
+            max_pages_per_seq=max_pages_per_seq, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens,
+            num_pages=config.num_pages, gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes, devices=list(self.mesh.devices.flat),
+        )
+        self.num_pages = self.kv_pool.num_pages
+        self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
+        self.step_config = StepConfig(
+            model=model_config,
+            num_speculative_tokens=config.num_speculative_tokens,
+            num_draft_modules=num_draft_modules,
+            attention_backend=config.attention_backend,
+            mtp_boundary=config.mtp_boundary,
+            num_top_logprobs=min(config.max_logprobs, model_config.vocab_size),
+            mesh=self.mesh,
+        )
+        self._oracle_tokens = None
+        # the compiled steps, by the oracle table's shape (None: no oracle, as serving runs)
+        self._programs: dict[tuple | None, StepPrograms] = {}
+        self.reset()
+        # what the step is compiled for: the arrays' shapes, dtypes and shardings, which
+        # every step keeps (the background compiler reads these, never the donated arrays)
+        self._state_specs = jax.tree.map(array_spec, (self.params, self.cache, self.logits_state, self.carry))
+
+    def reset(self) -> None:
+        """A fresh, zeroed KV cache and carry: after a failed step whose donated cache is
+        gone, and at start-up. The logits state needs no reset: a request's row is written
+        whenever it is admitted."""
+        if self.peers is not None:
+            self.peers.cache_lost()  # the other processes' caches cannot be brought back in step
+        # committed to its devices, sharded as every cache the step returns, as the
+        # compiled programs take it
+        self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
+        carry = Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens)
+        self.carry = put_replicated(carry, self.mesh)
+
+    @property
+    def cache_is_lost(self) -> bool:
+        """Whether a failed step consumed the donated cache (or the carry)."""
+        leaves = jax.tree.leaves((self.cache, self.logits_state, self.carry))
+        return any(x.is_deleted() for x in leaves)
+
+    @property
+    def oracle_tokens(self) -> jax.Array | None:
+        """Benchmarks set an [R, L] table of token ids here, row r the output of an earlier
+        plain greedy run for the request whose SamplingParams.seed is r: the step then
+        drafts the row's next tokens in place of the MTP module's (step.oracle_drafts),
+        on the device, so async scheduling works. None (the default): the module's drafts."""
+        return self._oracle_tokens
+
+    @oracle_tokens.setter
+    def oracle_tokens(self, table) -> None:
+        table = None if table is None else np.asarray(table, np.int32)
+        if self.peers is not None:
+            self.peers.send_oracle_tokens(table)
+        self._oracle_tokens = None if table is None else put_replicated(table, self.mesh)
+
+    # ----- one step ---------------------------------------------------------------------
+
+    def shape_for(self, rows: list[ScheduledRows]) -> BatchShape:
+        masked = any(item.seq.grammar is not None for item in rows)
+        greedy = not masked and all(
+            p.temperature == 0 and p.logprobs is None and not p.processes_logits for p in (item.seq.params for item in rows)
+        )
+        num_pages = max((len(item.seq.pages) for item in rows), default=0)
+        prompt = any(item.seq.wants_prompt_logprobs for item in rows)
+        return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages, prompt, masked)
+
+    def host_batch(self, rows: list[ScheduledRows], shape: BatchShape,
+                   token_bitmask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The packed batch (ints, floats) of rows padded to shape, with the rows' grammar
+        masks (SchedulerOutput.token_bitmask)."""
+        batch = build_batch(rows, shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size,
+                            self.config.num_speculative_tokens, lookahead_width(self.num_draft_modules), self.mask_width,
+                            token_bitmask)
+        return pack_batch(batch)
+
+    def dispatch(self, step_id: int, scheduled: SchedulerOutput) -> InFlightStep:
+        """Queue the page copies, the new LogitsState rows and the step on the device;
+        returns before it runs. The copies and rows go first, also when the batch then
+        cannot be built: the sequences they serve already count the copied rows as computed.
+        The batch is padded to a compiled shape (StepPrograms.shape_to_run)."""
+        new = [item.seq for item in scheduled.rows if item.seq.params.processes_logits and not item.seq.state_written]
+        groups = range(0, len(scheduled.page_copies), PAGE_COPY_BATCH)
+        inputs = StepInputs([page_copy_arrays(scheduled.page_copies[i : i + PAGE_COPY_BATCH], self.num_pages)
+                             for i in groups])
+        try:
+            inputs.state_slots, inputs.state_rows = self.state_rows(new)
+            shape = self.programs.shape_to_run(self.shape_for(scheduled.rows))
+            (inputs.ints, inputs.floats), inputs.shape = self.host_batch(scheduled.rows, shape, scheduled.token_bitmask), shape
+        finally:  # what was built runs, also when the rest raised
+            args, output = self.apply(inputs)
+            for seq in new if inputs.state_slots is not None else ():
+                seq.state_written = True
+        preemptions = [item.seq.num_preemptions for item in scheduled.rows]
+        return InFlightStep(step_id, scheduled, preemptions, output, args)
+
+    def state_rows(self, seqs) -> tuple[np.ndarray | None, dict[str, np.ndarray] | None]:
+        """The slots and LogitsState rows of sequences that ask for logits processing and
+        were admitted since their last step, padded to a power of two (few compiled shapes)."""
+        if not seqs:
+            return None, None
+        size = 1 << (len(seqs) - 1).bit_length()
+        rows = state_rows(seqs, self.model_config.vocab_size)
+        rows = {name: np.concatenate([row, np.zeros((size - len(seqs),) + row.shape[1:], row.dtype)]) for name, row in rows.items()}
+        slots = np.full(size, self.config.max_num_seqs, np.int32)
+        slots[: len(seqs)] = [seq.state_slot for seq in seqs]
+        return slots, rows
+
+    def apply(self, inputs: StepInputs) -> tuple[tuple | None, StepOutput | None]:
+        """Run a step's device work; returns the step's arguments after params, cache and
+        carry (placed, for replays) and its output, or (None, None) without a batch."""
+        if self.peers is not None:
+            self.peers.send_step(inputs)
+        for src, dst in inputs.page_copies:
+            self.cache = copy_pages(self.cache, src, dst)
+        if inputs.state_slots is not None:
+            self.logits_state = write_rows(self.logits_state, *put_replicated((inputs.state_slots, inputs.state_rows), self.mesh))
+        if inputs.shape is None:
+            return None, None
+        args = (*put_replicated((inputs.ints, inputs.floats), self.mesh), self.oracle_tokens, inputs.shape)
+        return args, self._run(args)
+
+    def _run(self, args: tuple) -> StepOutput:
+        ints, floats, oracle, shape = args
+        program = self._programs_for(oracle).program(shape)
+        self.cache, self.logits_state, output = program(
+            self.params, self.cache, self.logits_state, self.carry, ints, floats, oracle
+        )
+        self.carry = output.carry
+        return output
+
+    def read(self, record: InFlightStep) -> StepResult:
+        """Wait for a dispatched step and bring back what the host uses."""
+        out = record.output
+        wants_logprobs = any(item.seq.params.logprobs is not None for item in record.scheduled.rows)
+        prompt = out.prompt
+        host = jax.device_get(
+            (out.tokens, out.num_accepted, out.drafts, out.boundary_token)
+            + ((out.logprobs, out.ranks, out.top_logprobs, out.top_token_ids) if wants_logprobs else (None,) * 4)
+            + ((prompt.logprobs, prompt.ranks, prompt.top_logprobs, prompt.top_token_ids) if prompt is not None else (None,) * 4)
+        )
+        return StepResult(*host)
+
+    def replay(self, record: InFlightStep) -> StepOutput:
+        """Run a step's batch again, on the cache as it is now (benchmarks time it alone)."""
+        if self.peers is not None:
+            raise ValueError("replay runs a step on one process; with num_nodes > 1 every process must run it")
+        return self._run(record.args)
+
+    # ----- compilation ------------------------------------------------------------------
+
+    @property
+    def programs(self) -> StepPrograms:
+        """The compiled steps that run with the current oracle table (normally none)."""
+        return self._programs_for(self._oracle_tokens)
+
+    def _programs_for(self, oracle: jax.Array | None) -> StepPrograms:
+        key = None if oracle is None else oracle.shape
+        if key not in self._programs:
+            spec = None if oracle is None else array_spec(oracle)
+            self._programs[key] = StepPrograms(lambda shape: self.lower_step(shape, spec))
+        return self._programs[key]
+
+    def warmup(self, num_threads: int = 1, with_page_copies: bool = False, background: bool = False) -> int:
+        """Compile the step for every bucket shape, smallest first, num_threads at a time
+        (a progress bar shows the shapes left); returns the number of shapes.
+        background: compile the largest shape, which holds any batch, and return; the
+        others compile on a thread of their own while steps run (programs.wait())."""
+        if self.peers is not None:
+            self.peers.send_warmup(num_threads, with_page_copies, background)
+        shapes = self.buckets.all_shapes()
+        if with_page_copies:  # all padding, it changes nothing
+            self.cache = copy_pages(self.cache, *page_copy_arrays([], self.num_pages))
+        if background:
+            self.programs.compile_all([self.buckets.largest()])
+        self.programs.compile_all(shapes, num_threads, background)
+        return len(shapes)
+
+    def full_shape(self, shape: BatchShape) -> BatchShape:
+        """shape with its page-table width filled in (None: the widest)."""
+        return dataclasses.replace(shape, pages_per_seq=shape.pages_per_seq or self.max_pages_per_seq)
+
+    def lower_step(self, shape: BatchShape, oracle: jax.ShapeDtypeStruct | None = None):
+        """The step lowered for one bucket shape (compile it to run or inspect), for
+        arguments placed as dispatch places them; oracle: the oracle table's spec."""
+        shape = self.full_shape(shape)
+        k = self.config.num_speculative_tokens
+        batch = build_batch([], shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
+                            lookahead_width(self.num_draft_modules), self.mask_width)
+        ints, floats = (array_spec(x, replicated(self.mesh)) for x in pack_batch(batch))
+        return jitted_step.lower(*self._state_specs, ints, floats, oracle, shape, self.step_config)
+
+    def cache_copies(self, shape: BatchShape) -> list[str]:
+        """Lines of the compiled step's optimised HLO that copy a KV page array, for
+        tests and benchmarks: with the cache donated there should be none."""
+        pages = self.cache.k[0].shape
+        names = [",".join(map(str, pages)), ",".join(map(str, (pages[0] * pages[1],) + pages[2:]))]
+        text = self.lower_step(shape).compile().as_text()
+        return [line.strip() for line in text.splitlines() if " copy(" in line and any(f"[{n}]" in line for n in names)]
+
+
+def array_spec(x, sharding=None) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype and sharding (or `sharding`), what compiling needs of it."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)

@@ -1,0 +1,146 @@
+"""The one jitted engine step: main forward over a mixed batch of prefill chunks and
+decode/verify rows, sampling or verification, and the MTP draft pass. The KV cache
+goes in and comes out donated; the host reads back only tokens and counts.
+
+The carry lets the host dispatch step N+1 before it has read step N: requests whose
+step N emits tokens are scheduled with placeholder rows, which this step fills from
+step N's carry on the device (batch.apply_carry)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxmtp.models import model
+from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.params import Params, pytree_dataclass
+from jaxmtp.worker import mtp
+from jaxmtp.worker.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, mask_words, unpack_batch
+from jaxmtp.worker.cache import KVCache
+from jaxmtp.worker.logits_processors import LogitsState, process_logits, record_emitted
+from jaxmtp.worker.prompt_logprobs import PromptLogprobs, prompt_logprobs
+from jaxmtp.worker.sampling import accept_drafts, chosen_logprobs, verify_and_sample
+from jaxmtp.worker.sharding import argmax_vocab, gather_vocab
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static facts the step is compiled for."""
+
+    model: ModelConfig
+    num_speculative_tokens: int = 0
+    num_draft_modules: int = 0  # M: MTP modules the draft pass runs, min(k, modules loaded)
+    attention_backend: str = "auto"
+    mtp_boundary: str = "next_chunk"
+    num_top_logprobs: int = 0
+    mesh: Mesh | None = None  # tensor parallelism (jaxmtp.worker.sharding); None: one device, no shard_map
+
+
+@pytree_dataclass
+class StepOutput:
+    tokens: jax.Array  # [B, k+1] emitted tokens; request b emits tokens[b, :num_accepted[b] + 1]
+    num_accepted: jax.Array  # [B]
+    # None in greedy shapes (no request asks for logprobs); the top ones also when the
+    # engine serves no top logprobs (num_top_logprobs 0)
+    logprobs: jax.Array | None  # [B, k+1] log-probability of each emitted token
+    ranks: jax.Array | None  # [B, k+1] its rank in the model's distribution
+    top_logprobs: jax.Array | None  # [B, k+1, n]
+    top_token_ids: jax.Array | None  # [B, k+1, n]
+    drafts: jax.Array  # [B, k] next proposals (k = 0: empty; oracle_drafts when an oracle is given)
+    boundary_token: jax.Array  # [B] token the draft pass used at each request's boundary row
+    carry: Carry  # for the next step's carried requests
+    prompt: PromptLogprobs | None  # [T] rows, in a step compiled with BatchShape.prompt_logprobs
+
+
+def step(
+    params: Params,
+    cache: KVCache,
+    logits_state: LogitsState,
+    carry: Carry,
+    ints: jax.Array,
+    floats: jax.Array,
+    oracle_tokens: jax.Array | None,
+    shape: BatchShape,
+    config: StepConfig,
+) -> tuple[KVCache, LogitsState, StepOutput]:
+    """logits_state: what logits processing reads across steps, donated as the cache is;
+    carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
+    batch.pack_batch; oracle_tokens: None, or a benchmark's table whose tokens replace
+    the MTP drafts (oracle_drafts); shape (static): how to unpack the batch, and whether
+    no row samples, asks for top logprobs or for logits processing (BatchShape.greedy)."""
+    k = config.num_speculative_tokens
+    words = mask_words(config.model.vocab_size)
+    batch = unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules), words)
+    batch = apply_carry(batch, carry, cache.page_size)
+    cfg = config.model
+    # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
+    ops = model.layer_ops(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
+    hidden, cache = model.forward(params, cfg, batch, cache, ops)
+    prompt = prompt_logprobs(params, cfg, hidden, batch, config.num_top_logprobs, config.mesh) if shape.prompt_logprobs else None
+    logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
+    # the draft checked at verify row j is the input id of row j+1
+    t = batch.input_ids.shape[0]
+    drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
+    if shape.greedy and not shape.masked:  # the runner's greedy shapes are never masked
+        # the argmax is all a greedy batch reads of its rows: no logits gather under TP
+        tokens, num_accepted = accept_drafts(argmax_vocab(logits, config.mesh), drafts_in, batch.num_drafts)
+        logprobs = ranks = top_values = top_ids = None  # no request asked for them
+    else:
+        if config.mesh is not None:
+            logits = gather_vocab(logits, config.mesh)
+        raw_logits = logits
+        if shape.masked:
+            logits = apply_token_bitmask(logits, batch.token_bitmask)
+        logits = process_logits(logits, logits_state, batch, drafts_in)
+        tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
+        logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
+        logprobs, ranks, top_values, top_ids = chosen_logprobs(
+            raw_logits, tokens, config.num_top_logprobs, batch.num_logprobs)
+    b = batch.kv_len.shape[0]
+    if k:
+        drafts, cache, boundary = mtp.propose(
+            params, cfg, hidden, batch, tokens, num_accepted, cache, ops, k, config.mtp_boundary, config.mesh
+        )
+        if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
+            drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)
+    else:
+        drafts, boundary = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+    last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)[:, 0]
+    new_carry = jax.tree.map(
+        lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
+    )
+    return cache, logits_state, StepOutput(
+        tokens, num_accepted, logprobs, ranks, top_values, top_ids, drafts, boundary, new_carry, prompt
+    )
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [B, R, V] with the tokens whose bit is clear in bitmask [B, R, W] at -inf."""
+    v = logits.shape[-1]
+    token = jnp.arange(v)
+    allowed = (bitmask[..., token // 32] >> (token % 32)) & 1
+    return jnp.where(allowed != 0, logits, -jnp.inf)
+
+
+def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, drafts: jax.Array) -> jax.Array:
+    """Benchmark hook: the drafts [B, k] replaced by the next k tokens of each request's
+    row of table [R, L], the output of an earlier plain greedy run, so that every draft
+    verification checks is accepted (the speedup's ceiling at the same step cost: the
+    MTP modules still ran). Requests without output this step (mid-prefill chunks,
+    padding) keep the module's drafts: nothing verifies them.
+
+    A request's row is its sampling seed: greedy requests, the only ones a plain run's
+    tokens are an oracle for, ignore the seed, and the batch already carries it, so a
+    benchmark-only field need not run through SamplingParams, Sequence and the packed
+    batch. Indices are clamped into the table; past a row's end any token will do."""
+    rows, length = table.shape
+    row = jnp.minimum(batch.seed, rows - 1).astype(jnp.int32)
+    emitted = batch.output_index + num_accepted + 1  # tokens the request has after this step
+    index = jnp.minimum(emitted[:, None] + jnp.arange(drafts.shape[1]), length - 1)
+    return jnp.where(batch.has_output[:, None], table[row[:, None], index], drafts)
+
+
+jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=("cache", "logits_state"))
