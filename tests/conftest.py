@@ -5,11 +5,22 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 # On the CPU, XLA compile time dominates this suite; the backend's optimisation level
 # changes how fast tests compile, not what the engine computes.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# One persistent compilation cache for the whole run, its xdist workers and the
+# processes tests start (benchmark scripts, servers, nodes): modules build the same
+# engines and kernels, and each program compiles once. num_compiles counts a program
+# loaded from it as one compiled, so the no-compile-in-a-step tests see it either way.
+# The run's first process names it; the xdist workers it starts inherit the name.
+_OWN_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+_XLA_CACHE = Path(os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                                        str(Path(tempfile.gettempdir()) / f"jaxmtp-tests-xla-{os.getpid()}")))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -196,3 +207,8 @@ def pytest_runtest_makereport(item, call):
     if report.failed and _SEEDS:
         seeds = ", ".join(map(str, _SEEDS))
         report.sections.append(("random seeds", f"seeds {seeds}; replay with JAXMTP_TEST_SEED={_SEEDS[0]}"))
+
+
+def pytest_unconfigure(config):
+    if _OWN_XLA_CACHE:  # the process that named it: the run's controller, or a run without workers
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)

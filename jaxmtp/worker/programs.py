@@ -26,16 +26,23 @@ log = logging.getLogger("jaxmtp.worker.programs")
 _compile_events = {"count": 0}
 
 
-def _on_event(event: str, duration: float, **kwargs) -> None:
+def _on_compile(event: str, duration: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _compile_events["count"] += 1
 
 
-jax.monitoring.register_event_duration_secs_listener(_on_event)
+def _on_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _compile_events["count"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_compile)
+jax.monitoring.register_event_listener(_on_cache_hit)
 
 
 def num_compiles() -> int:
-    """XLA compilations in this process so far (all functions)."""
+    """Programs XLA built in this process so far (all functions): compiled, or loaded
+    from the persistent compilation cache, which stalls a step as well."""
     return _compile_events["count"]
 
 
