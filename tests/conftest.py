@@ -212,3 +212,25 @@ def pytest_runtest_makereport(item, call):
 def pytest_unconfigure(config):
     if _OWN_XLA_CACHE:  # the process that named it: the run's controller, or a run without workers
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--seed-loop", type=int, default=0, metavar="N",
+        help="run each selected test N times, fresh_rng's seed 1..N (JAXMTP_TEST_SEED), in one process: a randomized "
+             "test's tolerance must hold for every seed",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.config.getoption("seed_loop"):
+        metafunc.fixturenames.append("_loop_seed")
+        metafunc.parametrize("_loop_seed", range(1, metafunc.config.getoption("seed_loop") + 1))
+
+
+@pytest.fixture(autouse=True)
+def _seed_of_the_loop(request, monkeypatch):
+    """Under --seed-loop, the seed of this repetition, set before any fixture draws."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "_loop_seed" in callspec.params:
+        monkeypatch.setenv("JAXMTP_TEST_SEED", str(callspec.params["_loop_seed"]))

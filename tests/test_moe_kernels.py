@@ -15,6 +15,7 @@ from jaxmtp.models.moe import route, routed_experts
 from jaxmtp.kernels.grouped_matmul import grouped_matmul_reference
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from test_kernels import make_case
+from tolerances import assert_within, attention_float64, gamma, swiglu_relative
 
 
 def seeded():
@@ -118,13 +119,37 @@ def test_router_ties_and_groups():
 
 
 def grouped_matmul_float64(lhs, rhs, group_sizes):
+    """Each group's rows times its matrix in float64, and one float32 evaluation's
+    rounding bound (gamma_K |lhs| @ |rhs|)."""
     lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
-    out = np.zeros((lhs.shape[0], rhs.shape[2]))
+    out, magnitude = np.zeros((lhs.shape[0], rhs.shape[2])), np.zeros((lhs.shape[0], rhs.shape[2]))
     start = 0
     for g, size in enumerate(np.asarray(group_sizes)):
         out[start : start + size] = lhs[start : start + size] @ rhs[g]
+        magnitude[start : start + size] = np.abs(lhs[start : start + size]) @ np.abs(rhs[g])
         start += size
-    return out
+    return out, gamma(lhs.shape[1]) * magnitude
+
+
+def experts_float64(x, experts, weights, gate_up, down):
+    """Each row's k experts one by one in float64 (SwiGLU of gate and up, then down,
+    weighted), one float32 evaluation's rounding bound: the SwiGLU's
+    (tolerances.swiglu_relative, sums of H), the down projection's sums of I and the k
+    weighted terms' sum, over the magnitude M = sum_e |w_e| sum_j |g_j| |u_j| |down_j|;
+    and M."""
+    x, weights, gate_up, down = (np.asarray(a, np.float64) for a in (x, weights, gate_up, down))
+    t, h = x.shape
+    inter = down.shape[1]
+    out, magnitude = np.zeros((t, h)), np.zeros((t, h))
+    for row in range(t):
+        for e, w in zip(np.asarray(experts)[row], weights[row]):
+            gu = x[row] @ gate_up[e].reshape(h, 2 * inter)
+            gate, up = gu[:inter], gu[inter:]
+            out[row] += w * ((gate / (1 + np.exp(-gate)) * up) @ down[e])
+            abs_gu = np.abs(x[row]) @ np.abs(gate_up[e]).reshape(h, 2 * inter)
+            magnitude[row] += abs(w) * ((abs_gu[:inter] * abs_gu[inter:]) @ np.abs(down[e]))
+    k = np.asarray(experts).shape[1]
+    return out, (swiglu_relative(h) + gamma(inter) + gamma(k)) * magnitude, magnitude
 
 
 @pytest.mark.parametrize("loads", ["ragged", "empty-experts", "one-expert-takes-all", "padding-rows"])
@@ -144,7 +169,7 @@ def test_grouped_matmul_on_ragged_loads(loads):
     lhs = rng.standard_normal((rows, 16)).astype(np.float32)
     rhs = rng.standard_normal((groups, 16, 12)).astype(np.float32)
     out = np.asarray(grouped_matmul_reference(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32)))
-    np.testing.assert_allclose(out, grouped_matmul_float64(lhs, rhs, sizes), rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    assert_within(out, *grouped_matmul_float64(lhs, rhs, sizes), f"seed={seed}")
 
 
 def test_routed_experts_match_a_per_token_loop():
@@ -161,13 +186,8 @@ def test_routed_experts_match_a_per_token_loop():
 
     got = routed_experts(jnp.asarray(x), Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(weights)),
                          jnp.asarray(gate_up), jnp.asarray(down))
-    want = np.zeros((t, h))
-    for row in range(t):
-        for e, w in zip(experts[row], weights[row]):
-            gu = x[row].astype(np.float64) @ gate_up[e].astype(np.float64).reshape(h, 2 * inter)
-            gate, up = gu[:inter], gu[inter:]
-            want[row] += w * ((gate / (1 + np.exp(-gate)) * up) @ down[e])
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    want, bound, _ = experts_float64(x, experts, weights, gate_up, down)
+    assert_within(got, want, bound, f"seed={seed}")
 
 
 @pytest.mark.parametrize("num_devices", [2, 3])
@@ -189,7 +209,10 @@ def test_experts_held_apart_add_up_to_all_experts(num_devices):
     held = num_experts // num_devices
     parts = [routed_experts(x, routing, gate_up[s * held:(s + 1) * held], down[s * held:(s + 1) * held], s * held)
              for s in range(num_devices)]
-    np.testing.assert_allclose(np.sum(parts, axis=0), whole, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    # each part and the whole round their own sums (twice one evaluation's bound), and
+    # the parts' float32 sum adds gamma_devices of their magnitude
+    _, bound, magnitude = experts_float64(x, experts, routing.weights, gate_up, down)
+    assert_within(np.sum(parts, axis=0), whole, 2 * bound + gamma(num_devices) * magnitude, f"seed={seed}")
     if num_devices == 3:  # the last device holds experts 4 and 5, which no row goes to
         assert not np.asarray(parts[-1]).any()
 
@@ -214,24 +237,22 @@ def mla_case(rng, seqs, page_size=4):
 
 
 def mla_float64(q_nope, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, w_uk, w_uv, sm_scale):
-    """One (row, head) at a time in float64, keys and values expanded per token."""
+    """MLA in float64 (the absorbed query over the latent, then W_UV; the expanded form
+    is the same sums in another order), and the rounding bound of one float32
+    evaluation of either form: the logits' sums are over R (through W_UK) and Dn, then
+    Dr; the output's over R (through W_UV) after the attention's bound."""
     q_nope, q_rope, latent_pages, rope_pages, w_uk, w_uv = (
         np.asarray(a, np.float64) for a in (q_nope, q_rope, latent_pages, rope_pages, w_uk, w_uv)
     )
-    page_size = latent_pages.shape[1]
-    out = np.zeros((q_nope.shape[0], HEADS, DV))
-    for s in range(len(kv_lens)):
-        start, end, kv_len = int(query_start[s]), int(query_start[s + 1]), int(kv_lens[s])
-        for j, row in enumerate(range(start, end)):
-            tokens = range(kv_len - (end - start) + j + 1)
-            pages = [int(page_table[s, t // page_size]) for t in tokens]
-            slots = [t % page_size for t in tokens]
-            latent, rope = latent_pages[pages, slots, 0], rope_pages[pages, slots, 0]
-            for h in range(HEADS):
-                logits = (latent @ w_uk[:, h] @ q_nope[row, h] + rope @ q_rope[row, h]) * sm_scale
-                p = np.exp(logits - logits.max())
-                out[row, h] = p @ (latent @ w_uv[:, h]) / p.sum()
-    return out
+    q = np.concatenate([np.einsum("thd,rhd->thr", q_nope, w_uk), q_rope], axis=-1)
+    q_magnitude = np.concatenate([np.einsum("thd,rhd->thr", np.abs(q_nope), np.abs(w_uk)), np.abs(q_rope)], axis=-1)
+    rank, reduction = latent_pages.shape[-1], latent_pages.shape[-1] + q_nope.shape[-1] + q_rope.shape[-1]
+    latent, bound, magnitude = attention_float64(
+        q, np.concatenate([latent_pages, rope_pages], axis=-1), latent_pages, kv_lens, page_table, query_start,
+        sm_scale=sm_scale, q_magnitude=q_magnitude, reduction=reduction,
+    )
+    out = np.einsum("thr,rhv->thv", latent, w_uv)
+    return out, np.einsum("thr,rhv->thv", bound + gamma(rank) * magnitude, np.abs(w_uv))
 
 
 SEQS = [(1, 9), (3, 3), (0, 0), (5, 11), (1, 1), (2, 14)]  # (q rows, kv_len); (0, 0) pads
@@ -244,7 +265,7 @@ def test_mla_forms_match_float64_reference():
     args = mla_case(rng, SEQS)
     q_nope, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, w_uk, w_uv = args
     scale = 0.3
-    want = mla_float64(*args, scale)
+    want, bound = mla_float64(*args, scale)
     cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
     q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
     absorbed = jnp.einsum("thr,rhv->thv", mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=scale), w_uv)
@@ -254,7 +275,7 @@ def test_mla_forms_match_float64_reference():
         got = np.asarray(got)
         assert not np.isnan(got).any(), f"seed={seed} {name}: NaN"
         assert (got[~owned] == 0).all(), f"seed={seed} {name}: unowned rows"
-        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"seed={seed} {name}")
+        assert_within(got, want, bound, f"seed={seed} {name}")
 
 
 def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
@@ -277,8 +298,8 @@ def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
     written = slots < latent_pages.shape[0] * page_size
     np.testing.assert_array_equal(np.asarray(new_latent).reshape(-1, R)[slots[written]], np.asarray(latent)[written])
     np.testing.assert_array_equal(np.asarray(new_rope).reshape(-1, DR)[slots[written]], np.asarray(rope_key)[written])
-    want = mla_float64(q_nope, q_rope, new_latent, new_rope, kv_lens, page_table, query_start, w_uk, w_uv, 0.3)
-    np.testing.assert_allclose(np.asarray(out), want, rtol=2e-5, atol=2e-5, err_msg=f"seed={seed}")
+    want, bound = mla_float64(q_nope, q_rope, new_latent, new_rope, kv_lens, page_table, query_start, w_uk, w_uv, 0.3)
+    assert_within(out, want, bound, f"seed={seed}")
 
     import jaxmtp.kernels.mla_reference as ref
     import jaxmtp.models.mla as mla
