@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from conftest import STORIES
-from jaxmtp.engine.llm_engine import detokenizer
+from jaxmtp.engine import detokenizer
 from jaxmtp.engine.detokenizer import IncrementalDetokenizer
 from jaxmtp.engine.stop_strings import StopStringMatcher
 from jaxmtp.loading.tokenizer import Tokenizer

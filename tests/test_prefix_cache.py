@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, STORIES, assert_no_leaks, greedy, make_modules_model, random_prompts, token_ids
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.engine.llm_engine import prefix_cache
+from jaxmtp.engine import prefix_cache
 from jaxmtp.engine.allocator import PageAllocator
 from jaxmtp.worker.programs import num_compiles
 from jaxmtp.engine.prefix_cache import PrefixCache
