@@ -383,7 +383,7 @@ def scenario_mtp(bench: Bench) -> None:
     if "b1" not in bench.memo:
         scenario_b1(bench)
     base = bench.memo["b1"]
-    for k in (1, 2, 3):
+    for k in bench.args.mtp_k:
         if bench.budget_left() < 60:
             break
         spec = bench.engine(max_num_seqs=1, max_num_batched_tokens=s.prompt, num_speculative_tokens=k)
@@ -620,6 +620,8 @@ def main() -> None:
                         help="batch sizes of the batch scenario (default: 1,32,128,256)")
     parser.add_argument("--contexts", type=lambda x: tuple(int(c) for c in x.split(",")), default=None,
                         help="contexts of the batch scenario (default: 1024,4096)")
+    parser.add_argument("--mtp-k", type=lambda x: [int(k) for k in x.split(",")], default=[1, 2, 3],
+                        help="speculative tokens of the mtp scenario's runs (default: 1,2,3)")
     parser.add_argument("--mtp32-k", type=lambda x: [int(k) for k in x.split(",")], default=[1, 3],
                         help="speculative tokens to measure at batch 32")
     parser.add_argument("--quantization", choices=["none", "fp8"], default="none",

@@ -160,7 +160,8 @@ def test_mtp_layer_matches_the_float64_reference(mtp_model, rng):
         assert drafts == [draft], f"chunk={chunk} prompt={prompt}"
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+# k = 1 drafts once; k = 3 chains the one MTP layer twice
+@pytest.mark.parametrize("k", [1, 3])
 def test_greedy_with_mtp_equals_without(mtp_model, plain, rng, k):
     """Chunks of 3 (the whole prompt in one chunk: the chunk-invariance test's reference)."""
     prompts = random_prompts(rng, [3, 30, 17])

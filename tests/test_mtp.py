@@ -38,16 +38,11 @@ def sampled_prompts(llm: LLM, rng, lengths) -> list[list[int]]:
     return [[1] + o.outputs[0].token_ids[: n - 1] for o, n in zip(outs, lengths)]
 
 
-
-
-
-
-
-
 # ----- invariant 1: greedy output with MTP == without ------------------------------------
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+# k = 1 drafts once; k = 3 chains the module twice (k = 2 and 4 add nothing that breaks apart)
+@pytest.mark.parametrize("k", [1, 3])
 def test_greedy_with_mtp_equals_without(plain, rng, k):
     prompts = sampled_prompts(plain, rng, [3, 40, 21])
     expected = token_ids(plain.generate(prompts, greedy(24), use_tqdm=False))
@@ -180,7 +175,8 @@ def test_chunk_invariance_with_several_modules(plain, modules_model, rng):
     assert differs > 0, "the ablation never differed: the test cannot tell the fix from the bug"
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+# k = 2 runs two of the three modules, k = 4 all three and module 3 once more
+@pytest.mark.parametrize("k", [2, 4])
 def test_greedy_with_several_modules_equals_without(plain, modules_model, rng, k):
     """Three modules (k = 4 chains module 3 once more): mixed prompt lengths, chunked
     prefill and a pool small enough to preempt, with async and sync scheduling."""

@@ -25,7 +25,9 @@ STORIES = ROOT / "checkpoints" / "stories260K"  # safetensors; 8 heads, 4 kv hea
 STORIES_MTP = ROOT / "checkpoints" / "stories260K-mtp"  # orbax, with a trained MTP head
 NUM_DEVICES = 4
 TP_SIZES = (1, 2, 4)
-CHUNK_SIZES = (3, 8)  # a small odd chunk; half a page, the whole step budget
+# each model at one chunk size (modules_run and greedy_steps add chunks of 7 and 3): the
+# whole step budget without MTP, a small odd chunk with it
+RUNS = (("stories260K", 0, 8), ("stories260K-mtp", 2, 3))
 MAX_TOKENS = 16
 VOCAB = 512
 # an all-gather in the compiled CPU HLO (synchronous there): its result's type and shape
@@ -246,14 +248,13 @@ def worker(seed: int) -> dict:
 
     assert len(jax.devices()) == NUM_DEVICES
     report = {"runs": {}, "layouts": {}, "errors": {}}
-    for model, k in ((STORIES, 0), (STORIES_MTP, 2)):
-        for chunk in CHUNK_SIZES:
-            for tp in TP_SIZES:
-                run = _run(model, tp, num_speculative_tokens=k, prefill_chunk_size=chunk)
-                llm = run.pop("_llm")
-                report["runs"][f"{model.name} k={k} chunk={chunk} tp={tp}"] = run
-                if k and chunk == CHUNK_SIZES[0]:
-                    report["layouts"][tp] = _layouts(llm)
+    for name, k, chunk in RUNS:
+        for tp in TP_SIZES:
+            run = _run(ROOT / "checkpoints" / name, tp, num_speculative_tokens=k, prefill_chunk_size=chunk)
+            llm = run.pop("_llm")
+            report["runs"][f"{name} k={k} chunk={chunk} tp={tp}"] = run
+            if k:
+                report["layouts"][tp] = _layouts(llm)
 
     report["greedy_steps"] = {tp: _greedy_steps_run(tp) for tp in TP_SIZES}
     report["argmax"] = _argmax_against_jnp(seed)
@@ -338,8 +339,7 @@ def _compare(report, key_of_tp):
         assert run["cache_sharding_kept"], key
 
 
-@pytest.mark.parametrize("chunk", CHUNK_SIZES)
-@pytest.mark.parametrize("model,k", [("stories260K", 0), ("stories260K-mtp", 2)])
+@pytest.mark.parametrize("model,k,chunk", RUNS)
 def test_outputs_equal_tp1_token_for_token(report, model, k, chunk):
     """Greedy requests and a sampled one (temperature, top-k, its top logprob ids):
     the vocab-sharded head feeds the same sampling."""
@@ -362,7 +362,7 @@ def test_several_mtp_modules_preemption_and_abort_in_flight(report):
     ones alike: a seeded request's tokens do not depend on speculation) and logprobs.
     A request aborted while its step is in flight leaves every page free or parked in
     the prefix cache, and no reference held."""
-    run, plain = report["modules_run"], report["runs"][f"stories260K k=0 chunk={CHUNK_SIZES[0]} tp=1"]
+    run, plain = report["modules_run"], report["runs"][f"stories260K k=0 chunk={RUNS[0][2]} tp=1"]
     assert run["tokens"] == plain["tokens"]
     for a, b in zip(run["logprobs"], plain["logprobs"]):
         np.testing.assert_allclose(a, b, atol=2e-5)
