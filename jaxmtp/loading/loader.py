@@ -252,6 +252,7 @@ def load_params(
         return dataclasses.replace(params, mtp=params.mtp[:num_mtp])
     return load_hf_params(model_dir, cfg, shardings, num_mtp)
 
+
 def _block_tensors(prefix: str, p: LayerParams) -> dict:
     names = {
         "input_layernorm.weight": (p.input_norm, False),

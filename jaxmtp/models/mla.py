@@ -37,6 +37,7 @@ LORA_NORM_EPS = 1e-6
 
 MLAAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
+
 def resolve_mla_backend(name: str, kv_lora_rank: int, rope_dim: int) -> str:
     """The absorbed form's backend: "auto" is the Pallas kernel on GPUs where it tiles
     the latent and rope sizes, else the jnp reference."""
