@@ -158,3 +158,21 @@ def test_greedy_batches_run_a_step_without_sampling_branches(rng):
     mixed = llm.generate([prompt, prompt], [GREEDY, sampled], use_tqdm=False)
     assert token_ids(mixed)[0] == token_ids(alone)[0]
     assert engine.last_step.args[-1].greedy is False  # the steps ran the general program
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_steps_dots_run_at_the_model_dtypes_precision(dtype):
+    """float32 means float32 on every backend: each dot of a float32 model's step (main
+    model, verify, MTP draft chain) is lowered at HIGHEST precision, which a GPU runs in
+    full float32 where its default rounds operands to TF32. A bf16 model's dots keep the
+    default (the fast path). Read from the lowered StableHLO, which the CPU shows as a
+    GPU would get it."""
+    llm = LLM(MTP_MODEL, dtype=dtype, num_speculative_tokens=1, page_size=16, max_num_seqs=2, max_num_batched_tokens=8)
+    text = llm.engine.runner.lower_step(BatchShape(8, 2, greedy=False)).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) > 10, "the step's matmuls (layers, lm head, draft layer) are dot_generals"
+    if dtype == "float32":
+        assert all("precision = [HIGHEST, HIGHEST]" in line for line in dots), [d for d in dots if "HIGHEST" not in d][:3]
+    else:
+        model_dots = [line for line in dots if "xbf16>, tensor<" in line and line.count("xbf16>") >= 2]
+        assert model_dots and all("precision = [DEFAULT, DEFAULT]" in line for line in model_dots), model_dots[:3]

@@ -10,6 +10,7 @@ the same (self.peers; jaxmtp/worker/distributed.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -27,7 +28,7 @@ from jaxmtp.worker.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.worker.memory import plan_kv_pool
 from jaxmtp.worker.programs import StepPrograms
 from jaxmtp.worker.sharding import check_divisible, make_mesh, param_shardings, put_replicated, replicated
-from jaxmtp.worker.step import StepConfig, StepOutput, jitted_step
+from jaxmtp.worker.step import STEP_STATE, StepConfig, StepOutput, jitted_step
 
 
 @dataclasses.dataclass
@@ -92,8 +93,8 @@ class ModelRunner:
             matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
             self.params = with_fp8_matmul(self.params, matmul)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
-        # before the pool is sized: its memory is the weights' and this state's remainder
-        self.logits_state = put_replicated(zero_state(config.max_num_seqs, model_config.vocab_size), self.mesh)
+        # placed before the pool is sized: the pool gets what the weights and this leave
+        self.logits_state = self._state_builders()["logits_state"]()
         # sized after the weights are placed, from the memory they leave
         self.kv_pool = plan_kv_pool(
             model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
@@ -119,25 +120,41 @@ class ModelRunner:
         self.reset()
         # what the step is compiled for: the arrays' shapes, dtypes and shardings, which
         # every step keeps (the background compiler reads these, never the donated arrays)
-        self._state_specs = jax.tree.map(array_spec, (self.params, self.cache, self.logits_state, self.carry))
+        self._state_specs = jax.tree.map(array_spec, (self.params, *self.step_state()))
 
     def reset(self) -> None:
-        """A fresh, zeroed KV cache and carry: after a failed step whose donated cache is
-        gone, and at start-up. The logits state needs no reset: a request's row is written
-        whenever it is admitted."""
+        """Every state the step carries across steps (step.STEP_STATE), fresh and zeroed:
+        at start-up and after a failed step that consumed what it donated. A request's
+        logits-state row is written when it is admitted, so zeros lose nothing that a
+        request still running after the failure needs."""
         if self.peers is not None:
             self.peers.cache_lost()  # the other processes' caches cannot be brought back in step
-        # committed to its devices, sharded as every cache the step returns, as the
-        # compiled programs take it
-        self.cache = allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules, self.mesh)
-        carry = Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens)
-        self.carry = put_replicated(carry, self.mesh)
+        builders = self._state_builders()
+        assert builders.keys() == set(STEP_STATE), "every state the step carries is rebuilt here"
+        for name in STEP_STATE:
+            setattr(self, name, None)  # the old arrays go before their replacements are placed
+            setattr(self, name, builders[name]())
+
+    def _state_builders(self) -> dict:
+        """How to build each STEP_STATE entry fresh: committed to its devices and sharded as
+        the step returns it, as the compiled programs take it."""
+        return {
+            "cache": lambda: allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules,
+                                            self.mesh),
+            "logits_state": lambda: put_replicated(zero_state(self.config.max_num_seqs, self.model_config.vocab_size),
+                                                   self.mesh),
+            "carry": lambda: put_replicated(Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens),
+                                            self.mesh),
+        }
+
+    def step_state(self) -> tuple:
+        """The STEP_STATE arrays, in the step's argument order."""
+        return tuple(getattr(self, name) for name in STEP_STATE)
 
     @property
     def cache_is_lost(self) -> bool:
-        """Whether a failed step consumed the donated cache (or the carry)."""
-        leaves = jax.tree.leaves((self.cache, self.logits_state, self.carry))
-        return any(x.is_deleted() for x in leaves)
+        """Whether a failed step consumed any state it carries (what it donated)."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.step_state()))
 
     @property
     def oracle_tokens(self) -> jax.Array | None:
@@ -223,9 +240,7 @@ class ModelRunner:
     def _run(self, args: tuple) -> StepOutput:
         ints, floats, oracle, shape = args
         program = self._programs_for(oracle).program(shape)
-        self.cache, self.logits_state, output = program(
-            self.params, self.cache, self.logits_state, self.carry, ints, floats, oracle
-        )
+        self.cache, self.logits_state, output = program(self.params, *self.step_state(), ints, floats, oracle)
         self.carry = output.carry
         return output
 
@@ -288,7 +303,8 @@ class ModelRunner:
         batch = build_batch([], shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
                             lookahead_width(self.num_draft_modules), self.mask_width)
         ints, floats = (array_spec(x, replicated(self.mesh)) for x in pack_batch(batch))
-        return jitted_step.lower(*self._state_specs, ints, floats, oracle, shape, self.step_config)
+        with matmul_precision(self.model_config.dtype):
+            return jitted_step.lower(*self._state_specs, ints, floats, oracle, shape, self.step_config)
 
     def cache_copies(self, shape: BatchShape) -> list[str]:
         """Lines of the compiled step's optimised HLO that copy a KV page array, for
@@ -297,6 +313,14 @@ class ModelRunner:
         names = [",".join(map(str, pages)), ",".join(map(str, (pages[0] * pages[1],) + pages[2:]))]
         text = self.lower_step(shape).compile().as_text()
         return [line.strip() for line in text.splitlines() if " copy(" in line and any(f"[{n}]" in line for n in names)]
+
+
+def matmul_precision(dtype: str):
+    """The precision the step's XLA dots trace at (the Pallas kernels pick theirs from
+    their operands' dtype): a float32 model computes in float32, where a GPU's default
+    float32 dot rounds its operands to TF32; bf16 (and fp8, which computes in bf16)
+    keeps the default, the fast path."""
+    return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
 
 
 def array_spec(x, sharding=None) -> jax.ShapeDtypeStruct:

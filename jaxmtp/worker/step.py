@@ -143,4 +143,9 @@ def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, draft
     return jnp.where(batch.has_output[:, None], table[row[:, None], index], drafts)
 
 
-jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=("cache", "logits_state"))
+# The device state the runner holds across steps, as the step's arguments after params
+# name it; the step donates the first two. ModelRunner.reset rebuilds every one of them
+# after a failed step, so a state added here is rebuilt too (tests/test_reliability.py).
+STEP_STATE = ("cache", "logits_state", "carry")
+DONATED_STATE = ("cache", "logits_state")
+jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
