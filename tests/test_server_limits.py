@@ -44,7 +44,8 @@ def serving(engine, **config):
 
 @pytest.fixture(scope="module")
 def http(engine):
-    limits = dict(max_stop_strings=2, max_stop_string_length=8, max_n=4, max_request_tokens=100, max_waiting=6)
+    limits = dict(max_stop_strings=2, max_stop_string_length=8, max_n=4, max_request_tokens=100, max_waiting=6,
+                  max_logprob_entries=200)
     with serving(engine, **limits) as http:
         yield http
 
@@ -59,6 +60,14 @@ LIMITED = [
     ("completions", {"prompt": "Hi", "temperature": 2.5}, "temperature", "temperature must be <= 2"),
     ("completions", {"prompt": "Hi", "n": 4, "max_tokens": 26}, "max_tokens", "n x max_tokens = 4 x 26"),
     ("chat/completions", {"messages": HI, "max_completion_tokens": 101}, "max_completion_tokens", "exceeds"),
+    # logprob entries past max_logprob_entries: n x (prompt tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1))
+    ("completions", {"prompt": [1] * 20, "n": 2, "max_tokens": 1, "prompt_logprobs": 9}, "prompt_logprobs",
+     "returns 400 logprob entries"),
+    ("completions", {"prompt": [1] * 20, "max_tokens": 1, "echo": True, "logprobs": 9}, "prompt_logprobs",
+     "returns 210 logprob entries"),
+    ("completions", {"prompt": "Hi", "n": 2, "max_tokens": 26, "logprobs": 3}, "logprobs", "returns 208 logprob"),
+    ("chat/completions", {"messages": HI, "max_tokens": 51, "logprobs": True, "top_logprobs": 3}, "logprobs",
+     "returns 204 logprob entries"),
     # more choices than the waiting queue holds can never be admitted: 400, not "retry later"
     ("completions", {"prompt": ["a", "b"], "n": 4, "max_tokens": 2}, "n", "can never be admitted"),
     # values the device's int32 arrays cannot hold
@@ -107,6 +116,14 @@ def test_a_chat_replys_default_length_fits_the_request_token_limit(http):
     assert response.status_code == 200, response.text
     assert [len(c["message"]["content"]) > 0 for c in response.json()["choices"]] == [True] * 4
     assert response.json()["usage"]["completion_tokens"] == 100  # 4 x (100 // 4)
+
+
+def test_a_chat_replys_default_length_with_logprobs_fits_the_logprob_entry_limit(http):
+    body = dict(messages=HI, logprobs=True, top_logprobs=3, ignore_eos=True, **GREEDY)
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 50  # 200 // (3 + 1)
+    assert len(response.json()["choices"][0]["logprobs"]["content"]) == 50
 
 
 def test_a_body_must_be_sent_as_json(http):

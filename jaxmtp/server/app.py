@@ -159,7 +159,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         def prepare():
             ids = [engine.encode_prompt(p)[1] for p in prompts]
             params = server.sampling_params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs)
-            server.validate_prompts(ids, params)
+            server.validate_prompts(ids, params, body.n)
             return ids, params
 
         try:
@@ -194,9 +194,9 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         def prepare():
             prompt = server.chat_prompt(body, body.messages)
             # by default a reply may fill the context; a prompt that already does gets the context error
-            max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n)
+            max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n, logprobs)
             params = server.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
-            server.validate_prompts([prompt], params)
+            server.validate_prompts([prompt], params, body.n)
             return prompt, params
 
         try:

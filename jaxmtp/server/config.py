@@ -35,6 +35,11 @@ class ServerConfig:
     max_request_tokens: int = option(
         131072, "most tokens one request may generate: n x max_tokens (a chat reply's default is capped to fit)"
     )
+    max_logprob_entries: int = option(
+        1 << 18,
+        "most logprob entries one request may return: n x (prompt tokens x (prompt_logprobs + 1) + max_tokens x "
+        "(logprobs + 1)), counting only what it asks for (each entry is a row of work and about 70 bytes of response)",
+    )
     max_temperature: float = option(2.0, "highest temperature a request may ask for (OpenAI's limit)")
     shutdown_timeout: float = option(
         20.0, "on SIGTERM: seconds running requests may take to finish before they are aborted"

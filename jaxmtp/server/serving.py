@@ -116,9 +116,13 @@ class Server:
             )
             raise APIError(400, message, "n", code="request_too_large")
 
-    def default_max_tokens(self, prompt: list[int], n: int) -> int:
-        """A chat reply's default: the rest of the context, within max_request_tokens."""
-        return max(1, min(self.engine.max_model_len - len(prompt), self.config.max_request_tokens // n))
+    def default_max_tokens(self, prompt: list[int], n: int, logprobs: int | None) -> int:
+        """A chat reply's default: the rest of the context, within max_request_tokens and
+        (with logprobs) max_logprob_entries."""
+        limit = self.config.max_request_tokens // n
+        if logprobs is not None:
+            limit = min(limit, self.config.max_logprob_entries // (n * (logprobs + 1)))
+        return max(1, min(self.engine.max_model_len - len(prompt), limit))
 
     @staticmethod
     def sampling_params(
@@ -170,9 +174,19 @@ class Server:
         self.generations.add(generation)
         return generation
 
-    def validate_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def validate_prompts(self, prompts: list[list[int]], params: SamplingParams, n: int) -> None:
+        """Each prompt as the engine checks it, and the request's logprob entries (n
+        choices of each prompt) within max_logprob_entries."""
         for prompt in prompts:
             self.engine.validate(prompt, params)
+        entries = n * sum(logprob_entries(len(prompt), params) for prompt in prompts)
+        if entries > self.config.max_logprob_entries:
+            field = "prompt_logprobs" if params.prompt_logprobs is not None else "logprobs"
+            raise ValueError(
+                f"{field}: this request returns {entries} logprob entries (n x (prompt tokens x (prompt_logprobs + 1) "
+                f"+ max_tokens x (logprobs + 1))), past this server's limit of {self.config.max_logprob_entries} "
+                "(--max-logprob-entries)"
+            )
 
     # ----- answers --------------------------------------------------------------------
 
@@ -270,3 +284,14 @@ async def client_gone(request: Request) -> None:
     # the body has been read, so the next message is the disconnect
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def logprob_entries(prompt_len: int, params: SamplingParams) -> int:
+    """The logprob entries one choice of a prompt returns: its prompt logprobs (every
+    prompt token and its top ones) and its sampled tokens' logprobs."""
+    entries = 0
+    if params.prompt_logprobs is not None:
+        entries += prompt_len * (params.prompt_logprobs + 1)
+    if params.logprobs is not None:
+        entries += params.max_tokens * (params.logprobs + 1)
+    return entries
