@@ -220,6 +220,31 @@ def test_preempted_processed_request_resumes_with_its_counts(spec):
     assert outs[-1].outputs[0].token_ids == alone
 
 
+@pytest.mark.parametrize("engine", ["plain", "spec"])
+def test_min_tokens_holds_the_stop_tokens_back_for_exactly_min_tokens(request, engine):
+    """EOS biased to win everywhere: it is the (min_tokens + 1)-th token, not earlier or later."""
+    llm = request.getfixturevalue(engine)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logit_bias={EOS: 100.0}, min_tokens=m) for m in (0, 1, 4)]
+    outs = llm.generate([PROMPTS[0]] * 3, params, use_tqdm=False)
+    for m, out in zip((0, 1, 4), outs):
+        tokens = out.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "stop" and len(tokens) == m + 1 and tokens[-1] == EOS, (m, tokens)
+        assert EOS not in tokens[:-1]
+
+
+@pytest.mark.parametrize("engine", ["plain", "spec"])
+def test_logit_bias_moves_only_allowed_tokens(request, engine):
+    """allowed_token_ids masks first: a bias cannot bring back a disallowed token, and a
+    bias among the allowed ones picks between them."""
+    llm = request.getfixturevalue(engine)
+    allowed = [5, 17, 403]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed, logit_bias=bias)
+              for bias in ({17: 30.0, 300: 100.0}, {17: -100.0, 5: -100.0})]
+    favoured, pushed_down = (o.outputs[0].token_ids for o in llm.generate([PROMPTS[1]] * 2, params, use_tqdm=False))
+    assert favoured == [17] * 8
+    assert pushed_down == [403] * 8
+
+
 def test_text_options(plain):
     tokenizer = plain.get_tokenizer()
     prompt = tokenizer.encode("Once upon a time")

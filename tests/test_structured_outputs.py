@@ -112,11 +112,27 @@ def test_constraints_survive_preemption_and_prefix_cache_hits(spec):
     ({"choice": []}, "choice must be a non-empty list"),
     ({"regex": "a", "choice": ["b"]}, "exactly one of"),
     ({"jsonn": {}}, "structured_outputs: .*jsonn"),
+    # what would fail mid-request is refused before admission
+    ({"choice": [f"w{i}" for i in range(2000)]}, "at most 1999 choices, got 2000"),
+    ({"regex": "[^\\s\\S]"}, "no text satisfies the constraint"),
+    ({"json": {"$ref": "#"}}, "no text satisfies the constraint"),
 ])
 def test_bad_constraints_are_refused_by_name(plain, so, message):
     with pytest.raises(ValueError, match=message):
         plain.generate(PROMPTS[:1], SamplingParams(structured_outputs=so), use_tqdm=False)
     assert texts(plain, SamplingParams(max_tokens=3, temperature=0.0))  # the engine still serves
+
+
+@pytest.mark.parametrize("extra, message", [
+    (dict(structured_outputs={"regex": "[a-z]+"}, allowed_token_ids=[2, 13]), "allows none of them as the first"),
+    (dict(allowed_token_ids=[2], min_tokens=4), "every allowed token is a stop token"),
+])
+def test_masks_that_leave_no_token_are_refused(plain, extra, message):
+    """Masks that would leave no token to sample (the sampler would then emit one the
+    constraint forbids) are refused, naming the field."""
+    with pytest.raises(ValueError, match=message):
+        plain.generate(PROMPTS[:1], SamplingParams(max_tokens=8, **extra), use_tqdm=False)
+    assert not plain.engine.has_unfinished_requests()
 
 
 def test_prefetched_masks_equal_masks_computed_when_the_batch_is_built(spec, rng):

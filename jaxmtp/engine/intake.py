@@ -55,18 +55,29 @@ class RequestIntake:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context of {self.max_model_len} tokens"
             )
+        stop_ids = self.stop_ids(params)
+        if params.allowed_token_ids and params.min_tokens > 0 and set(params.allowed_token_ids) <= stop_ids:
+            raise ValueError(
+                "allowed_token_ids: every allowed token is a stop token, which min_tokens holds back: no token is left "
+                "to sample"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.num_top_logprobs:
                 raise ValueError(f"{name} must be <= {self.num_top_logprobs}, got {value}")
+
+    def stop_ids(self, params: SamplingParams) -> set[int]:
+        """The tokens that end a request: its stop_token_ids and, unless ignore_eos, EOS."""
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
 
     def sequences(self, request_id: str, prompt_ids: list[int], params: SamplingParams, salt: int) -> list[Sequence]:
         """The request's n sequences; sample j of a seeded request has seed + j."""
         bad_words = bad_words_ids(self._tokenizer_for("bad_words"), params.bad_words) if params.bad_words else ()
         constraint = params.structured_outputs
         # compiled before any sequence exists: a constraint that does not compile is refused whole
-        matchers = [self.grammars.matcher(constraint) for _ in range(params.n)] if constraint is not None else None
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        matchers = ([self.grammars.matcher(constraint, params.allowed_token_ids) for _ in range(params.n)]
+                    if constraint is not None else None)
+        stop_ids = self.stop_ids(params)
         seqs = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else int(self._rng.integers(2**32))

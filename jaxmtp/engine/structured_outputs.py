@@ -29,6 +29,9 @@ import llguidance.numpy as llnp
 import numpy as np
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# llguidance's parser holds at most 2000 items in an Earley row, and a choice's strings
+# are one row's alternatives while they share a prefix: more would fail mid-request
+MAX_CHOICES = 1999
 
 
 @dataclasses.dataclass
@@ -49,6 +52,8 @@ class StructuredOutputsParams:
             not isinstance(self.choice, list) or not self.choice or any(not isinstance(c, str) for c in self.choice)
         ):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.choice is not None and len(self.choice) > MAX_CHOICES:
+            raise ValueError(f"structured_outputs.choice: at most {MAX_CHOICES} choices, got {len(self.choice)}")
         for name in ("regex", "grammar"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"structured_outputs.{name} must be a string")
@@ -84,22 +89,30 @@ class GrammarCompiler:
         )
 
     @functools.lru_cache(maxsize=256)
-    def _compiled(self, text: str):
+    def _compiled(self, text: str) -> tuple[object, np.ndarray]:
         """A matcher at the start of grammar `text`, copied for each sequence (compiling
-        a large schema is what costs)."""
+        a large schema is what costs), and the token ids its first mask allows."""
         matcher = llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs does not compile: {matcher.get_error()}")
-        return matcher
+        probe, mask = matcher.deep_copy(), np.zeros((1, self.mask_words), np.int32)
+        llnp.fill_next_token_bitmask(probe, mask, 0)
+        if probe.is_error():  # a constraint no text satisfies stops at its first mask
+            raise ValueError(f"structured_outputs: no text satisfies the constraint ({probe.stop_reason()})")
+        first = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab_size])
+        return matcher, first
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+    def matcher(self, params: StructuredOutputsParams, allowed_token_ids: list[int] | None = None) -> GrammarMatcher:
         """A matcher at the start of the constraint; ValueError naming the problem when
-        the constraint does not compile."""
+        the constraint does not compile, or allows none of allowed_token_ids first."""
         try:
             text = params.grammar_text()
         except (ValueError, TypeError) as err:
             raise ValueError(f"structured_outputs: {err}") from err
-        matcher = GrammarMatcher(self._compiled(text).deep_copy(), self)
+        start, first = self._compiled(text)
+        if allowed_token_ids is not None and not np.isin(first, allowed_token_ids).any():
+            raise ValueError("allowed_token_ids: the constraint (structured_outputs) allows none of them as the first token")
+        matcher = GrammarMatcher(start.deep_copy(), self)
         matcher.prefetch([])  # the mask of its first token, while its prompt prefills
         return matcher
 
