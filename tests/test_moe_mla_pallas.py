@@ -146,9 +146,10 @@ def taken_rows(query_start, num_rows, decode_rows):
 
 
 @pytest.mark.parametrize("case", [
-    dict(seqs=[(1, 9), (0, 0), (1, 1), (1, 30), (1, 5)], decode_rows=1, config=None),
+    # the default tiling's 64-token steps: contexts past one step run its unmasked steps too
+    dict(seqs=[(1, 9), (0, 0), (1, 1), (1, 150), (1, 5)], decode_rows=1, config=None),
     # verify rows (k + 1 = 3), one prefill sequence in the batch whose rows the kernel leaves to the expanded form
-    dict(seqs=[(3, 9), (2, 3), (0, 0), (7, 11), (1, 1), (3, 40)], decode_rows=3, config=None),
+    dict(seqs=[(3, 9), (2, 3), (0, 0), (7, 11), (1, 1), (3, 140)], decode_rows=3, config=None),
     # split token ranges (flash decoding) with short steps, several head blocks; the
     # diagonals of (1, 7) and (2, 8) end a step early, on its last token
     dict(seqs=[(2, 17), (1, 2), (1, 7), (2, 8), (2, 33)], decode_rows=2, config=MLAKernelConfig(2, 4, 3, 4, 2)),

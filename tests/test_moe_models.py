@@ -24,8 +24,9 @@ MOE_SHAPE = dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_grou
 FAMILIES = {
     # q_lora, YaRN with mscale != mscale_all_dim (cos/sin and softmax scale both corrected), interleaved rope
     "deepseek-qlora-yarn": dict(model_type="deepseek_v3", q_lora_rank=24, rope_parameters=YARN, rope_interleave=True),
+    # unnormalised top-k weights still scaled: a scale applied only with norm_topk_prob shows
     "deepseek-no-qlora": dict(model_type="deepseek_v3", q_lora_rank=None, rope_interleave=False, norm_topk_prob=False,
-                              routed_scaling_factor=1.0),
+                              routed_scaling_factor=1.7),
     "glm4-moe": dict(model_type="glm4_moe", head_dim=16, num_key_value_heads=2, use_qk_norm=True, attention_bias=True,
                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
 }

@@ -217,6 +217,7 @@ def test_concurrent_requests_share_the_cached_pages(no_cache, rng):
     while engine.has_unfinished_requests():
         results.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
     assert [results[str(i)] for i in range(4)] == expected
+    assert_no_leaks(engine)  # each of the four released its hold on the shared pages
 
 
 # ----- hash collisions ---------------------------------------------------------------------

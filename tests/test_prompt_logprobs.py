@@ -50,8 +50,10 @@ def check(entries, prompt, want: np.ndarray):
         token = prompt[p]
         assert next(iter(entry)) == token  # the prompt's own token first
         np.testing.assert_allclose(entry[token].logprob, want[p - 1, token], atol=1e-4, err_msg=f"position {p}")
-        # the rank counts the tokens above it; those within float32 noise of it may go either way
-        above, near = (1 + int(np.sum(want[p - 1] > want[p - 1, token] + d)) for d in (1e-4, -1e-4))
+        # the rank is 1 + the tokens above it; those within float32 noise of it (the
+        # logprob tolerance) may go either way, the token itself never counts
+        others = np.delete(want[p - 1], token)
+        above, near = (1 + int(np.sum(others > want[p - 1, token] + d)) for d in (1e-4, -1e-4))
         assert above <= entry[token].rank <= near, f"position {p}"
         top = np.argsort(-want[p - 1])[:TOP]
         assert set(entry) == {token, *top.tolist()}, f"position {p}"
