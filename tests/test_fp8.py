@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, fresh_rng, greedy, make_hf_model, prompt_logits, token_ids
+from conftest import CPU_XLA_FLAGS, ROOT, fresh_rng, greedy, make_hf_model, prompt_logits, token_ids
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.models.registry import load_config
 from jaxmtp.models.params import FP8, Fp8Weight
@@ -344,7 +344,7 @@ def test_tensor_parallel_fp8_gives_one_devices_tokens_and_shards_the_scales_with
     the weight is whole blocks (q_proj's 256 columns: 128 each), and stays whole where
     not (gate and up's 320: 160 each)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAGS}"}
     run = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(llama_fp8[0])], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -131,13 +131,14 @@ def worker(folders: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
+    from conftest import CPU_XLA_FLAGS
     from test_moe_mtp import make_mtp_checkpoint
 
     folders = {name: str(make_mtp_checkpoint(tmp_path_factory.mktemp(name) / name, family, vocab_size=VOCAB, **extra)[0])
                for name, (family, extra) in FAMILIES.items()}
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} --xla_backend_optimization_level=0",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} {CPU_XLA_FLAGS}",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),  # this checkout's jaxmtp; conftest
     }

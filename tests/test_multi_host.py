@@ -134,9 +134,11 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict:
+    from conftest import CPU_XLA_FLAGS
+
     return {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {CPU_XLA_FLAGS}",
         "JAX_PLATFORMS": "cpu",
         "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo",
         "PYTHONPATH": str(ROOT),  # this checkout's jaxmtp, whatever is installed

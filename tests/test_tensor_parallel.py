@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import fresh_rng
+from conftest import CPU_XLA_FLAGS, fresh_rng
 
 ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "checkpoints" / "stories260K"  # safetensors; 8 heads, 4 kv heads, vocab 512
@@ -316,7 +316,7 @@ def seed() -> int:
 def report(seed) -> dict:
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} --xla_backend_optimization_level=0",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} {CPU_XLA_FLAGS}",
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": str(ROOT),  # this checkout's jaxmtp, whatever is installed
     }
