@@ -3,14 +3,17 @@ back to back, summarised per GPU kernel and per part of the step (one H200, a fe
 minutes), and the host's time per async engine step by phase.
 
     python benchmarks/profile_step.py [--k 0,1,3] [--batch 1,32,128] [--context 1024]
-        [--no-command-buffer] [--out DIR] [--tiny]
+        [--no-command-buffer] [--hlo] [--out DIR] [--tiny]
 
 Uses the Llama-3-8B-shaped dummy model of benchmarks/e2e.py (--tiny: its tiny model on
 the CPU, a smoke test whose tables list no GPU kernels). The parts are the step's named
 scopes (jaxmtp.worker.step.STEP_PARTS: batch_in, main_forward, verify, draft, carry_out;
 the draft split into its decoder layers, its LM heads and the rest): each kernel is
-charged to the part its HLO instruction's metadata names. A part's share is of the
-kernels' summed time; the replayed step is that sum plus launch gaps. The host phases
+charged to the part its HLO instruction's metadata names, which the trace tells only
+without CUDA graphs: on the GPU the part table needs --no-command-buffer (XLA then
+launches each kernel itself; the replayed step at batch 32 is within 1% of the
+default's, the host's dispatch is not). A part's share is of the kernels' summed time;
+the replayed step is that sum plus launch gaps. The host phases
 are wall time per engine.step() with async scheduling (the compiled call's dispatch, the
 read-back, which waits for the device, and the rest: scheduling, batch building,
 postprocessing). --no-command-buffer runs XLA without CUDA graphs (each kernel its own
@@ -36,6 +39,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 DRAFT_PARTS = ("draft_layer", "draft_head")  # the named scopes inside the draft pass (jaxmtp/worker/mtp.py)
+# Kernels launched from a CUDA graph (XLA's command buffers, the default) carry the
+# graph's instruction, not their own, and XLA compiles identical fusions (every layer's)
+# as one kernel, so neither names a kernel's part.
+PARTS_NEED = "run with --no-command-buffer (kernels in CUDA graphs do not name their instruction)"
 
 
 def trace_events(step, steps: int) -> list[dict]:
@@ -171,9 +178,12 @@ def host_phases(engine, steps: int) -> dict[str, float]:
             "read_back_ms": per_step(spent["read"]), "host_work_ms": per_step(whole - spent["_run"] - spent["read"])}
 
 
-def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: int, steps: int) -> dict:
+def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: int, steps: int,
+                   hlo_path: Path | None = None, with_parts: bool = True) -> dict:
     """One engine of `batch` requests decoding at about `context` tokens with k drafts:
-    its last step replayed (time, kernels, parts), then host phases of further steps."""
+    its last step replayed (time, kernels, parts), then host phases of further steps;
+    hlo_path: where to write the replayed program's optimised HLO, gzipped; with_parts:
+    whether the trace's kernels name their instructions (PARTS_NEED)."""
     import numpy as np
 
     from e2e import last_step_replay
@@ -201,8 +211,11 @@ def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: in
     step_ms = replay_time(replay, steps) * 1e3
     events = trace_events(replay, steps)
     hlo = engine.runner.programs.program(engine.last_step.args[3]).as_text()
+    if hlo_path is not None:
+        hlo_path.write_bytes(gzip.compress(hlo.encode()))
     result = {"replayed_step_ms": step_ms, "replayed_step_requests": len(engine.last_schedule),
-              "kernels": kernel_table(events, steps), "parts": part_table(events, instruction_parts(hlo), steps),
+              "kernels": kernel_table(events, steps),
+              "parts": part_table(events, instruction_parts(hlo), steps) if with_parts else None,
               "host": host_phases(engine, host_steps)}
     del llm, engine
     return result
@@ -212,9 +225,12 @@ def print_config(name: str, result: dict) -> None:
     print(f"\n{name}: replayed step {result['replayed_step_ms']:.3f} ms; device time per step by kernel:")
     for row in result["kernels"]:
         print(f"  {row['us_per_step']:9.1f} us  x{row['calls_per_step']:5.1f}  [{row['timeline']}] {row['name']}")
-    kernels_ms = sum(p["us_per_step"] for p in result["parts"]) / 1e3
-    print(f"{name}: by part (kernels {kernels_ms:.3f} ms of the {result['replayed_step_ms']:.3f} ms step):")
-    for p in result["parts"]:
+    if result["parts"] is None:
+        print(f"{name}: by part: {PARTS_NEED}")
+    else:
+        kernels_ms = sum(p["us_per_step"] for p in result["parts"]) / 1e3
+        print(f"{name}: by part (kernels {kernels_ms:.3f} ms of the {result['replayed_step_ms']:.3f} ms step):")
+    for p in result["parts"] or ():
         print(f"  {p['part']:<20} {p['us_per_step']:9.1f} us  {100 * p['share']:5.1f}%")
     print(f"{name}: host per async step " + ", ".join(f"{key} {value:.2f}" for key, value in result["host"].items()))
 
@@ -227,6 +243,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--no-command-buffer", action="store_true", help="XLA without CUDA graphs")
+    parser.add_argument("--hlo", action="store_true", help="also write each program's optimised HLO (hlo_*.txt.gz)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny model")
     args = parser.parse_args()
     if args.no_command_buffer:  # before JAX starts its backend
@@ -243,7 +260,10 @@ def main() -> None:
     for batch in map(int, args.batch.split(",")):
         for k in map(int, args.k.split(",")):
             name = f"b={batch} k={k}"
-            report["configs"][name] = profile_config(folder, config["vocab_size"], batch, args.context, k, args.steps)
+            hlo_path = Path(args.out, f"hlo_b{batch}_k{k}.txt.gz") if args.hlo else None
+            with_parts = args.no_command_buffer or jax.default_backend() != "gpu"
+            report["configs"][name] = profile_config(folder, config["vocab_size"], batch, args.context, k, args.steps,
+                                                     hlo_path, with_parts)
             print_config(name, report["configs"][name])
             Path(args.out, "profile.json").write_text(json.dumps(report, indent=1))
 
