@@ -336,9 +336,9 @@ class Bench:
         return llm
 
     def prompts(self, n, length):
-        from jaxmtp.bench.offline import random_prompts
-
-        return random_prompts(self.rng, n, length, self.config["vocab_size"])
+        # jaxmtp.bench.offline.random_prompts' draw, without importing the server that
+        # package pulls in (the GPU image has no fastapi)
+        return [self.rng.integers(3, self.config["vocab_size"], size=length).tolist() for _ in range(n)]
 
     def floor_s(self, batch, context):
         """Memory floor of one decode step: weights plus the batch's KV, at the copy rate."""
