@@ -134,14 +134,16 @@ def propose(
         else:
             rows = with_rows_before(batch, j - 1, cache.page_size, cache.num_slots)
             prev = read_hidden(hidden_pages[j - 2], rows.slot_mapping)
-        x, k_layers[layer], v_layers[layer] = module_forward(
-            module, params.embed, cfg, prev, tokens_ahead(rows, j, last, beyond), rows,
-            k_layers[layer], v_layers[layer], ops,
-        )
+        with jax.named_scope("draft_layer"):
+            x, k_layers[layer], v_layers[layer] = module_forward(
+                module, params.embed, cfg, prev, tokens_ahead(rows, j, last, beyond), rows,
+                k_layers[layer], v_layers[layer], ops,
+            )
         if j < m:
             hidden_pages[j - 1] = write_slots(hidden_pages[j - 1], rows.slot_mapping, x)
         x = x[rows.sample_index[seq_idx, num_accepted]]  # [B, H] at the boundary rows
-        draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
+        with jax.named_scope("draft_head"):
+            draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
         drafts.append(draft)
         if j < m:
             beyond = beyond.at[:, j].set(jnp.where(reads_drafts, draft, beyond[:, j]))
@@ -166,10 +168,12 @@ def propose(
             # (ignored) attention row for the kernel, and its KV write is dropped
             kv_len=jnp.where(proposing, position + 1, 1),
         )
-        x, k_layers[layer], v_layers[layer] = module_forward(
-            module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], ops
-        )
-        draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
+        with jax.named_scope("draft_layer"):
+            x, k_layers[layer], v_layers[layer] = module_forward(
+                module, params.embed, cfg, x, draft, chain, k_layers[layer], v_layers[layer], ops
+            )
+        with jax.named_scope("draft_head"):
+            draft = argmax_vocab(module_logits(params, module, cfg, x), mesh)
         drafts.append(draft)
     cache = KVCache(k=k_layers, v=v_layers, hidden=hidden_pages)
     return jnp.stack(drafts, axis=1), cache, beyond[:, 0]

@@ -73,13 +73,49 @@ def step(
     no row samples, asks for top logprobs or for logits processing (BatchShape.greedy)."""
     k = config.num_speculative_tokens
     words = mask_words(config.model.vocab_size)
-    batch = unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules), words)
-    batch = apply_carry(batch, carry, cache.page_size)
+    # Named scopes label the step's parts in the compiled program's metadata, so that
+    # benchmarks/profile_step.py can sum device time per part (STEP_PARTS).
+    with jax.named_scope("batch_in"):
+        batch = unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules), words)
+        batch = apply_carry(batch, carry, cache.page_size)
     cfg = config.model
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
     ops = model.layer_ops(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
-    hidden, cache = model.forward(params, cfg, batch, cache, ops)
+    with jax.named_scope("main_forward"):
+        hidden, cache = model.forward(params, cfg, batch, cache, ops)
     prompt = prompt_logprobs(params, cfg, hidden, batch, config.num_top_logprobs, config.mesh) if shape.prompt_logprobs else None
+    with jax.named_scope("verify"):
+        tokens, num_accepted, logits_state, logprobs, ranks, top_values, top_ids = _verify(
+            params, hidden, batch, logits_state, shape, config)
+    b = batch.kv_len.shape[0]
+    with jax.named_scope("draft"):
+        if k:
+            drafts, cache, boundary = mtp.propose(
+                params, cfg, hidden, batch, tokens, num_accepted, cache, ops, k, config.mtp_boundary, config.mesh
+            )
+            if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
+                drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)
+        else:
+            drafts, boundary = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+    with jax.named_scope("carry_out"):
+        last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)[:, 0]
+        new_carry = jax.tree.map(
+            lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
+        )
+    return cache, logits_state, StepOutput(
+        tokens, num_accepted, logprobs, ranks, top_values, top_ids, drafts, boundary, new_carry, prompt
+    )
+
+
+# The parts of the step, in order, as its named scopes call them (profile_step.py).
+STEP_PARTS = ("batch_in", "main_forward", "verify", "draft", "carry_out")
+
+
+def _verify(params: Params, hidden: jax.Array, batch: Batch, logits_state: LogitsState, shape: BatchShape,
+            config: StepConfig):
+    """The LM head at the verify rows, logits processing, and acceptance or sampling:
+    (tokens [B, k+1], num_accepted [B], logits_state, logprobs, ranks, top values, top ids)."""
+    k, cfg = config.num_speculative_tokens, config.model
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
     # the draft checked at verify row j is the input id of row j+1
     t = batch.input_ids.shape[0]
@@ -87,34 +123,17 @@ def step(
     if shape.greedy and not shape.masked:  # the runner's greedy shapes are never masked
         # the argmax is all a greedy batch reads of its rows: no logits gather under TP
         tokens, num_accepted = accept_drafts(argmax_vocab(logits, config.mesh), drafts_in, batch.num_drafts)
-        logprobs = ranks = top_values = top_ids = None  # no request asked for them
-    else:
-        if config.mesh is not None:
-            logits = gather_vocab(logits, config.mesh)
-        raw_logits = logits
-        if shape.masked:
-            logits = apply_token_bitmask(logits, batch.token_bitmask)
-        logits = process_logits(logits, logits_state, batch, drafts_in)
-        tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
-        logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
-        logprobs, ranks, top_values, top_ids = chosen_logprobs(
-            raw_logits, tokens, config.num_top_logprobs, batch.num_logprobs)
-    b = batch.kv_len.shape[0]
-    if k:
-        drafts, cache, boundary = mtp.propose(
-            params, cfg, hidden, batch, tokens, num_accepted, cache, ops, k, config.mtp_boundary, config.mesh
-        )
-        if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
-            drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)
-    else:
-        drafts, boundary = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
-    last = jnp.take_along_axis(tokens, num_accepted[:, None], axis=1)[:, 0]
-    new_carry = jax.tree.map(
-        lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
-    )
-    return cache, logits_state, StepOutput(
-        tokens, num_accepted, logprobs, ranks, top_values, top_ids, drafts, boundary, new_carry, prompt
-    )
+        return tokens, num_accepted, logits_state, None, None, None, None  # no request asked for logprobs
+    if config.mesh is not None:
+        logits = gather_vocab(logits, config.mesh)
+    raw_logits = logits
+    if shape.masked:
+        logits = apply_token_bitmask(logits, batch.token_bitmask)
+    logits = process_logits(logits, logits_state, batch, drafts_in)
+    tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
+    logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
+    logprobs, ranks, top_values, top_ids = chosen_logprobs(raw_logits, tokens, config.num_top_logprobs, batch.num_logprobs)
+    return tokens, num_accepted, logits_state, logprobs, ranks, top_values, top_ids
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
