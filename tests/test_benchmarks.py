@@ -18,15 +18,16 @@ def run_script(name: str, *args: str) -> None:
 
 
 def test_e2e_decode_and_mtp_rows_with_outputs_equal_to_plain(tmp_path):
-    run_script("e2e.py", "--tiny", "--scenarios", "b1,mtp", "--mtp-k", "1,3", "--out", str(tmp_path), "--tag", "_smoke")
+    run_script("e2e.py", "--tiny", "--scenarios", "b1,mtp", "--mtp-k", "1", "--out", str(tmp_path), "--tag", "_smoke")
     results = json.loads((tmp_path / "e2e_smoke.json").read_text())
     rows = {row["scenario"]: row for row in results["rows"]}
     assert any(name.startswith("b1 decode") for name in rows)
     assert all(math.isfinite(row["value"]) and row["value"] > 0 for row in rows.values())
     mtp = [row for name, row in rows.items() if "MTP" in name]
-    assert len(mtp) == 4 and all("output equal to plain: True" in row["note"] for row in mtp)
+    # k = 1 (random head and oracle drafts); deeper chains: tests/test_mtp.py
+    assert len(mtp) == 2 and all("output equal to plain: True" in row["note"] for row in mtp)
     oracle = {int(row["scenario"].split("k=")[1][0]): row for row in mtp if "oracle" in row["scenario"]}
-    assert sorted(oracle) == [1, 3]
+    assert sorted(oracle) == [1]
     # drafts taken from the plain run are all accepted: k + 1 tokens a step
     assert all(f"acceptance length {k + 1}.00" in row["note"] for k, row in oracle.items())
     assert results["hlo_cache_copies_b1_plain"] == 0
