@@ -13,7 +13,7 @@ import pytest
 
 from conftest import MTP_MODEL, ROOT, STORIES, assert_no_leaks, random_prompts, token_ids
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.worker.batch import BatchShape, BucketPlan
+from jaxmtp.worker.batch import OTHER_KINDS, BatchShape, BucketPlan
 from jaxmtp.worker.programs import num_compiles
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -136,7 +136,8 @@ print("RESULT", shapes, num_compiles() - before)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     shapes, compiled_while_serving = map(int, out.stdout.split("RESULT")[1].split())
-    assert shapes == len(BucketPlan(16, 2, max_pages_per_seq=33).all_shapes())  # one table width
+    # one table width; and the largest constrained, prompt-logprob and both shape
+    assert shapes == len(BucketPlan(16, 2, max_pages_per_seq=33).all_shapes()) + len(OTHER_KINDS)
     assert compiled_while_serving == 0
     assert len(list(tmp_path.iterdir())) >= shapes
 

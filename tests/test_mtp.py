@@ -362,6 +362,12 @@ def test_no_recompilation_after_warmup_with_mtp(plain, rng):
     params = [greedy(20), SamplingParams(max_tokens=15, temperature=0.9, seed=3), greedy(7),
               SamplingParams(max_tokens=25, temperature=0.6, top_p=0.9, logprobs=2), greedy(33)]
     llm.generate(prompts, params, use_tqdm=False)
+    # every other kind of step, n > 1 included, runs on the largest shape of its kind
+    others = [SamplingParams(max_tokens=8, temperature=0.0, structured_outputs={"regex": "[a-z ]{2,8}"}),
+              SamplingParams(max_tokens=5, temperature=0.8, seed=1, prompt_logprobs=2, n=3),
+              SamplingParams(max_tokens=6, temperature=0.7, structured_outputs={"choice": ["a cat", "a dog"]},
+                             prompt_logprobs=1)]
+    llm.generate(prompts[:3], others, use_tqdm=False)
     assert num_compiles() == before
     assert_no_leaks(llm)
 

@@ -9,9 +9,9 @@ import logging
 import threading
 import time
 
-from conftest import MTP_MODEL, random_prompts, token_ids
+from conftest import MTP_MODEL, greedy, random_prompts, token_ids
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.worker.batch import BatchShape, BucketPlan
+from jaxmtp.worker.batch import OTHER_KINDS, BatchShape, BucketPlan
 from jaxmtp.worker.programs import num_compiles
 from jaxmtp.worker.programs import StepPrograms
 
@@ -124,7 +124,8 @@ def test_the_engine_serves_before_its_shapes_compile_with_the_same_tokens_and_co
 
     programs._lower = held_back
     shapes = llm.engine.warmup(background=True)
-    assert shapes == len(plan.all_shapes()) and programs.num_left == shapes - 1
+    every = {*plan.all_shapes(), *(s for kind in OTHER_KINDS for s in plan.all_shapes(*kind))}
+    assert shapes == len(every) and programs.num_left == shapes - 1
     prompts = random_prompts(rng, [3, 13])
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)]
@@ -157,3 +158,45 @@ def test_the_engine_serves_before_its_shapes_compile_with_the_same_tokens_and_co
     for before, after in zip(early[1].outputs[0].logprobs, late[1].outputs[0].logprobs):
         assert before.keys() == after.keys()
         assert all(abs(before[t].logprob - after[t].logprob) < 1e-4 for t in before)
+
+
+def test_constrained_and_prompt_logprob_requests_wait_in_the_queue_while_their_kind_compiles():
+    """A background warm-up whose thread is held back: a plain request that came last
+    runs and finishes at once; a constrained request and a prompt-logprob one wait in
+    the queue, no step compiling their shapes, until the largest shape of each kind is
+    in; then they run, with the outputs they get once every shape is compiled."""
+    llm = LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8)
+    engine, runner = llm.engine, llm.engine.runner
+    programs, gate = runner.programs, threading.Event()
+    lower = programs._lower
+
+    def held_back(s):
+        if s != runner.buckets.largest():
+            assert threading.current_thread() is not threading.main_thread(), f"{s} compiled inside a step"
+            gate.wait()
+        return lower(s)
+
+    programs._lower = held_back
+    engine.warmup(background=True)
+    requests = {
+        "constrained": ([1], SamplingParams(max_tokens=6, temperature=0.0, structured_outputs={"regex": "[a-z ]{3,6}"})),
+        "prompt": ([1, 403, 407], SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)),
+        "plain": ([1], greedy(6)),
+    }
+    finished = {}
+    try:
+        compiles = num_compiles()
+        for request_id, (prompt, params) in requests.items():
+            engine.add_request(request_id, prompt, params)
+        while "plain" not in finished:
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert set(finished) == {"plain"} and engine.num_waiting == 2
+        assert num_compiles() == compiles and programs.num_compiled_on_demand == 0
+    finally:  # a failure above must not leave the compile thread waiting
+        gate.set()
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert programs.num_compiled_on_demand == 0
+    programs.wait()
+    again = llm.generate([p for p, _ in requests.values()], [s for _, s in requests.values()], use_tqdm=False)
+    assert [finished[r].outputs[0].token_ids for r in requests] == token_ids(again)

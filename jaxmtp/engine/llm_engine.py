@@ -96,6 +96,7 @@ class LLMEngine:
             ),
             self.allocator,
             self.prefix_cache,
+            self._admissible,
         )
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.intake = RequestIntake(
@@ -148,6 +149,12 @@ class LLMEngine:
         """Compile the step for every bucket shape; background: the largest now, the
         rest while the engine already runs steps (ModelRunner.warmup)."""
         return self.runner.warmup(num_threads, with_page_copies=self.prefix_cache is not None, background=background)
+
+    def _admissible(self, seq) -> bool:
+        """Whether seq's steps can run without compiling: a constrained or prompt-logprob
+        request waits in the queue while the warm-up compiles its kind off this thread
+        (ModelRunner.other_kinds_ready); the others go ahead of it."""
+        return (seq.grammar is None and not seq.wants_prompt_logprobs) or self.runner.other_kinds_ready
 
     # ----- requests -------------------------------------------------------------------
 

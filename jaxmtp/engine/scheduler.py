@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
@@ -68,11 +69,19 @@ class SchedulerConfig:
     num_draft_modules: int = 0  # M: MTP modules the draft pass runs, min(k, modules in the checkpoint)
 
 
+def any_sequence(seq: Sequence) -> bool:
+    return True
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix_cache: PrefixCache | None = None):
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, prefix_cache: PrefixCache | None = None,
+                 admissible: Callable[[Sequence], bool] = any_sequence):
         self.config = config
         self.allocator = allocator
         self.prefix_cache = prefix_cache
+        # which waiting sequences may be admitted now; the others keep their place in
+        # the queue while those behind them are admitted
+        self.admissible = admissible
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -112,11 +121,11 @@ class Scheduler:
         # would take turns preempting each other without finishing.
         admitting = self.num_preemptions == preemptions_before
         while admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            rows = self._admit(seq, budget)
+            seq = next((seq for seq in self.waiting if self.admissible(seq)), None)
+            rows = None if seq is None else self._admit(seq, budget)
             if rows is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             seq.state_slot, seq.state_written = self._free_state_slots.pop(), False
             self.running.append(seq)

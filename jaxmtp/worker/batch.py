@@ -225,6 +225,11 @@ class BatchShape:
                 and self.masked == other.masked and self.prompt_logprobs == other.prompt_logprobs)
 
 
+# The kinds of step besides the plain one, as (masked, prompt_logprobs): a step of one
+# kind runs only on a program of that kind (BatchShape.holds)
+OTHER_KINDS = ((True, False), (False, True), (True, True))
+
+
 def powers_of_two(lo: int, hi: int) -> list[int]:
     sizes, n = [], lo
     while n < hi:
@@ -273,20 +278,20 @@ class BucketPlan:
         # every request owns at least one row, so B never exceeds T
         return [b for b in self.seq_sizes if b <= num_tokens]
 
-    def all_shapes(self) -> list[BatchShape]:
-        """Smallest first."""
+    def all_shapes(self, masked: bool = False, prompt_logprobs: bool = False) -> list[BatchShape]:
+        """Smallest first, of one kind (OTHER_KINDS; a masked batch always samples)."""
         return [
-            BatchShape(t, b, greedy, p)
+            BatchShape(t, b, greedy, p, prompt_logprobs, masked)
             for t in self.token_sizes
             for b in self.seq_sizes_for(t)
-            for greedy in (True, False)
+            for greedy in ((False,) if masked else (True, False))
             for p in self.table_widths
         ]
 
-    def largest(self) -> BatchShape:
-        """The shape that holds every batch the scheduler can make."""
+    def largest(self, masked: bool = False, prompt_logprobs: bool = False) -> BatchShape:
+        """The shape that holds every batch of its kind the scheduler can make."""
         t = self.token_sizes[-1]
-        return BatchShape(t, self.seq_sizes_for(t)[-1], False, self.table_widths[-1])
+        return BatchShape(t, self.seq_sizes_for(t)[-1], False, self.table_widths[-1], prompt_logprobs, masked)
 
 
 def build_batch(

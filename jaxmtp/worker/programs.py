@@ -2,10 +2,10 @@
 of shapes in the background while the engine already serves.
 
 A step runs only on a program compiled ahead of time. While a shape waits its turn in
-the background, its batches run on the smallest compiled shape that holds them (more
-padding, the same tokens), so a request never waits on a compile and nothing compiles
-inside a step. A shape nobody is compiling is compiled when first needed (an engine
-that was not warmed up, as the offline API's)."""
+the background, and after a warm-up for a shape it left out, its batches run on the
+smallest compiled shape that holds them (more padding, the same tokens), so a request
+never waits on a compile and nothing compiles inside a step. In an engine that was not
+warmed up (the offline API's) a shape is compiled when first needed."""
 
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ class StepPrograms:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.warmed_up = False  # set by warm-up: from then on a batch runs on a compiled holder if there is one
         self.num_compiled_on_demand = 0  # compiled inside a step, because nothing else held its batch
 
     @property
@@ -90,10 +91,14 @@ class StepPrograms:
             self._deferred.discard(shape)
         return program
 
+    def compiled(self, shape: BatchShape) -> bool:
+        return shape in self._compiled
+
     def shape_to_run(self, shape: BatchShape) -> BatchShape:
-        """The compiled shape a batch of `shape` runs on: itself, or while it is deferred
-        the smallest compiled shape that holds it; itself when none does."""
-        if shape in self._compiled or shape not in self._deferred:
+        """The compiled shape a batch of `shape` runs on: itself, or (while it is
+        deferred, and for any shape after a warm-up) the smallest compiled shape that
+        holds it; itself when none does."""
+        if shape in self._compiled or (shape not in self._deferred and not self.warmed_up):
             return shape
         with self._lock:
             holders = [have for have in self._compiled if have.holds(shape)]

@@ -22,7 +22,9 @@ from jaxmtp.engine.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.loading.loader import load_params
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.linear import fp8_matmul_for, with_fp8_matmul
-from jaxmtp.worker.batch import BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch
+from jaxmtp.worker.batch import (
+    OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch,
+)
 from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.worker.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.worker.memory import plan_kv_pool
@@ -277,19 +279,40 @@ class ModelRunner:
         return self._programs[key]
 
     def warmup(self, num_threads: int = 1, with_page_copies: bool = False, background: bool = False) -> int:
-        """Compile the step for every bucket shape, smallest first, num_threads at a time
-        (a progress bar shows the shapes left); returns the number of shapes.
-        background: compile the largest shape, which holds any batch, and return; the
-        others compile on a thread of their own while steps run (programs.wait())."""
+        """Compile the step for every plain bucket shape, smallest first, and the largest
+        shape of each other kind (constrained, prompt logprobs: it holds any batch of
+        its kind), num_threads at a time (a progress bar shows the shapes left); returns
+        the number of shapes. From then on nothing compiles inside a step: a batch whose
+        shape was left out runs on the smallest compiled one that holds it.
+        background: compile the largest plain shape and return; the other kinds' largest
+        shapes, the plain ones and the other kinds' smaller ones compile in that order on
+        a thread of their own while steps run (programs.wait()); requests of the other
+        kinds wait in the queue until theirs are in (other_kinds_ready)."""
         if self.peers is not None:
             self.peers.send_warmup(num_threads, with_page_copies, background)
         shapes = self.buckets.all_shapes()
+        kinds = [self.buckets.largest(*kind) for kind in OTHER_KINDS]
         if with_page_copies:  # all padding, it changes nothing
             self.cache = copy_pages(self.cache, *page_copy_arrays([], self.num_pages))
+        self.programs.warmed_up = True
         if background:
             self.programs.compile_all([self.buckets.largest()])
-        self.programs.compile_all(shapes, num_threads, background)
-        return len(shapes)
+            rest = [shape for kind in OTHER_KINDS for shape in self.buckets.all_shapes(*kind)]
+            order = list(dict.fromkeys(kinds + shapes + rest))
+        else:
+            order = shapes + kinds
+        self.programs.compile_all(order, num_threads, background)
+        return len(order)
+
+    @property
+    def other_kinds_ready(self) -> bool:
+        """Whether a constrained or prompt-logprob request can be admitted without a
+        step compiling: no warm-up (such an engine compiles when it must), the largest
+        shape of every other kind compiled (it holds any mix of them), or a background
+        compilation that ended without them (they then compile when first needed)."""
+        programs = self.programs
+        return (not programs.warmed_up or not programs.compiling
+                or all(programs.compiled(self.buckets.largest(*kind)) for kind in OTHER_KINDS))
 
     def full_shape(self, shape: BatchShape) -> BatchShape:
         """shape with its page-table width filled in (None: the widest)."""
