@@ -119,21 +119,25 @@ class ModelRunner:
         self._oracle_tokens = None
         # the compiled steps, by the oracle table's shape (None: no oracle, as serving runs)
         self._programs: dict[tuple | None, StepPrograms] = {}
-        self.reset()
+        self._place_state([name for name in STEP_STATE if name != "logits_state"])  # that one is placed above
         # what the step is compiled for: the arrays' shapes, dtypes and shardings, which
         # every step keeps (the background compiler reads these, never the donated arrays)
         self._state_specs = jax.tree.map(array_spec, (self.params, *self.step_state()))
 
     def reset(self) -> None:
-        """Every state the step carries across steps (step.STEP_STATE), fresh and zeroed:
-        at start-up and after a failed step that consumed what it donated. A request's
+        """Every state the step carries across steps (step.STEP_STATE), fresh and zeroed,
+        after a failed step that consumed what it donated. A request's
         logits-state row is written when it is admitted, so zeros lose nothing that a
         request still running after the failure needs."""
         if self.peers is not None:
             self.peers.cache_lost()  # the other processes' caches cannot be brought back in step
+        self._place_state(STEP_STATE)
+
+    def _place_state(self, names) -> None:
+        """Build the STEP_STATE entries `names` fresh and place them."""
         builders = self._state_builders()
         assert builders.keys() == set(STEP_STATE), "every state the step carries is rebuilt here"
-        for name in STEP_STATE:
+        for name in names:
             setattr(self, name, None)  # the old arrays go before their replacements are placed
             setattr(self, name, builders[name]())
 
