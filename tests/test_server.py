@@ -39,7 +39,8 @@ GREEDY = dict(model=MODEL_ID, temperature=0)
 
 
 class ServerProcess:
-    def __init__(self, log_path, *args):
+    def __init__(self, log_path, *args, program: tuple[str, ...] = ("server.py",)):
+        """`python server.py args` (program: what python runs instead of server.py)."""
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -47,7 +48,7 @@ class ServerProcess:
         self.log_path = log_path
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "server.py", "--port", str(self.port), *args],
+                [sys.executable, *program, "--port", str(self.port), *args],
                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             )
 

@@ -1,7 +1,9 @@
 """A real `python server.py` process: it serves while its shapes compile in the
-background, connections that never send a whole request are closed, a
-non-streaming client that disconnects is aborted without tracebacks, and SIGTERM drains (running requests finish within --shutdown-timeout, the rest end
-cleanly) before the process exits with status 0."""
+background, connections that never send a whole request are closed, a non-streaming
+client that disconnects is aborted without tracebacks, and SIGTERM drains: running
+requests finish within --shutdown-timeout, every other stream (running or queued) ends
+with finish_reason "abort" and [DONE] or gets a 503 before its first byte, no
+connection is reset, and the process exits with status 0 without waiting on a compile."""
 
 from __future__ import annotations
 
@@ -79,25 +81,60 @@ def test_a_client_that_leaves_before_its_response_is_aborted_cleanly(server):
     assert "Traceback" not in log and "InvalidStateError" not in log, log[-3000:]
 
 
+def stream_outcome(url: str, body: dict) -> tuple:
+    """How one stream ended: ("done", each choice's finish_reason) when its events end
+    with [DONE]; ("503",) for a 503 with an OpenAI error body, before any byte of a
+    stream; ("refused",) when the connection was refused (the server had stopped
+    listening). Anything else (a reset, a stream without [DONE]) raises."""
+    try:
+        with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as reply:
+            if reply.status_code == 503:
+                reply.read()
+                assert assert_openai_error(reply, 503)["code"] == "server_shutting_down"
+                return ("503",)
+            assert reply.status_code == 200, reply.status_code
+            events = list(sse_events(reply))
+    except httpx.ConnectError:
+        return ("refused",)
+    assert events and events[-1] == "[DONE]", events[-3:]
+    return ("done", [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]])
+
+
+def assert_drained(server, outcomes, sent: float) -> None:
+    """Every stream ended with [DONE] (finish_reason "length", or "abort" for the ones
+    the drain interrupted) or got a 503 or a refused connection; the process exits with
+    status 0, also while a shape compiles in the background (the compile is abandoned)."""
+    for outcome in outcomes:
+        assert outcome[0] in ("503", "refused") or outcome[1] in (["length"], ["abort"]), outcome
+    assert server.proc.wait(30) == 0
+    assert time.monotonic() - sent < SHUTDOWN_TIMEOUT + 10  # a compile left running took 35 s on a GPU
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "draining" in log, log[-3000:]
+
+
 def test_sigterm_drains_then_exits(server):
+    """Mid-decode, with more streams than --max-num-seqs: two run, eight wait."""
     short = {**LONG, "max_tokens": 30, "stream": True}
-    with httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(2) as pool:
+    queued = {**LONG, "max_tokens": 30, "stream": True}
+    with httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(9) as pool:
         with http.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}) as long_stream, \
                 http.stream("POST", server.url + "/v1/completions", json=short) as short_stream:
             long_events, short_events = sse_events(long_stream), sse_events(short_stream)
             first_long, _ = next(long_events), next(short_events)  # both are running
-            # a third request, without streaming, waits (two sequences at most): SIGTERM
-            # once the engine holds it
+            # the others wait (two sequences at most): SIGTERM once the engine holds them
             admitted = server.metric("jaxmtp_prompt_tokens_total")
             waiting = pool.submit(httpx.post, server.url + "/v1/completions", json=LONG, timeout=60)
+            streams = [pool.submit(stream_outcome, server.url, queued) for _ in range(8)]
             deadline = time.monotonic() + 20
-            while server.metric("jaxmtp_prompt_tokens_total") == admitted and time.monotonic() < deadline:
+            while server.metric("jaxmtp_requests_waiting") < 9 and time.monotonic() < deadline:
                 time.sleep(0.02)
+            assert server.metric("jaxmtp_prompt_tokens_total") > admitted
             server.proc.send_signal(signal.SIGTERM)
             sent = time.monotonic()
             short_rest = list(short_events)
             long_rest = list(long_events)
         interrupted = waiting.result()
+        outcomes = [stream.result() for stream in streams]
     # the short stream finished within --shutdown-timeout
     assert short_rest[-1] == "[DONE]"
     assert json.loads(short_rest[-2])["choices"][0]["finish_reason"] == "length"
@@ -108,9 +145,50 @@ def test_sigterm_drains_then_exits(server):
     assert text.startswith(", there was a little girl")
     # the one without streaming got a proper error body
     assert assert_openai_error(interrupted, 503)["code"] == "server_shutting_down"
-    assert server.proc.wait(30) == 0
-    assert time.monotonic() - sent < SHUTDOWN_TIMEOUT + 10
+    assert all(outcome[0] == "done" for outcome in outcomes), outcomes  # queued streams end too
+    assert_drained(server, outcomes, sent)
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health")
-    log = server.log_path.read_text()
-    assert "Traceback" not in log and "draining" in log, log[-3000:]
+
+
+# server.py, where the background compilation never ends, as one can take minutes on a GPU
+STUCK_COMPILE = ("-c", """
+import runpy, sys, threading
+from jaxmtp.worker.programs import StepPrograms
+compile_each = StepPrograms._compile_each
+def never_ending(self, shapes, num_threads, background):
+    if background:
+        threading.Event().wait()
+    compile_each(self, shapes, num_threads, background)
+StepPrograms._compile_each = never_ending
+sys.argv = ["server.py", *sys.argv[1:]]
+runpy.run_path("server.py", run_name="__main__")
+""")
+
+
+@pytest.mark.parametrize("moment", ["connecting", "prefill"])
+def test_sigterm_at_any_moment_ends_every_stream(tmp_path, moment):
+    """Sixteen streams against two sequences at most, SIGTERM as the clients connect
+    (the listening socket must not reset connections the event loop has not accepted
+    yet) or while the first prompts prefill (long prompts, chunks of 16 tokens), with a
+    background compilation that never ends: the process exits all the same."""
+    server = ServerProcess(
+        tmp_path / "server.log", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--compilation-cache-dir",
+        "", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), program=STUCK_COMPILE,
+    )
+    try:
+        server.wait_ready()
+        body = {**LONG, "prompt": "Once upon a time " * 60, "max_tokens": 8, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            streams = [pool.submit(stream_outcome, server.url, body) for _ in range(16)]
+            deadline = time.monotonic() + 20
+            while moment == "prefill" and server.metric("jaxmtp_requests_running") < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            server.proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            outcomes = [stream.result() for stream in streams]
+        assert_drained(server, outcomes, sent)
+        assert "abandoning the shape being compiled" in server.log_path.read_text()
+    finally:
+        if server.proc.poll() is None:
+            server.stop()

@@ -100,6 +100,12 @@ class GrammarCompiler:
         if probe.is_error():  # a constraint no text satisfies stops at its first mask
             raise ValueError(f"structured_outputs: no text satisfies the constraint ({probe.stop_reason()})")
         first = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab_size])
+        # the text the grammar forces from its start, as decoding will walk it: a grammar
+        # that forces more than the parser can hold (`start: "a" start`) fails here
+        probe.consume_tokens(probe.compute_ff_tokens())
+        if probe.is_error():
+            raise ValueError(f"structured_outputs: the constraint forces more text than its parser can hold "
+                             f"({probe.get_error().splitlines()[0]})")
         return matcher, first
 
     def matcher(self, params: StructuredOutputsParams, allowed_token_ids: list[int] | None = None) -> GrammarMatcher:

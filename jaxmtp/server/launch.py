@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
 import h11
 import uvicorn
@@ -82,10 +83,11 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, which on SIGTERM (or Ctrl-C) stops listening, drains the app's
     Server (jaxmtp.server.serving.Server.drain) and then shuts down as uvicorn does."""
 
-    def __init__(self, config: uvicorn.Config, app_server: Server, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, app_server: Server, shutdown_timeout: float, programs):
         super().__init__(config)
         self.app_server = app_server
         self.shutdown_timeout = shutdown_timeout
+        self.programs = programs  # the step's StepPrograms, compiling in the background
 
     def handle_exit(self, sig: int, frame) -> None:
         super().handle_exit(sig, frame)
@@ -96,10 +98,13 @@ class DrainingServer(uvicorn.Server):
             captured.remove(sig)
 
     async def shutdown(self, sockets=None) -> None:
-        for server in self.servers:
-            server.close()  # no new connections while draining
-        await self.app_server.drain(self.shutdown_timeout)
+        self.programs.stop(wait=False)  # the cores go to the requests draining
+        await self.app_server.drain(self.shutdown_timeout, stop_listening=self.stop_listening)
         await super().shutdown(sockets)
+
+    def stop_listening(self) -> None:
+        for server in self.servers:
+            server.close()
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -122,7 +127,13 @@ def serve(args: argparse.Namespace) -> int:
         app, host=config.host, port=config.port, log_level=config.log_level, http=timed_protocol(config.read_timeout),
         timeout_keep_alive=config.timeout_keep_alive, timeout_graceful_shutdown=AFTER_DRAIN_TIMEOUT,
     )
-    DrainingServer(uvicorn_config, app.state.server, config.shutdown_timeout).run()
-    engine.runner.programs.stop()
-    log.info("shut down")
-    return 0
+    programs = engine.runner.programs
+    DrainingServer(uvicorn_config, app.state.server, config.shutdown_timeout, programs).run()
+    log.info("shut down%s", ", abandoning the shape being compiled" if programs.compiling else "")
+    # Drained, nothing is left to save. The process leaves without tearing the
+    # interpreter down: that waits on a compile in progress (XLA cannot cancel one; on a
+    # GPU it takes up to minutes) and takes seconds to free JAX and its threads.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from fastapi import Request
@@ -34,6 +35,7 @@ from jaxmtp.server.protocol import (
 log = logging.getLogger("jaxmtp.server")
 
 SEED_LIMIT = 2**63
+CONNECT_GRACE = 0.5  # seconds a draining server still accepts connections, to answer them 503
 
 
 class Server:
@@ -148,7 +150,7 @@ class Server:
         choices. Checked before a request is tokenised, and again when it is admitted."""
         reason = self.unhealthy()
         if reason is not None:
-            raise APIError(503, reason, code="service_unavailable")
+            raise APIError(503, reason, code=SHUTDOWN.code if self.draining else "service_unavailable")
         waiting = self.engine.num_waiting
         if waiting + new > self.config.max_waiting:
             raise APIError(
@@ -246,13 +248,19 @@ class Server:
 
     # ----- shutdown -------------------------------------------------------------------
 
-    async def drain(self, timeout: float) -> None:
+    async def drain(self, timeout: float, stop_listening: Callable[[], None]) -> None:
         """Admit nothing more (503; /health answers 503), give the running requests
         `timeout` seconds to finish, then interrupt the rest: streams end their open
-        choices with finish_reason "abort" and [DONE], other requests get a 503."""
+        choices with finish_reason "abort" and [DONE], other requests get a 503.
+        For the first CONNECT_GRACE seconds of it, connections are still accepted (their
+        requests get the 503): closing the listening socket resets the connections the
+        kernel has accepted for it but the event loop has not, those of clients that
+        connected as the signal came."""
         self.draining = True
         log.info("draining: %d requests running, new ones get 503", len(self.generations))
         deadline = time.monotonic() + timeout
+        await asyncio.sleep(min(CONNECT_GRACE, timeout))
+        stop_listening()
         while self.generations and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.generations:

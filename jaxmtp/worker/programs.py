@@ -155,7 +155,9 @@ class StepPrograms:
         if self._thread is not None:
             self._thread.join()
 
-    def stop(self) -> None:
-        """Compile nothing more in the background (the shape being compiled finishes)."""
+    def stop(self, wait: bool = True) -> None:
+        """Compile nothing more in the background; wait: until the shapes being compiled
+        finish (XLA cannot cancel a compile)."""
         self._stopping = True
-        self.wait()
+        if wait:
+            self.wait()
