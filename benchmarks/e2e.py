@@ -48,7 +48,8 @@ LLAMA3_8B = {
 # DeepSeek-V3's quantization_config (its checkpoints' config.json)
 FP8_BLOCK_SCALED = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 TINY = {**LLAMA3_8B, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024}
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 1024,
+        "max_position_embeddings": 512}  # the CPU smoke test's page tables: 32 pages, not 512
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,9 +124,11 @@ def guarded_server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory, xla_cache, server):
-    # after `server`: same engine shapes, so its step comes from the XLA cache
+    # contexts of 48 tokens and a 1 s request timeout: the fuzzer's long generations
+    # stay short (its cases test validation, not generation)
     yield from running_server(
-        tmp_path_factory, "fuzz", *SMALL_ENGINE, "--compilation-cache-dir", str(xla_cache), "--request-timeout", "1"
+        tmp_path_factory, "fuzz", *SMALL_ENGINE, "--compilation-cache-dir", str(xla_cache), "--request-timeout", "1",
+        "--max-model-len", "48",
     )
 
 
@@ -451,7 +453,8 @@ def test_overload_answers_429_at_once(guarded_server):
 
 def test_schema_fuzzing_finds_no_server_error(fuzz_server, tmp_path):
     """Over a hundred schemathesis cases (valid and invalid bodies) against a server whose
-    requests time out after 1 s, so that long generations stay cheap."""
+    contexts hold 48 tokens and whose requests time out after 1 s, so that long
+    generations stay cheap."""
     result = subprocess.run(
         [
             sys.executable, "-m", "schemathesis.cli", "run", fuzz_server.url + "/openapi.json",

@@ -257,7 +257,7 @@ def worker(seed: int) -> dict:
             if k:
                 report["layouts"][tp] = _layouts(llm)
 
-    report["greedy_steps"] = {tp: _greedy_steps_run(tp) for tp in TP_SIZES}
+    report["greedy_steps"] = {tp: _greedy_steps_run(tp) for tp in (1, 2)}
     report["argmax"] = _argmax_against_jnp(seed)
 
     report["prefix_cache"] = {f"tp={tp} cache={enable}": _prefix_cache_run(tp, enable)
@@ -376,12 +376,12 @@ def test_several_mtp_modules_preemption_and_abort_in_flight(report):
         assert pages["free_plus_parked"] == pages["total"] and pages["nonzero_ref_counts"] == 0, (key, pages)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_greedy_steps_take_tp1s_tokens_drafts_and_acceptance(report, tp):
+def test_greedy_steps_take_tp1s_tokens_drafts_and_acceptance(report):
     """Greedy shapes take the argmax of vocab-sharded logits (sharding.argmax_vocab), in
     verification and in the MTP draft pass: step for step the same emitted tokens,
-    accepted drafts and new drafts as TP=1."""
-    base, run = report["greedy_steps"]["1"], report["greedy_steps"][str(tp)]
+    accepted drafts and new drafts as TP=1 (at TP=2; TP=4's argmax:
+    test_sharded_argmax_breaks_ties_as_jnp_argmax, its greedy outputs: the runs')."""
+    base, run = report["greedy_steps"]["1"], report["greedy_steps"]["2"]
     assert all(step["greedy_shape"] for step in base["steps"] + run["steps"])
     assert run["steps"] == base["steps"]
     assert run["tokens"] == base["tokens"] and run["accepted_per_position"] == base["accepted_per_position"]
