@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxmtp.kernels.fp8_matmul import (
-    Fp8MatmulConfig, dequantize_blocks, fp8_matmul, fp8_matmul_reference,
+    MatmulConfig, dequantize_blocks, fp8_matmul, fp8_matmul_reference,
 )
 
 E4M3_MAX = 448.0
@@ -120,6 +120,6 @@ def test_bad_shapes_and_blocks_are_named():
         fp8_matmul(x, q, jnp.zeros((2, 1, 2)), block_k=128, block_n=128, interpret=True)
     with pytest.raises(ValueError, match="block_k=96 must be a power of 2"):
         fp8_matmul(x, q, jnp.zeros((4, 1, 2)), block_k=96, block_n=128, interpret=True)
-    config = Fp8MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    config = MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     out = fp8_matmul(x, q, jnp.ones((3, 1, 2)), block_k=128, block_n=128, interpret=True, config=config)
     assert out.shape == (2, 1, 200) and not np.asarray(out).any()
