@@ -68,6 +68,26 @@ def default_config(m: int, n: int) -> MatmulConfig:
     return MatmulConfig(block_m, min(block_n, max(16, _next_power_of_2(n))), num_warps=4, num_stages=num_stages)
 
 
+# The dense kernel's tiling where it beat XLA's dot in the 2026-12-02 H200 sweep
+# (docs/benchmarks/2026-12-02_H200_dense_gemm_sweep.md: bfloat16, kernel time with the
+# split-K sum, by at least 5% and past the spread of the sweep's best tilings), by the
+# weight's (K, P, N) and the rows rounded up to a power of 2 (16 at least); every other
+# shape and row count is XLA's. The kernel also beat XLA at 4096 x 4096 and 4096 x 1024
+# (Llama-3-8B's q, k, v and o projections), but those stay XLA's: XLA merges q, k and v
+# into one dot, which beats three kernel calls, and o_proj has q_proj's shape.
+DENSE_TILINGS = {
+    (14336, 1, 4096): {64: MatmulConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, block_k=256, split_k=2)},
+}
+
+
+def dense_tiling(m: int, weight_shape: tuple[int, int, int], dtype) -> MatmulConfig | None:
+    """The measured tiling for m rows times a [K, P, N] weight in dtype, or None where
+    XLA's dot was as fast (the table holds bfloat16 measurements only)."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return None
+    return DENSE_TILINGS.get(tuple(weight_shape), {}).get(max(16, _next_power_of_2(m)))
+
+
 def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, ...]) -> jax.Array:
     """weight * its blocks' scales in float32; block[i] is the block's size along axis
     i (1 for an axis every index of which has its own scale, such as P or experts)."""
