@@ -46,8 +46,8 @@ PARTS_NEED = "run with --no-command-buffer (kernels in CUDA graphs do not name t
 
 
 def trace_events(step, steps: int) -> list[dict]:
-    """The device events [{timeline, name, hlo_op, us}] of a profiler trace over `steps`
-    calls of step() (timing.replay_time says what step is): kernels on the GPU's
+    """The device events [{timeline, name, hlo_op, ts, us}] (ts: start, microseconds) of
+    a profiler trace over `steps` calls of step() (timing.replay_time says what step is): kernels on the GPU's
     stream timelines (on the CPU, in a --tiny run: the thunks XLA ran)."""
     import jax
 
@@ -73,7 +73,8 @@ def trace_events(step, steps: int) -> list[dict]:
         hlo_op = e.get("args", {}).get("hlo_op")
         if not gpu_pids and (hlo_op is None or e["name"].startswith("end: ")):
             continue  # the CPU's: its thunks alone, not the Python and executor spans around them
-        found.append({"timeline": line[:24], "name": e["name"], "hlo_op": hlo_op, "us": e.get("dur", 0)})
+        found.append({"timeline": line[:24], "name": e["name"], "hlo_op": hlo_op, "ts": e.get("ts", 0),
+                      "us": e.get("dur", 0)})
     return found
 
 

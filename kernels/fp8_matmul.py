@@ -1,23 +1,29 @@
-"""Block-scaled fp8 matmul: activations times float8_e4m3fn weights whose scales come
-one per block_k x block_n block (DeepSeek-V3's format, 128 x 128), as one Pallas
-kernel lowered through Triton, and its jnp reference (same signature).
+"""Weight-streaming matmul for few rows, as one Pallas kernel lowered through Triton:
+activations times a weight in the activations' dtype (`dense_matmul`: bfloat16,
+float16, float32) or in float8_e4m3fn with one scale per block_k x block_n block
+(`fp8_matmul`: DeepSeek-V3's format, 128 x 128), each with its jnp reference.
 
 Layout (jaxmtp/models/linear.py puts every linear layer's weight in it):
   x          [M, K]               activations (float32, bfloat16 or float16)
-  weight     [K, P, N]            float8_e4m3fn; P column groups of N (gate and up of a
-                                  stacked MLP: P = 2; a plain matrix: P = 1)
-  scale_inv  [ceil(K / block_k), P, ceil(N / block_n)]  float32; the weight is
-                                  weight * scale_inv of its block, and the last block
+  weight     [K, P, N]            P column groups of N (gate and up of a stacked MLP:
+                                  P = 2; a plain matrix: P = 1); dense: x's dtype
+  scale_inv  [ceil(K / block_k), P, ceil(N / block_n)]  fp8 only, float32; the weight
+                                  is weight * scale_inv of its block, and the last block
                                   of each dimension may be partial
   -> [M, P, N] in out_dtype (default x.dtype), accumulated in float32
 
-The kernel streams [block_k, block_n_tile] fp8 tiles of the weight (1 byte a weight:
-decode reads half bf16's bytes), converts each to x's dtype in registers (exact: every
-e4m3 value is a bfloat16, float16 and float32 value), multiplies with the x tile on the
-tensor cores and applies the tile's per-column block scales to the float32 product
-before accumulating, so a scale is applied exactly once per block and product. The K
-step is block_k, so one row of scales serves a whole step. Edge tiles are masked
-(rows past M, columns past N, the part of the last K block past K), so any shape runs.
+Each program streams [block_k, block_n tile] weight tiles down K for one tile of rows
+and columns: decode and verify (M <= 256) read every weight byte once, so the kernel is
+a stream of the weight at the memory's rate when enough programs have loads in flight.
+An fp8 tile is converted to x's dtype in registers (exact: every e4m3 value is a
+bfloat16, float16 and float32 value), multiplied with the x tile on the tensor cores,
+and its per-column block scales multiply the float32 product before it is accumulated,
+so a scale is applied exactly once per block and product (the fp8 K step is the scale
+block, so one row of scales serves a whole step). Where N / block_n leaves too few
+programs for the GPU (narrow projections), `split_k` programs share a column tile, each
+over its own run of K steps, and their float32 partials are summed after the call. Edge
+tiles are masked (rows past M, columns past N, the part of the last K step past K), and
+masks are left out where the shapes divide the tiles, so any shape runs.
 """
 
 from __future__ import annotations
@@ -36,20 +42,22 @@ _TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCo
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8MatmulConfig:
+class MatmulConfig:
     """Static tiling of one call; `default_config` picks it from the shapes."""
 
     block_m: int  # x rows per program (16 at least: the MMA minimum)
     block_n: int  # output columns per program
     num_warps: int
     num_stages: int
+    block_k: int = 128  # the dense kernel's K step (the fp8 kernel steps by its scale block)
+    split_k: int = 1  # programs per column tile, each over a run of K steps (float32 partials)
 
 
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def default_config(m: int, n: int) -> Fp8MatmulConfig:
+def default_config(m: int, n: int) -> MatmulConfig:
     """Decode and verify (few rows) want many programs streaming narrow column tiles,
     prefill wide tiles that reuse each weight tile over many rows (docs/kernels.md)."""
     block_m = min(max(_next_power_of_2(m), 16), 64)
@@ -57,7 +65,27 @@ def default_config(m: int, n: int) -> Fp8MatmulConfig:
     # 4 stages at decode: the most frequent best of the 2026-12-01 H200 sweep over the
     # Llama-3-8B projections (docs/benchmarks/2026-12-01_H200_fp8_sweep.json)
     num_stages = 4 if m <= 16 else 3
-    return Fp8MatmulConfig(block_m, min(block_n, max(16, _next_power_of_2(n))), num_warps=4, num_stages=num_stages)
+    return MatmulConfig(block_m, min(block_n, max(16, _next_power_of_2(n))), num_warps=4, num_stages=num_stages)
+
+
+# The dense kernel's tiling where it beat XLA's dot in the 2026-12-02 H200 sweep
+# (docs/benchmarks/2026-12-02_H200_dense_gemm_sweep.md: bfloat16, kernel time with the
+# split-K sum, by at least 5% and past the spread of the sweep's best tilings), by the
+# weight's (K, P, N) and the rows rounded up to a power of 2 (16 at least); every other
+# shape and row count is XLA's. The kernel also beat XLA at 4096 x 4096 and 4096 x 1024
+# (Llama-3-8B's q, k, v and o projections), but those stay XLA's: XLA merges q, k and v
+# into one dot, which beats three kernel calls, and o_proj has q_proj's shape.
+DENSE_TILINGS = {
+    (14336, 1, 4096): {64: MatmulConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, block_k=256, split_k=2)},
+}
+
+
+def dense_tiling(m: int, weight_shape: tuple[int, int, int], dtype) -> MatmulConfig | None:
+    """The measured tiling for m rows times a [K, P, N] weight in dtype, or None where
+    XLA's dot was as fast (the table holds bfloat16 measurements only)."""
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return None
+    return DENSE_TILINGS.get(tuple(weight_shape), {}).get(max(16, _next_power_of_2(m)))
 
 
 def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, ...]) -> jax.Array:
@@ -71,44 +99,95 @@ def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int,
     return weight.astype(jnp.float32) * scale
 
 
-def fp8_matmul_reference(x, weight, scale_inv, *, block_k: int, block_n: int, out_dtype=None) -> jax.Array:
-    """Dequantize, then one float32 matmul (the engine's path off the GPU)."""
-    w = dequantize_blocks(weight, scale_inv, (block_k, 1, block_n))
-    out = jnp.einsum("mk,kpn->mpn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+def dense_matmul_reference(x, weight, *, out_dtype=None) -> jax.Array:
+    """One float32 matmul of [M, K] by [K, P, N]."""
+    out = jnp.einsum("mk,kpn->mpn", x.astype(jnp.float32), weight.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
     return out.astype(out_dtype or x.dtype)
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, block_m, block_n, block_k, scale_block_n):
-    row_block, part, col_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def fp8_matmul_reference(x, weight, scale_inv, *, block_k: int, block_n: int, out_dtype=None) -> jax.Array:
+    """Dequantize, then one float32 matmul (the engine's path off the GPU)."""
+    return dense_matmul_reference(x, dequantize_blocks(weight, scale_inv, (block_k, 1, block_n)), out_dtype=out_dtype)
+
+
+def _both(a, b):
+    """a & b, where None stands for a mask that is statically all true."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a & b
+
+
+def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n):
+    """One [block_m, block_n] tile of one column group over k_steps K steps (the
+    program's run of K); refs are (scale_inv, out) for an fp8 weight, (out,) else.
+    out is [split_k, M, P, N]: each run of K writes its own partial."""
+    s_ref, o_ref = refs if scale_block_n else (None, *refs)
+    row_block, part, col_block, split = (pl.program_id(axis) for axis in range(4))
     m, k = x_ref.shape
     n = w_ref.shape[-1]
     rows = row_block * block_m + jnp.arange(block_m, dtype=jnp.int32)
     cols = col_block * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    row_ok, col_ok = rows < m, cols < n
-    scale_cols = lax.div(cols, scale_block_n)  # each column's block (non-negative: div, not //)
+    row_ok = None if m % block_m == 0 else rows < m
+    col_ok = None if n % block_n == 0 else cols < n
+    first_step = split * k_steps
     # float32 inputs get true float32 products, not Triton's default tf32
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
-    def step(kb, acc):
+    def step(i, acc):
+        kb = first_step + i
         ks = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
-        k_ok = ks < k
-        x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-        w = plgpu.load(w_ref.at[ks[:, None], part, cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        scale = plgpu.load(s_ref.at[kb, part, scale_cols], mask=col_ok, other=0)
-        return acc + plgpu.dot(x, w.astype(x.dtype), precision=precision) * scale[None, :]
+        k_ok = None if k % block_k == 0 else ks < k
+        x_mask = _both(None if row_ok is None else row_ok[:, None], None if k_ok is None else k_ok[None, :])
+        w_mask = _both(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :])
+        x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=x_mask, other=None if x_mask is None else 0)
+        w = plgpu.load(w_ref.at[ks[:, None], part, cols[None, :]], mask=w_mask,
+                       other=None if w_mask is None else 0.0)
+        product = plgpu.dot(x, w.astype(x.dtype), precision=precision)
+        if s_ref is not None:
+            scale = plgpu.load(s_ref.at[kb, part, lax.div(cols, scale_block_n)], mask=col_ok,
+                               other=None if col_ok is None else 0)
+            product = product * scale[None, :]
+        return acc + product
 
-    acc = lax.fori_loop(0, pl.cdiv(k, block_k), step, jnp.zeros((block_m, block_n), jnp.float32))
-    plgpu.store(o_ref.at[rows[:, None], part, cols[None, :]], acc.astype(o_ref.dtype),
-                mask=row_ok[:, None] & col_ok[None, :])
+    acc = lax.fori_loop(0, k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+    out_mask = _both(None if row_ok is None else row_ok[:, None], None if col_ok is None else col_ok[None, :])
+    plgpu.store(o_ref.at[split, rows[:, None], part, cols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
+
+
+def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype, interpret, config, name):
+    """The kernel over the grid (row tiles, P, column tiles, K runs); the K runs'
+    float32 partials summed after it when there are several."""
+    m, k = x.shape
+    _, parts, n = weight.shape
+    total_steps = pl.cdiv(k, block_k)
+    if total_steps % config.split_k:
+        raise ValueError(f"split_k={config.split_k} does not divide the {total_steps} K steps of {block_k}")
+    k_steps = total_steps // config.split_k
+    out_dtype = out_dtype or x.dtype
+    kernel = functools.partial(_kernel, block_m=config.block_m, block_n=config.block_n, block_k=block_k,
+                               k_steps=k_steps, scale_block_n=scale_block_n)
+    operands = (x, weight) if scale_inv is None else (x, weight, scale_inv.astype(jnp.float32))
+    partial_dtype = out_dtype if config.split_k == 1 else jnp.float32
+    out = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, config.block_m), parts, pl.cdiv(n, config.block_n), config.split_k),
+        out_shape=jax.ShapeDtypeStruct((config.split_k, m, parts, n), partial_dtype),
+        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*operands)
+    return out[0] if config.split_k == 1 else out.sum(axis=0).astype(out_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "block_n", "out_dtype", "interpret", "config"))
 def fp8_matmul(
     x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *, block_k: int, block_n: int, out_dtype=None,
-    interpret: bool = False, config: Fp8MatmulConfig | None = None,
+    interpret: bool = False, config: MatmulConfig | None = None,
 ) -> jax.Array:
     """Pallas (Triton) block-scaled fp8 matmul; see the module docstring for the layout.
-    block_k (the scales' K block, and the kernel's K step) must be a power of 2 >= 16."""
+    block_k (the scales' K block, and the kernel's K step) must be a power of 2 >= 16;
+    config.block_k is not used."""
     m, k = x.shape
     _, parts, n = weight.shape
     if block_k < 16 or block_k & (block_k - 1):
@@ -117,14 +196,20 @@ def fp8_matmul(
     if weight.shape[0] != k or scale_inv.shape != expected:
         raise ValueError(f"x {x.shape}, weight {weight.shape} and scale_inv {scale_inv.shape} do not fit "
                          f"(scale_inv should be {expected} for blocks of {block_k} x {block_n})")
-    config = config or default_config(m, n)
-    kernel = functools.partial(_kernel, block_m=config.block_m, block_n=config.block_n, block_k=block_k,
-                               scale_block_n=block_n)
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(m, config.block_m), parts, pl.cdiv(n, config.block_n)),
-        out_shape=jax.ShapeDtypeStruct((m, parts, n), out_dtype or x.dtype),
-        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="fp8_matmul",
-    )(x, weight, scale_inv.astype(jnp.float32))
+    return _streaming_matmul(x, weight, scale_inv, block_k=block_k, scale_block_n=block_n, out_dtype=out_dtype,
+                             interpret=interpret, config=config or default_config(m, n), name="fp8_matmul")
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))
+def dense_matmul(x: jax.Array, weight: jax.Array, *, out_dtype=None, interpret: bool = False,
+                 config: MatmulConfig | None = None) -> jax.Array:
+    """Pallas (Triton) matmul of x [M, K] by a weight [K, P, N] in x's dtype; see the
+    module docstring. config.block_k (the K step) must be a power of 2 >= 16."""
+    m, k = x.shape
+    config = config or default_config(m, weight.shape[-1])
+    if weight.shape[0] != k or weight.dtype != x.dtype:
+        raise ValueError(f"x {x.shape} {x.dtype} and weight {weight.shape} {weight.dtype} do not fit")
+    if config.block_k < 16 or config.block_k & (config.block_k - 1):
+        raise ValueError(f"block_k={config.block_k} must be a power of 2 >= 16")
+    return _streaming_matmul(x, weight, None, block_k=config.block_k, scale_block_n=None, out_dtype=out_dtype,
+                             interpret=interpret, config=config, name="dense_matmul")

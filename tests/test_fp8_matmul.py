@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxmtp.kernels.fp8_matmul import (
-    Fp8MatmulConfig, dequantize_blocks, fp8_matmul, fp8_matmul_reference,
+    MatmulConfig, dequantize_blocks, fp8_matmul, fp8_matmul_reference,
 )
 
 E4M3_MAX = 448.0
@@ -77,6 +77,19 @@ def test_kernel_in_interpret_mode_matches_the_reference(rng, m, k, parts, n, blo
     assert (np.abs(rounded.astype(np.float64) - got) <= ulp + bound).all()
 
 
+def test_split_k_sums_each_block_once(rng):
+    """Five K blocks over five programs per column tile (float32 partials summed after
+    the call), the last block partial: within the bound above of the float64 product."""
+    m, k, parts, n, block_k, block_n = 9, 300, 2, 70, 64, 32
+    x, q, scale = make_case(rng, m, k, parts, n, block_k, block_n, jnp.bfloat16)
+    config = MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=3, split_k=5)
+    got = np.asarray(fp8_matmul(x, q, scale, block_k=block_k, block_n=block_n, out_dtype=jnp.float32,
+                                interpret=True, config=config))
+    exact = float64_product(x, q, scale, block_k, block_n)
+    magnitude = float64_product(jnp.abs(x.astype(jnp.float32)), jnp.abs(q.astype(jnp.float32)), scale, block_k, block_n)
+    assert np.abs(got - exact).max() <= 4 * k * np.finfo(np.float32).eps * magnitude.max()
+
+
 def test_a_wrong_block_scale_shows(rng):
     """The guard behind the tests above: scales of one block moved to its neighbour
     change the result far beyond their bound."""
@@ -120,6 +133,6 @@ def test_bad_shapes_and_blocks_are_named():
         fp8_matmul(x, q, jnp.zeros((2, 1, 2)), block_k=128, block_n=128, interpret=True)
     with pytest.raises(ValueError, match="block_k=96 must be a power of 2"):
         fp8_matmul(x, q, jnp.zeros((4, 1, 2)), block_k=96, block_n=128, interpret=True)
-    config = Fp8MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
+    config = MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     out = fp8_matmul(x, q, jnp.ones((3, 1, 2)), block_k=128, block_n=128, interpret=True, config=config)
     assert out.shape == (2, 1, 200) and not np.asarray(out).any()

@@ -2,18 +2,22 @@
 where the layer has one, for weights in the model's dtype and for fp8 weights with
 block scales (jaxmtp/models/quantization.py; jaxmtp.models.params.Fp8Weight). An fp8 weight's
 `matmul` says how: the Pallas kernel (jaxmtp/kernels/fp8_matmul.py) on GPUs, its
-jnp reference (dequantize, then one float32 matmul) elsewhere."""
+jnp reference (dequantize, then one float32 matmul) elsewhere. A weight in the model's
+dtype goes through XLA's dot, except where the measured table of the dense Pallas
+kernel (jaxmtp.kernels.fp8_matmul.DENSE_TILINGS) names its shape and row count, on a
+GPU with no other device beside it."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.kernels.fp8_matmul import dequantize_blocks, fp8_matmul, fp8_matmul_reference
+from jaxmtp.kernels.fp8_matmul import dense_matmul, dense_tiling, dequantize_blocks, fp8_matmul, fp8_matmul_reference
 from jaxmtp.models.config import check_attention_backend
 from jaxmtp.models.params import Fp8Weight
 from jaxmtp.models.quantization import Fp8BlockConfig
@@ -34,11 +38,30 @@ def linear(x: jax.Array, w: jax.Array | Fp8Weight, bias: jax.Array | None = None
     moves float16 logits measurably further from float32's (tests/test_parity.py)."""
     if isinstance(w, Fp8Weight):
         out = _fp8_linear(x, w, jnp.float32 if bias is not None else x.dtype)
+    elif (tiling := _dense_kernel_tiling(x, w)) is not None:
+        out = _dense_linear(x, w, tiling, jnp.float32 if bias is not None else x.dtype)
     elif bias is None:
         return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())))
     else:
         out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return out if bias is None else (out + bias).astype(x.dtype)
+
+
+def _dense_kernel_tiling(x: jax.Array, w: jax.Array):
+    """The dense kernel's tiling where its table has this shape and row count
+    (jaxmtp.kernels.fp8_matmul.dense_tiling), on a GPU, one device in all: with
+    several, tensor parallelism may shard the weight, and XLA cannot split a Pallas
+    call (it would gather the weight onto every device). Decided when the step is
+    traced; linear() does not see the attention backend, so attention_backend=
+    "reference" on a GPU keeps the table's kernel."""
+    if jax.default_backend() != "gpu" or jax.device_count() > 1 or x.ndim != 2 or w.dtype != x.dtype:
+        return None
+    return dense_tiling(x.shape[0], (w.shape[0], math.prod(w.shape[1:-1]), w.shape[-1]), x.dtype)
+
+
+def _dense_linear(x: jax.Array, w: jax.Array, tiling, out_dtype) -> jax.Array:
+    out = dense_matmul(x, w.reshape(w.shape[0], -1, w.shape[-1]), out_dtype=out_dtype, config=tiling)
+    return out.reshape(x.shape[0], *w.shape[1:])
 
 
 def _fp8_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
