@@ -98,16 +98,19 @@ def test_linear_on_the_cpu_is_xla_dot_bit_for_bit(rng, tiny_table):
     x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     expected = jax.lax.dot_general(x, w, (((1,), (0,)), ((), ())))
+    assert not linear_module.dense_kernels_for("auto", None)  # a CPU
     np.testing.assert_array_equal(np.asarray(linear_module.linear(x, w)), np.asarray(expected))
 
 
-@pytest.mark.parametrize("devices, routed", [(1, True), (2, False)])
-def test_linear_takes_the_table_on_one_gpu_only(rng, tiny_table, monkeypatch, devices, routed):
-    """On a GPU (faked) with one device the table's shape goes through the kernel, with
-    its bias added to the float32 accumulator; with two (tensor parallelism possible)
+@pytest.mark.parametrize("backend, mesh, routed", [("auto", None, True), ("pallas", None, True),
+                                                  ("reference", None, False), ("auto", "a mesh", False)])
+def test_linear_takes_the_table_on_one_gpu_with_pallas_kernels_only(rng, tiny_table, monkeypatch, backend, mesh,
+                                                                     routed):
+    """On a GPU (faked), on one device (no mesh), with an attention backend that picks
+    Pallas kernels, the table's shape goes through the kernel, with its bias added to
+    the float32 accumulator; with the reference backend or a mesh (tensor parallelism),
     XLA's dot."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(jax, "device_count", lambda: devices)
     calls = []
 
     def interpreted(*args, **kwargs):  # the kernel as the CPU can run it, counted
@@ -119,7 +122,8 @@ def test_linear_takes_the_table_on_one_gpu_only(rng, tiny_table, monkeypatch, de
     x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
-    got = np.asarray(linear_module.linear(x, w, bias).astype(jnp.float32), np.float64)
+    with linear_module.dense_kernels(linear_module.dense_kernels_for(backend, mesh)):
+        got = np.asarray(linear_module.linear(x, w, bias).astype(jnp.float32), np.float64)
     assert bool(calls) == routed
     exact = float64_product(x, w[:, None, :])[:, 0] + np.asarray(bias.astype(jnp.float32), np.float64)
     half_ulp = np.abs(exact) * float(jnp.finfo(jnp.bfloat16).eps) / 2

@@ -3,12 +3,15 @@ where the layer has one, for weights in the model's dtype and for fp8 weights wi
 block scales (jaxmtp/models/quantization.py; jaxmtp.models.params.Fp8Weight). An fp8 weight's
 `matmul` says how: the Pallas kernel (jaxmtp/kernels/fp8_matmul.py) on GPUs, its
 jnp reference (dequantize, then one float32 matmul) elsewhere. A weight in the model's
-dtype goes through XLA's dot, except where the measured table of the dense Pallas
-kernel (jaxmtp.kernels.fp8_matmul.DENSE_TILINGS) names its shape and row count, on a
-GPU with no other device beside it."""
+dtype goes through XLA's dot, except inside a step traced with dense kernels on
+(dense_kernels_for: a GPU, one device, Pallas attention) where the measured table of the
+dense Pallas kernel (jaxmtp.kernels.fp8_matmul.DENSE_TILINGS) names its shape and row
+count."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -47,14 +50,35 @@ def linear(x: jax.Array, w: jax.Array | Fp8Weight, bias: jax.Array | None = None
     return out if bias is None else (out + bias).astype(x.dtype)
 
 
+# Whether linear() may take the dense kernel, set around a step's trace (dense_kernels);
+# off elsewhere, so that other traces keep XLA's dot
+_DENSE_KERNELS = contextvars.ContextVar("jaxmtp_dense_kernels", default=False)
+
+
+def dense_kernels_for(attention_backend: str, mesh) -> bool:
+    """Where the dense kernel may run: on a GPU, where the attention backend picks Pallas
+    kernels (auto or pallas, as the fp8 matmul's fp8_matmul_for), on one device (mesh
+    None: XLA cannot split a Pallas call, and would gather a sharded weight onto every
+    device)."""
+    check_attention_backend(attention_backend)
+    return jax.default_backend() == "gpu" and mesh is None and attention_backend in ("auto", "pallas")
+
+
+@contextlib.contextmanager
+def dense_kernels(enabled: bool):
+    """While tracing: linear() takes the dense kernel where its table names the shape and
+    row count (enabled), else XLA's dot."""
+    token = _DENSE_KERNELS.set(enabled)
+    try:
+        yield
+    finally:
+        _DENSE_KERNELS.reset(token)
+
+
 def _dense_kernel_tiling(x: jax.Array, w: jax.Array):
-    """The dense kernel's tiling where its table has this shape and row count
-    (jaxmtp.kernels.fp8_matmul.dense_tiling), on a GPU, one device in all: with
-    several, tensor parallelism may shard the weight, and XLA cannot split a Pallas
-    call (it would gather the weight onto every device). Decided when the step is
-    traced; linear() does not see the attention backend, so attention_backend=
-    "reference" on a GPU keeps the table's kernel."""
-    if jax.default_backend() != "gpu" or jax.device_count() > 1 or x.ndim != 2 or w.dtype != x.dtype:
+    """The dense kernel's tiling where dense kernels are on and its table has this shape
+    and row count (jaxmtp.kernels.fp8_matmul.dense_tiling)."""
+    if not _DENSE_KERNELS.get() or x.ndim != 2 or w.dtype != x.dtype:
         return None
     return dense_tiling(x.shape[0], (w.shape[0], math.prod(w.shape[1:-1]), w.shape[-1]), x.dtype)
 

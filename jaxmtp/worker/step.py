@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 
 from jaxmtp.models import model
 from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.linear import dense_kernels, dense_kernels_for
 from jaxmtp.models.params import Params, pytree_dataclass
 from jaxmtp.worker import mtp
 from jaxmtp.worker.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, mask_words, unpack_batch
@@ -71,6 +72,11 @@ def step(
     batch.pack_batch; oracle_tokens: None, or a benchmark's table whose tokens replace
     the MTP drafts (oracle_drafts); shape (static): how to unpack the batch, and whether
     no row samples, asks for top logprobs or for logits processing (BatchShape.greedy)."""
+    with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
+        return _step(params, cache, logits_state, carry, ints, floats, oracle_tokens, shape, config)
+
+
+def _step(params, cache, logits_state, carry, ints, floats, oracle_tokens, shape, config):
     k = config.num_speculative_tokens
     words = mask_words(config.model.vocab_size)
     # Named scopes label the step's parts in the compiled program's metadata, so that
