@@ -5,6 +5,8 @@ between it and XLA's dot (XLA's on the CPU, bit for bit as before)."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,14 +104,14 @@ def test_linear_on_the_cpu_is_xla_dot_bit_for_bit(rng, tiny_table):
     np.testing.assert_array_equal(np.asarray(linear_module.linear(x, w)), np.asarray(expected))
 
 
-@pytest.mark.parametrize("backend, mesh, routed", [("auto", None, True), ("pallas", None, True),
-                                                  ("reference", None, False), ("auto", "a mesh", False)])
-def test_linear_takes_the_table_on_one_gpu_with_pallas_kernels_only(rng, tiny_table, monkeypatch, backend, mesh,
+@pytest.mark.parametrize("backend, devices, routed", [("auto", None, True), ("pallas", 1, True),
+                                                     ("reference", None, False), ("auto", 2, False)])
+def test_linear_takes_the_table_on_one_gpu_with_pallas_kernels_only(rng, tiny_table, monkeypatch, backend, devices,
                                                                      routed):
     """On a GPU (faked), on one device (no mesh), with an attention backend that picks
     Pallas kernels, the table's shape goes through the kernel, with its bias added to
-    the float32 accumulator; with the reference backend or a mesh (tensor parallelism),
-    XLA's dot."""
+    the float32 accumulator; with the reference backend or a mesh of two devices (tensor
+    parallelism), XLA's dot. devices: the step's mesh size (None: no mesh)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     calls = []
 
@@ -122,6 +124,7 @@ def test_linear_takes_the_table_on_one_gpu_with_pallas_kernels_only(rng, tiny_ta
     x = jnp.asarray(rng.standard_normal((8, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16)
+    mesh = None if devices is None else types.SimpleNamespace(size=devices)
     with linear_module.dense_kernels(linear_module.dense_kernels_for(backend, mesh)):
         got = np.asarray(linear_module.linear(x, w, bias).astype(jnp.float32), np.float64)
     assert bool(calls) == routed

@@ -57,11 +57,12 @@ _DENSE_KERNELS = contextvars.ContextVar("jaxmtp_dense_kernels", default=False)
 
 def dense_kernels_for(attention_backend: str, mesh) -> bool:
     """Where the dense kernel may run: on a GPU, where the attention backend picks Pallas
-    kernels (auto or pallas, as the fp8 matmul's fp8_matmul_for), on one device (mesh
-    None: XLA cannot split a Pallas call, and would gather a sharded weight onto every
-    device)."""
+    kernels (auto or pallas, as the fp8 matmul's fp8_matmul_for), on one device (no
+    mesh, or a mesh of one: XLA cannot split a Pallas call, and would gather a sharded
+    weight onto every device)."""
     check_attention_backend(attention_backend)
-    return jax.default_backend() == "gpu" and mesh is None and attention_backend in ("auto", "pallas")
+    one_device = mesh is None or mesh.size == 1
+    return jax.default_backend() == "gpu" and one_device and attention_backend in ("auto", "pallas")
 
 
 @contextlib.contextmanager
