@@ -125,6 +125,15 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     return np.asarray(out)
 
 
+def draft_kv_bound(ref_kv, num_modules: int) -> float:
+    """How far the draft KV of stories260K-mtp may move between two chunkings or cache
+    hits (tolerances.reordered_model_bound): its 5 layers and num_modules MTP modules,
+    sums of at most 172 terms (the MLP's width; the tests' contexts are shorter)."""
+    from tolerances import reordered_model_bound
+
+    return reordered_model_bound(float(np.abs(ref_kv).max()), 5 + num_modules, 172)
+
+
 def make_modules_model(folder: Path, num_modules: int) -> Path:
     """stories260K-mtp with num_modules MTP modules: its trained module, then copies of it
     with every weight scaled by 1 + 5% noise (fixed seed). Module j reads module j-1's

@@ -36,6 +36,27 @@ def assert_within(got, want, bound, what: str = "") -> None:
                              f"{tuple(map(int, worst))}: error {error[worst]:.3e}, bound {bound[worst]:.3e}")
 
 
+# The summing stages of one decoder layer: its two norms, q/k/v, q.k, the softmax's sum,
+# p.v, o, the MLP's (or router's and experts') gate/up, down, the experts' weighted sum
+# and the two residual adds
+STAGES_PER_LAYER = 12
+
+
+def reordered_model_bound(scale: float, num_layers: int, max_terms: int) -> float:
+    """How far apart two float32 evaluations of one model over the same tokens can lie
+    when only the order of their sums differs (batches of other shapes, other chunks,
+    other devices). To first order each lies within the sum over its summing stages of
+    gamma(terms) times the magnitude of what the stage sums, of the exact value,
+    provided no stage amplifies the error handed to it more than its input's magnitude
+    (a residual add and an RMSNorm do not; the tests' small models at their scale about
+    do not: the one assumption). With every stage summing at most max_terms terms (the
+    widest dot product or the longest context), of magnitude at most scale (the compared
+    values' largest, the residual stream's scale), over num_layers decoder layers (MTP
+    modules included), the two lie within 2 STAGES_PER_LAYER num_layers gamma(max_terms)
+    scale. A wrong value (another token's row, a stale page) is off by about scale."""
+    return 2 * STAGES_PER_LAYER * num_layers * gamma(max_terms) * scale
+
+
 def matmul_bound(abs_lhs, abs_rhs, k: int) -> np.ndarray:
     """x @ w with a reduction of length k: gamma_k |x| @ |w| (both given as magnitudes)."""
     return gamma(k) * (np.asarray(abs_lhs, np.float64) @ np.asarray(abs_rhs, np.float64))
