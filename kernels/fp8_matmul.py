@@ -111,11 +111,21 @@ def fp8_matmul_reference(x, weight, scale_inv, *, block_k: int, block_n: int, ou
     return dense_matmul_reference(x, dequantize_blocks(weight, scale_inv, (block_k, 1, block_n)), out_dtype=out_dtype)
 
 
-def _both(a, b):
-    """a & b, where None stands for a mask that is statically all true."""
-    if a is None or b is None:
-        return b if a is None else a
-    return a & b
+def is_k_step(block_k: int) -> bool:
+    """Whether the kernel can step K by block_k: a power of 2, 16 at least (the MMA's K)."""
+    return block_k >= 16 and not block_k & (block_k - 1)
+
+
+def _outer_mask(rows_ok, cols_ok):
+    """rows_ok[:, None] & cols_ok[None, :], where None stands for a mask that is
+    statically all true (the shape divides the tile)."""
+    if rows_ok is None and cols_ok is None:
+        return None
+    if cols_ok is None:
+        return rows_ok[:, None]
+    if rows_ok is None:
+        return cols_ok[None, :]
+    return rows_ok[:, None] & cols_ok[None, :]
 
 
 def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n):
@@ -138,8 +148,7 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
         kb = first_step + i
         ks = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
         k_ok = None if k % block_k == 0 else ks < k
-        x_mask = _both(None if row_ok is None else row_ok[:, None], None if k_ok is None else k_ok[None, :])
-        w_mask = _both(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :])
+        x_mask, w_mask = _outer_mask(row_ok, k_ok), _outer_mask(k_ok, col_ok)
         x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=x_mask, other=None if x_mask is None else 0)
         w = plgpu.load(w_ref.at[ks[:, None], part, cols[None, :]], mask=w_mask,
                        other=None if w_mask is None else 0.0)
@@ -151,7 +160,7 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
         return acc + product
 
     acc = lax.fori_loop(0, k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    out_mask = _both(None if row_ok is None else row_ok[:, None], None if col_ok is None else col_ok[None, :])
+    out_mask = _outer_mask(row_ok, col_ok)
     plgpu.store(o_ref.at[split, rows[:, None], part, cols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
 
 
@@ -190,7 +199,7 @@ def fp8_matmul(
     config.block_k is not used."""
     m, k = x.shape
     _, parts, n = weight.shape
-    if block_k < 16 or block_k & (block_k - 1):
+    if not is_k_step(block_k):
         raise ValueError(f"the fp8 kernel steps K by the scale block: block_k={block_k} must be a power of 2 >= 16")
     expected = (pl.cdiv(k, block_k), parts, pl.cdiv(n, block_n))
     if weight.shape[0] != k or scale_inv.shape != expected:
@@ -209,7 +218,7 @@ def dense_matmul(x: jax.Array, weight: jax.Array, *, out_dtype=None, interpret: 
     config = config or default_config(m, weight.shape[-1])
     if weight.shape[0] != k or weight.dtype != x.dtype:
         raise ValueError(f"x {x.shape} {x.dtype} and weight {weight.shape} {weight.dtype} do not fit")
-    if config.block_k < 16 or config.block_k & (config.block_k - 1):
+    if not is_k_step(config.block_k):
         raise ValueError(f"block_k={config.block_k} must be a power of 2 >= 16")
     return _streaming_matmul(x, weight, None, block_k=config.block_k, scale_block_n=None, out_dtype=out_dtype,
                              interpret=interpret, config=config, name="dense_matmul")

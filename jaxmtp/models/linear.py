@@ -20,7 +20,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxmtp.kernels.fp8_matmul import dense_matmul, dense_tiling, dequantize_blocks, fp8_matmul, fp8_matmul_reference
+from jaxmtp.kernels.fp8_matmul import (
+    dense_matmul, dense_tiling, dequantize_blocks, fp8_matmul, fp8_matmul_reference, is_k_step,
+)
 from jaxmtp.models.config import check_attention_backend
 from jaxmtp.models.params import Fp8Weight
 from jaxmtp.models.quantization import Fp8BlockConfig
@@ -116,7 +118,7 @@ def fp8_matmul_for(attention_backend: str, num_devices: int, quantization: Fp8Bl
         log.info("fp8 matmuls run the jnp reference under tensor parallelism (the Pallas kernel is one device's)")
         return "reference"
     block_k = quantization.block_in
-    if matmul != "reference" and (block_k < 16 or block_k & (block_k - 1)):
+    if matmul != "reference" and not is_k_step(block_k):
         log.warning("fp8 matmuls run the jnp reference: the Pallas kernel steps K by the scale block, and "
                     "weight_block_size's %d is not a power of 2 >= 16", block_k)
         return "reference"
