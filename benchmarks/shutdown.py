@@ -25,25 +25,24 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from test_server import ServerProcess, sse_events  # noqa: E402
+from test_server import ServerProcess  # noqa: E402
+from test_server_shutdown import stream_outcome  # noqa: E402
 
 SHUTDOWN_TIMEOUT = 3.0
 
 
 def outcome(url: str, body: dict) -> str:
+    """How one stream ended, in words: the shutdown test's stream_outcome, whose
+    failures (a reset connection, a stream without [DONE]) are counted here."""
     try:
-        with httpx.Client(timeout=120) as http, http.stream("POST", url + "/v1/completions", json=body) as reply:
-            if reply.status_code != 200:
-                return f"status {reply.status_code}"
-            events = list(sse_events(reply))
-    except httpx.ConnectError:
-        return "connection refused"
+        ended = stream_outcome(url, body)
     except httpx.TransportError as err:
         return f"connection broken ({type(err).__name__})"
-    if not events or events[-1] != "[DONE]":
-        return "no [DONE]"
-    reasons = [c["finish_reason"] for e in events[:-1] for c in json.loads(e).get("choices", []) if c["finish_reason"]]
-    return f"[DONE], finish_reason {reasons[-1] if reasons else None}"
+    except AssertionError as err:
+        return f"not ended cleanly ({str(err).splitlines()[0]})"
+    if ended[0] == "done":
+        return f"[DONE], finish_reason {ended[1][-1] if ended[1] else None}"
+    return {"503": "status 503", "refused": "connection refused"}[ended[0]]
 
 
 def main() -> None:

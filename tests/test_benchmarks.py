@@ -35,6 +35,17 @@ def test_e2e_decode_and_mtp_rows_with_outputs_equal_to_plain(tmp_path):
     assert "None" not in (tmp_path / "e2e_smoke.md").read_text()
 
 
+def test_gemm_sweep_checks_and_times_xla_and_the_kernels_tilings(tmp_path):
+    """The sweep's rows (CPU: interpret mode, one tiny shape): XLA's dot first, then
+    kernel tilings, every one checked against the float32 matmul and timed."""
+    run_script("gemm_sweep.py", "--tiny", "--m", "8", "--shapes", "q_o", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "gemm_sweep.json").read_text())
+    rows = results["shapes"]["q_o"]["by_m"]["8"]
+    assert rows[0]["config"] is None and len(rows) > 1  # XLA's dot, then the kernel's tilings
+    assert all(row["ok"] and row["us"] > 0 for row in rows)
+    assert {row["config"]["split_k"] for row in rows[1:]} > {1}  # split-K tilings among them
+
+
 def test_decode_step_times_each_tiling_against_the_default(tmp_path):
     run_script("decode_step.py", "--tiny", "--shapes", "1x48,8x64", "--tilings", "num_splits=1", "--out", str(tmp_path))
     runs = json.loads((tmp_path / "decode_step.json").read_text())["runs"]

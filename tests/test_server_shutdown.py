@@ -115,7 +115,6 @@ def assert_drained(server, outcomes, sent: float) -> None:
 def test_sigterm_drains_then_exits(server):
     """Mid-decode, with more streams than --max-num-seqs: two run, eight wait."""
     short = {**LONG, "max_tokens": 30, "stream": True}
-    queued = {**LONG, "max_tokens": 30, "stream": True}
     with httpx.Client(timeout=60) as http, concurrent.futures.ThreadPoolExecutor(9) as pool:
         with http.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}) as long_stream, \
                 http.stream("POST", server.url + "/v1/completions", json=short) as short_stream:
@@ -124,7 +123,7 @@ def test_sigterm_drains_then_exits(server):
             # the others wait (two sequences at most): SIGTERM once the engine holds them
             admitted = server.metric("jaxmtp_prompt_tokens_total")
             waiting = pool.submit(httpx.post, server.url + "/v1/completions", json=LONG, timeout=60)
-            streams = [pool.submit(stream_outcome, server.url, queued) for _ in range(8)]
+            streams = [pool.submit(stream_outcome, server.url, short) for _ in range(8)]
             deadline = time.monotonic() + 20
             while server.metric("jaxmtp_requests_waiting") < 9 and time.monotonic() < deadline:
                 time.sleep(0.02)
