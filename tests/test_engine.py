@@ -138,14 +138,17 @@ def test_async_scheduling_gives_the_outputs_of_sync_scheduling(rng):
     different moments) greedy tokens still agree; sampled ones need not, as the verify
     windows after a recompute differ."""
     prompts = random_prompts(rng, [6, 30, 13, 21])
+    # eos ignored, so that the pool's demand is known: 12, 16, 14 and 11 pages of 4 tokens
+    # at their ends; as the second ends (16 pages) the first and third, at about its pace,
+    # hold about 10 and 12: 38 pages together, more than the tiny pool's 30
     params = [
-        SamplingParams(max_tokens=40, temperature=0.0),
-        SamplingParams(max_tokens=33, temperature=0.8, seed=int(rng.integers(1 << 30))),
-        SamplingParams(max_tokens=40, temperature=0.0, logprobs=2),
-        SamplingParams(max_tokens=21, temperature=1.0, top_p=0.9, seed=int(rng.integers(1 << 30))),
+        SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=33, temperature=0.8, seed=int(rng.integers(1 << 30)), ignore_eos=True),
+        SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=21, temperature=1.0, top_p=0.9, seed=int(rng.integers(1 << 30)), ignore_eos=True),
     ]
-    # one pool size, so both runs share compiled steps; the tiny pool is 40 free pages of it
-    for held_pages in (0, 80):
+    # one pool size, so both runs share compiled steps; the tiny pool is 30 free pages of it
+    for held_pages in (0, 90):
         runs = {}
         for overlap in (False, True):
             llm = LLM(MTP_MODEL, num_speculative_tokens=2, page_size=4, num_pages=120, max_num_seqs=4,
