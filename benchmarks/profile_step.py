@@ -3,7 +3,7 @@ back to back, summarised per GPU kernel and per part of the step (one H200, a fe
 minutes), and the host's time per async engine step by phase.
 
     python benchmarks/profile_step.py [--k 0,1,3] [--batch 1,32,128] [--context 1024]
-        [--no-command-buffer] [--hlo] [--out DIR] [--tiny]
+        [--no-command-buffer] [--dense-tilings measured|none] [--hlo] [--out DIR] [--tiny]
 
 Uses the Llama-3-8B-shaped dummy model of benchmarks/e2e.py (--tiny: its tiny model on
 the CPU, a smoke test whose tables list no GPU kernels). The parts are the step's named
@@ -246,10 +246,17 @@ def main() -> None:
     parser.add_argument("--no-command-buffer", action="store_true", help="XLA without CUDA graphs")
     parser.add_argument("--hlo", action="store_true", help="also write each program's optimised HLO (hlo_*.txt.gz)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny model")
+    parser.add_argument("--dense-tilings", choices=("measured", "none"), default="measured",
+                        help="none: XLA's dot for every dense weight, the ablation of the dense kernel's table")
     args = parser.parse_args()
     if args.no_command_buffer:  # before JAX starts its backend
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     import jax
+
+    if args.dense_tilings == "none":  # read as each step is traced, so before any engine
+        from jaxmtp.kernels import fp8_matmul
+
+        fp8_matmul.DENSE_TILINGS.clear()
 
     from e2e import LLAMA3_8B, TINY
 
@@ -257,7 +264,7 @@ def main() -> None:
     config = TINY if args.tiny else LLAMA3_8B
     Path(folder, "config.json").write_text(json.dumps(config))
     report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "context": args.context,
-              "command_buffer": not args.no_command_buffer, "configs": {}}
+              "command_buffer": not args.no_command_buffer, "dense_tilings": args.dense_tilings, "configs": {}}
     for batch in map(int, args.batch.split(",")):
         for k in map(int, args.k.split(",")):
             name = f"b={batch} k={k}"

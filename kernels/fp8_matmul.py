@@ -72,11 +72,19 @@ def default_config(m: int, n: int) -> MatmulConfig:
 # (docs/benchmarks/2026-12-02_H200_dense_gemm_sweep.md: bfloat16, kernel time with the
 # split-K sum, by at least 5% and past the spread of the sweep's best tilings), by the
 # weight's (K, P, N) and the rows rounded up to a power of 2 (16 at least); every other
-# shape and row count is XLA's. The kernel also beat XLA at 4096 x 4096 and 4096 x 1024
-# (Llama-3-8B's q, k, v and o projections), but those stay XLA's: XLA merges q, k and v
-# into one dot, which beats three kernel calls, and o_proj has q_proj's shape.
+# shape and row count is XLA's. Llama-3-8B's down projection, and its q, k and v merged
+# into one weight (params.with_merged_qkv: the shape "q, k, v merged" of the sweep, the
+# dot XLA made of the three). The kernel also beat XLA's isolated dot at 4096 x 4096
+# (o_proj) from 64 rows, but not XLA's o_proj inside the step (its profile), so that
+# shape stays XLA's.
 DENSE_TILINGS = {
     (14336, 1, 4096): {64: MatmulConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, block_k=256, split_k=2)},
+    (4096, 1, 6144): {
+        32: MatmulConfig(block_m=32, block_n=64, num_warps=4, num_stages=4, block_k=256, split_k=1),
+        64: MatmulConfig(block_m=64, block_n=64, num_warps=4, num_stages=4, block_k=128, split_k=1),
+        128: MatmulConfig(block_m=64, block_n=128, num_warps=4, num_stages=4, block_k=128, split_k=1),
+        256: MatmulConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, block_k=128, split_k=1),
+    },
 }
 
 

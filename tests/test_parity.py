@@ -80,6 +80,29 @@ def test_mlp_bias_attention_bias_and_gelu_match_transformers(biased_gelu_model, 
     assert out[0].outputs[0].token_ids == hf_out
 
 
+def test_q_k_and_v_merged_into_one_weight_give_the_same_model(biased_gelu_model, rng, monkeypatch):
+    """Where the step may take the dense kernel (one GPU), the runner holds each layer's
+    q, k and v, and their biases, side by side (params.with_merged_qkv): the logits of
+    transformers all the same, and the shipped MTP model's golden output with its drafts
+    (the module's layer merged too)."""
+    from conftest import MTP_MODEL, golden_ids
+    from jaxmtp.worker import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "dense_kernels_for", lambda backend, mesh: True)
+    folder, seed = biased_gelu_model
+    ids = [1] + rng.integers(3, 97, size=24).tolist()
+    expected, _ = hf_logits(folder, ids)
+    llm = LLM(folder, max_num_seqs=2, max_num_batched_tokens=64, page_size=4)
+    cfg, layer = llm.engine.model_config, llm.engine.params.layers[0]
+    merged = cfg.q_size + 2 * cfg.kv_size
+    assert layer.k_proj is None and layer.q_proj.shape == (cfg.hidden_size, merged) and layer.q_bias.shape == (merged,)
+    np.testing.assert_allclose(prompt_logits(llm.engine, ids), expected, rtol=2e-4, atol=2e-4, err_msg=f"seed={seed}")
+    spec = LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=32)
+    assert spec.engine.params.mtp[0].block.k_proj is None
+    out = spec.generate([[1]], SamplingParams(max_tokens=200, temperature=0.0), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == golden_ids() and out.spec_stats["accepted"] > 0
+
+
 def test_a_float16_checkpoint_runs_in_float16_within_float16_rounding(tmp_path, biased_gelu_model, rng):
     """torch_dtype float16 loads as float16 (dtype "auto") and runs so. The truth is the
     same float16 weights computed in float32 (transformers); transformers' own float16

@@ -72,7 +72,9 @@ class LayerParams:
     trees, and the checkpoints orbax wrote of them, stay as they were."""
 
     input_norm: jax.Array  # [H]
-    q_proj: jax.Array | None = None  # [H, Hq*D]
+    # [H, Hq*D]; with k_proj and v_proj None, q, k and v side by side [H, Hq*D + 2*Hkv*D]
+    # (with_merged_qkv; q_bias likewise)
+    q_proj: jax.Array | None = None
     k_proj: jax.Array | None = None  # [H, Hkv*D]
     v_proj: jax.Array | None = None  # [H, Hkv*D]
     o_proj: jax.Array = None  # [Hq*D, H] (MLA: [Hq*Dv, H])
@@ -258,3 +260,25 @@ def random_params(cfg: ModelConfig, key: jax.Array, num_mtp_modules: int | None 
         for n, ((path, leaf), sharding) in enumerate(zip(leaves, placements))
     ]
     return treedef.unflatten(arrays)
+
+
+def with_merged_qkv(params: Params) -> Params:
+    """params with each GQA layer's q, k and v projections (the MTP modules' too) side by
+    side in q_proj, [H, Hq*D + 2*Hkv*D], their biases in q_bias, and k_proj, v_proj and
+    their biases None: a single matmul whose shape the dense kernel's table can name, where
+    XLA would merge the three dots of one input itself. (New fields would change the
+    tree that the engine's orbax checkpoints were saved with.) fp8 and MLA layers stay as
+    they are. For one device: the sharding rules split q, k and v apart."""
+
+    def merge(layer: LayerParams) -> LayerParams:
+        if layer.k_proj is None or isinstance(layer.q_proj, Fp8Weight):
+            return layer
+        biases = (layer.q_bias, layer.k_bias, layer.v_bias)
+        return dataclasses.replace(
+            layer, q_proj=jnp.concatenate([layer.q_proj, layer.k_proj, layer.v_proj], axis=1),
+            q_bias=None if layer.q_bias is None else jnp.concatenate(biases),
+            k_proj=None, v_proj=None, k_bias=None, v_bias=None,
+        )
+
+    return dataclasses.replace(params, layers=[merge(layer) for layer in params.layers],
+                               mtp=[dataclasses.replace(module, block=merge(module.block)) for module in params.mtp])

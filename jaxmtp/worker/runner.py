@@ -21,7 +21,8 @@ from jaxmtp.engine.engine_config import EngineConfig
 from jaxmtp.engine.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.loading.loader import load_params
 from jaxmtp.models.config import ModelConfig
-from jaxmtp.models.linear import fp8_matmul_for, with_fp8_matmul
+from jaxmtp.models.linear import dense_kernels_for, fp8_matmul_for, with_fp8_matmul
+from jaxmtp.models.params import with_merged_qkv
 from jaxmtp.worker.batch import (
     OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch,
 )
@@ -94,6 +95,10 @@ class ModelRunner:
         if model_config.quantization is not None:
             matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
             self.params = with_fp8_matmul(self.params, matmul)
+        if dense_kernels_for(config.attention_backend, self.mesh):
+            # where the step may take the dense kernel: q, k and v as one matmul, whose
+            # merged shape its measured table names
+            self.params = with_merged_qkv(self.params)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
         # placed before the pool is sized: the pool gets what the weights and this leave
         self.logits_state = self._state_builders()["logits_state"]()
