@@ -80,12 +80,15 @@ def test_mlp_bias_attention_bias_and_gelu_match_transformers(biased_gelu_model, 
     assert out[0].outputs[0].token_ids == hf_out
 
 
-def test_q_k_and_v_merged_into_one_weight_give_the_same_model(biased_gelu_model, rng, monkeypatch):
+def test_q_k_and_v_merged_into_one_weight_give_the_same_model(tmp_path, biased_gelu_model, rng, monkeypatch):
     """Where the step may take the dense kernel (one GPU), the runner holds each layer's
     q, k and v, and their biases, side by side (params.with_merged_qkv): the logits of
-    transformers all the same, and the shipped MTP model's golden output with its drafts
-    (the module's layer merged too)."""
+    transformers all the same, written apart again by export, and the shipped MTP model's
+    golden output with its drafts (the module's layer merged too)."""
+    import safetensors.numpy
+
     from conftest import MTP_MODEL, golden_ids
+    from jaxmtp.loading.loader import export_hf_checkpoint
     from jaxmtp.worker import runner as runner_module
 
     monkeypatch.setattr(runner_module, "dense_kernels_for", lambda backend, mesh: True)
@@ -97,6 +100,13 @@ def test_q_k_and_v_merged_into_one_weight_give_the_same_model(biased_gelu_model,
     merged = cfg.q_size + 2 * cfg.kv_size
     assert layer.k_proj is None and layer.q_proj.shape == (cfg.hidden_size, merged) and layer.q_bias.shape == (merged,)
     np.testing.assert_allclose(prompt_logits(llm.engine, ids), expected, rtol=2e-4, atol=2e-4, err_msg=f"seed={seed}")
+    # checkpoints hold them apart, as loaded
+    export_hf_checkpoint(tmp_path / "export", llm.engine.params, cfg, folder)
+    written = safetensors.numpy.load_file(tmp_path / "export" / "model.safetensors")
+    loaded = safetensors.numpy.load_file(folder / "model.safetensors")
+    for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "v_proj.bias"):
+        name = f"model.layers.1.self_attn.{name}"
+        np.testing.assert_array_equal(written[name], loaded[name])
     spec = LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=32)
     assert spec.engine.params.mtp[0].block.k_proj is None
     out = spec.generate([[1]], SamplingParams(max_tokens=200, temperature=0.0), use_tqdm=False)[0]

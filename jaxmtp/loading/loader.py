@@ -28,6 +28,7 @@ from jaxmtp.models.params import (
     layer_params_class,
     param_shapes,
     random_params,
+    with_separate_qkv,
 )
 from jaxmtp.models.registry import FAMILIES
 
@@ -203,7 +204,7 @@ def save_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, sourc
     if target.exists():
         shutil.rmtree(target)
     checkpointer = _orbax().StandardCheckpointer()
-    checkpointer.save(target, params)
+    checkpointer.save(target, with_separate_qkv(params, cfg))
     checkpointer.wait_until_finished()
     return out
 
@@ -291,6 +292,7 @@ def export_hf_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, 
         raise ValueError(f"export writes the DeepSeek layout; these modules were trained as {cfg.mtp_layout!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    params = with_separate_qkv(params, cfg)
     tensors = {"model.embed_tokens.weight": params.embed, "model.norm.weight": params.final_norm}
     if params.lm_head is not None:
         tensors["lm_head.weight"] = params.lm_head.T

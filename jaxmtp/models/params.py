@@ -268,7 +268,8 @@ def with_merged_qkv(params: Params) -> Params:
     their biases None: a single matmul whose shape the dense kernel's table can name, where
     XLA would merge the three dots of one input itself. (New fields would change the
     tree that the engine's orbax checkpoints were saved with.) fp8 and MLA layers stay as
-    they are. For one device: the sharding rules split q, k and v apart."""
+    they are. For one device: the sharding rules split q, k and v apart. Checkpoints are
+    written apart (with_separate_qkv)."""
 
     def merge(layer: LayerParams) -> LayerParams:
         if layer.k_proj is None or isinstance(layer.q_proj, Fp8Weight):
@@ -280,5 +281,25 @@ def with_merged_qkv(params: Params) -> Params:
             k_proj=None, v_proj=None, k_bias=None, v_bias=None,
         )
 
-    return dataclasses.replace(params, layers=[merge(layer) for layer in params.layers],
-                               mtp=[dataclasses.replace(module, block=merge(module.block)) for module in params.mtp])
+    return _map_layers(params, merge)
+
+
+def with_separate_qkv(params: Params, cfg: ModelConfig) -> Params:
+    """with_merged_qkv undone: q, k and v (and their biases) apart, as checkpoints hold them."""
+
+    def split(layer: LayerParams) -> LayerParams:
+        if layer.mla is not None or layer.k_proj is not None:
+            return layer
+        cuts = (cfg.q_size, cfg.q_size + cfg.kv_size)
+        q, k, v = jnp.split(layer.q_proj, cuts, axis=1)
+        biases = (None,) * 3 if layer.q_bias is None else jnp.split(layer.q_bias, cuts)
+        return dataclasses.replace(layer, q_proj=q, k_proj=k, v_proj=v, q_bias=biases[0], k_bias=biases[1],
+                                   v_bias=biases[2])
+
+    return _map_layers(params, split)
+
+
+def _map_layers(params: Params, fn) -> Params:
+    """fn over every decoder layer: the main model's and each MTP module's."""
+    return dataclasses.replace(params, layers=[fn(layer) for layer in params.layers],
+                               mtp=[dataclasses.replace(module, block=fn(module.block)) for module in params.mtp])
