@@ -14,12 +14,13 @@ from pathlib import Path
 
 def _fast_compile_flags() -> str:
     """XLA CPU flags for a suite whose time is XLA compile time: LLVM at optimisation
-    level 0, and the loop emitters in place of the fusion emitters, which halves the
-    compile time of a step on jax 0.10. They change how fast a program compiles and
-    runs, not what it computes (every test holds either way). A flag this jaxlib does
-    not know is left out: XLA exits on unknown flags."""
+    level 0, the loop emitters in place of the fusion emitters, which halves the compile
+    time of a step on jax 0.10, and LLVM's code generation on one thread (the suite runs
+    a process per core already). They change how fast a program compiles and runs, not
+    what it computes (every test holds either way). Flags this jaxlib does not know are
+    left out: XLA exits on unknown flags."""
     flags = "--xla_backend_optimization_level=0"
-    candidate = flags + " --xla_cpu_use_fusion_emitters=false"
+    candidate = flags + " --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.jit(lambda x: x + 1)(1).block_until_ready()"],
                            env={**os.environ, "XLA_FLAGS": candidate, "JAX_PLATFORMS": "cpu"}, capture_output=True)
     return candidate if probe.returncode == 0 else flags
@@ -34,11 +35,15 @@ os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
 # processes tests start (benchmark scripts, servers, nodes): modules build the same
 # engines and kernels, and each program compiles once. num_compiles counts a program
 # loaded from it as one compiled, so the no-compile-in-a-step tests see it either way.
-# The run's first process names it; the xdist workers it starts inherit the name.
+# The run's first process names it; the xdist workers it starts inherit the name. It
+# keeps programs that took 0.2 s or more to compile (every step; the suite's hundreds of
+# eager operations compile faster than they are written and read back).
 _OWN_XLA_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 _XLA_CACHE = Path(os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                                         str(Path(tempfile.gettempdir()) / f"jaxmtp-tests-xla-{os.getpid()}")))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+import functools  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -105,8 +110,9 @@ def until_prefill_emits(engine, prompt: list[int], request_id: str = "probe", ma
 
 
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:
-    """Logits at every prompt position through the engine's real paged path."""
-    from jaxmtp.models import model
+    """Logits at every prompt position through the engine's real paged path, in one
+    compiled program per model and multiple of 16 rows (the rows past the prompt are
+    padding, as the engine pads a batch)."""
     from jaxmtp.worker.batch import BatchShape, build_batch
     from jaxmtp.engine.sampling_params import SamplingParams
     from jaxmtp.engine.scheduler import ScheduledRows
@@ -115,14 +121,54 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     pages = engine.allocator.allocate(math.ceil(len(ids) / engine.page_size))
     seq = Sequence("score", list(ids), SamplingParams(), 0, 0, frozenset(), pages=pages)
     batch = build_batch(
-        [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(len(ids), 1),
+        [ScheduledRows(seq, 0, list(ids), 0, True)], BatchShape(-(-len(ids) // 16) * 16, 1),
         engine.max_pages_per_seq, engine.page_size, engine.cache.num_slots, 0,
     )
-    ops = model.layer_ops(engine.model_config, "reference")
-    hidden, _ = model.forward(engine.params, engine.model_config, batch, engine.cache, ops)
-    out = model.logits(engine.params.head(), engine.params.final_norm, engine.model_config, hidden)
+    out = _forward_logits()(engine.params, engine.cache, batch, engine.model_config)
     engine.allocator.free(pages)
-    return np.asarray(out)
+    return np.asarray(out)[: len(ids)]
+
+
+@functools.cache
+def _forward_logits():
+    """The jitted forward and LM head (made on first use: conftest imports no JAX)."""
+    import jax
+
+    from jaxmtp.models import model
+
+    def forward_logits(params, cache, batch, cfg):
+        hidden, _ = model.forward(params, cfg, batch, cache, model.layer_ops(cfg, "reference"))
+        return model.logits(params.head(), params.final_norm, cfg, hidden)
+
+    return jax.jit(forward_logits, static_argnames=("cfg",))
+
+
+# stories260K: decoder layers, and the widest sum a layer makes (the MLP's; the tests'
+# contexts are shorter), its vocabulary
+STORIES_LAYERS, STORIES_WIDEST_SUM, STORIES_VOCAB = 5, 172, 512
+
+
+def stories_logprob_bound(logits) -> float:
+    """How far our float32 logprobs of stories260K lie from the float64 log_softmax of
+    logits computed in another evaluation (tolerances.logprob_bound)."""
+    from tolerances import logprob_bound
+
+    return logprob_bound(logits, STORIES_LAYERS, STORIES_WIDEST_SUM)
+
+
+_STORIES_ENGINE = []
+
+
+def stories_logprob_bound_of(sequences) -> float:
+    """stories_logprob_bound at the logits of these token sequences (each position's,
+    the last one's included), computed here by one plain engine per process: for runs
+    whose logits are not at hand (other processes' and devices')."""
+    from jaxmtp import LLM
+
+    if not _STORIES_ENGINE:
+        _STORIES_ENGINE.append(LLM(STORIES, max_num_seqs=1, max_num_batched_tokens=64))
+    engine = _STORIES_ENGINE[0].engine
+    return stories_logprob_bound(np.concatenate([prompt_logits(engine, list(s)) for s in sequences]))
 
 
 def draft_kv_bound(ref_kv, num_modules: int) -> float:
@@ -131,7 +177,7 @@ def draft_kv_bound(ref_kv, num_modules: int) -> float:
     sums of at most 172 terms (the MLP's width; the tests' contexts are shorter)."""
     from tolerances import reordered_model_bound
 
-    return reordered_model_bound(float(np.abs(ref_kv).max()), 5 + num_modules, 172)
+    return reordered_model_bound(float(np.abs(ref_kv).max()), STORIES_LAYERS + num_modules, STORIES_WIDEST_SUM)
 
 
 def make_modules_model(folder: Path, num_modules: int) -> Path:
@@ -172,6 +218,19 @@ FAMILIES = {
 }
 
 
+# make_hf_model's shape: decoder layers, and the widest sum a layer makes (the MLP's;
+# the tests' contexts are shorter)
+HF_MODEL_LAYERS, HF_MODEL_WIDEST_SUM = 2, 80
+
+
+def hf_logits_bound(expected) -> float:
+    """How far our float32 logits of a make_hf_model model may lie from transformers'
+    (tolerances.logits_bound)."""
+    from tolerances import logits_bound
+
+    return logits_bound(expected, HF_MODEL_LAYERS, HF_MODEL_WIDEST_SUM)
+
+
 def make_hf_model(path: Path, family: str, seed: int, dtype: str = "float32", **overrides) -> Path:
     """Save a tiny random model of one family with transformers; returns its folder."""
     import torch
@@ -181,7 +240,7 @@ def make_hf_model(path: Path, family: str, seed: int, dtype: str = "float32", **
     model_type = spec.pop("model_type")
     config_cls = transformers.AutoConfig.for_model(model_type).__class__
     shape = dict(
-        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        vocab_size=97, hidden_size=48, intermediate_size=HF_MODEL_WIDEST_SUM, num_hidden_layers=HF_MODEL_LAYERS,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.3,
         bos_token_id=1, eos_token_id=2,

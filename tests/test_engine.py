@@ -3,12 +3,13 @@ preemption, stop conditions, streaming, logprobs and async scheduling."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from conftest import MTP_MODEL, STORIES, assert_no_leaks, golden_ids, random_prompts, token_ids
+from conftest import (MTP_MODEL, STORIES, assert_no_leaks, golden_ids, prompt_logits, random_prompts, stories_logprob_bound,
+                      token_ids)
 from jaxmtp import LLM, SamplingParams
+from tolerances import assert_within
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -96,10 +97,6 @@ def test_streaming_yields_growing_outputs_ending_in_the_full_text():
 
 
 def test_logprobs_are_log_softmax_of_the_chosen_token():
-    import numpy as np
-
-    from conftest import prompt_logits
-
     llm = make_llm()
     out = llm.generate([[1, 403, 407]], SamplingParams(max_tokens=1, temperature=0.0, logprobs=3), use_tqdm=False)
     completion = out[0].outputs[0]
@@ -108,7 +105,7 @@ def test_logprobs_are_log_softmax_of_the_chosen_token():
     entry = completion.logprobs[0]
     token = completion.token_ids[0]
     assert list(entry)[0] == token
-    np.testing.assert_allclose(entry[token].logprob, logp[token], atol=1e-4)
+    assert_within(entry[token].logprob, logp[token], stories_logprob_bound(logits))
     top3 = np.argsort(-logp)[:3]
     assert set(top3) <= set(entry)
 
@@ -162,11 +159,13 @@ def test_async_scheduling_gives_the_outputs_of_sync_scheduling(rng):
         assert [token_ids(runs[True])[i] for i in compared] == [token_ids(runs[False])[i] for i in compared]
         if not held_pages:
             assert [o.spec_stats for o in runs[True]] == [o.spec_stats for o in runs[False]]
+            # the same tokens' logprobs from steps of other shapes: float32 sums reordered,
+            # each run's within stories_logprob_bound of the exact values
+            bound = 2 * stories_logprob_bound(prompt_logits(llm.engine, prompts[2] + token_ids(runs[False])[2][:-1]))
             for a, b in zip(runs[True][2].outputs[0].logprobs, runs[False][2].outputs[0].logprobs):
                 assert a.keys() == b.keys()
                 assert [lp.rank for lp in a.values()] == [lp.rank for lp in b.values()]
-                np.testing.assert_allclose([lp.logprob for lp in a.values()], [lp.logprob for lp in b.values()],
-                                           rtol=1e-5, atol=1e-5)
+                assert_within([lp.logprob for lp in a.values()], [lp.logprob for lp in b.values()], bound)
 
 
 def test_async_step_returns_a_step_late_while_the_next_runs():

@@ -18,6 +18,7 @@ import pytest
 
 from conftest import STORIES
 from jaxmtp import LLM, SamplingParams
+from tolerances import assert_within, reordered_model_bound
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,9 @@ def test_kernel_on_draft_modules_rows_before_and_chain_equals_reference(model_di
         verified += sum(item.num_drafts > 0 for item in engines[0].last_schedule)
         for field in ("tokens", "num_accepted", "drafts"):
             np.testing.assert_array_equal(getattr(kernel, field), getattr(ref, field), err_msg=f"step {steps} {field}")
+        # the same float32 model (2 layers, 2 modules, sums of at most 172 terms) whose
+        # attention sums run in another order
         for a, b in zip(mtp_arrays(engines[1]), mtp_arrays(engines[0])):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"step {steps}")
+            assert_within(a, b, reordered_model_bound(float(np.abs(b).max()), 4, 172), f"step {steps}")
     assert not engines[1].has_unfinished_requests()
     assert verified > 0 and steps > 4

@@ -151,13 +151,17 @@ def report(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_outputs_drafts_and_acceptance_equal_tp1(report, name, tp):
+    from test_moe_mtp import latent_bound
+    from tolerances import assert_within
+
     base, run = report["runs"][f"{name} tp=1"], report["runs"][f"{name} tp={tp}"]
     assert base["preemptions"] > 0 and base["prefix_cache_hits"] > 0  # the runs take those paths
     assert np.sum(base["accepted_per_position"]) > 0  # drafts are accepted, not only rejected
     for key in ("tokens", "first_drafts", "accepted_per_position", "preemptions", "prefix_cache_hits"):
         assert run[key] == base[key], key
     # all-reduce order changes float32 rounding only
-    np.testing.assert_allclose(run["draft_cache_rows"], base["draft_cache_rows"], rtol=1e-5, atol=1e-5)
+    assert_within(run["draft_cache_rows"], base["draft_cache_rows"], latent_bound(base["draft_cache_rows"]),
+                  f"{name} tp={tp}")
     assert run["cache_sharding_kept"]
 
 

@@ -138,6 +138,7 @@ def test_boundary_page_gives_the_no_cache_draft_kv_and_acceptance(no_cache, rng)
     for shared, first in zip((2 * PAGE, 3 * PAGE), random_prompts(rng, [60, 60])):
         pairs.append((first, diverging(rng, first, shared, 60), shared))
     expected = [run_alone(no_cache, second, 32) for _, second, _ in pairs]
+    stale_rows = []
     for mode, reused in [("exact", lambda s: s - 1), ("drop", lambda s: s - PAGE), ("stale", lambda s: s)]:
         llm = make_llm(prefix_cache_boundary=mode)
         for (first, second, shared), (ref_out, _, ref_kv) in zip(pairs, expected):
@@ -147,12 +148,15 @@ def test_boundary_page_gives_the_no_cache_draft_kv_and_acceptance(no_cache, rng)
             assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids
             row_differs = np.abs(kv - ref_kv).max(axis=(0, 2, 3)) > draft_kv_bound(ref_kv, 1)
             if mode == "stale":
-                # the reused page's last row only: built from the first prompt's next token
-                assert np.flatnonzero(row_differs).tolist() == [shared - 1], "the test cannot tell the fix from the bug"
+                # at most the reused page's last row, built from the first prompt's next token
+                # (two tokens' embeddings can give draft KV closer than the bound: seen once)
+                assert set(np.flatnonzero(row_differs)) <= {shared - 1}
+                stale_rows += np.flatnonzero(row_differs).tolist()
             else:
                 assert_within(kv, ref_kv, draft_kv_bound(ref_kv, 1), mode)
                 assert out.spec_stats["accepted_per_position"] == ref_out.spec_stats["accepted_per_position"]
         assert_no_leaks(llm)
+    assert stale_rows, "the stale page never differed: the test cannot tell the fix from the bug"
 
 
 # ----- eviction, preemption, sharing -------------------------------------------------------

@@ -57,6 +57,41 @@ def reordered_model_bound(scale: float, num_layers: int, max_terms: int) -> floa
     return 2 * STAGES_PER_LAYER * num_layers * gamma(max_terms) * scale
 
 
+def logits_bound(expected, num_layers: int, max_terms: int) -> float:
+    """How far two float32 evaluations of a model's logits (ours and transformers', or
+    ours over other batches, chunks or devices) may lie apart: reordered_model_bound at
+    the logits' scale, the final norm and LM head counted as one more layer's stages."""
+    return reordered_model_bound(float(np.abs(np.asarray(expected)).max()), num_layers + 1, max_terms)
+
+
+def log_softmax_bound(logits_error: float, vocab: int, scale: float) -> float:
+    """How far float32 log_softmax values (of magnitude at most scale) lie from the exact
+    log_softmax of logits that are each within logits_error of the ones it was given:
+    log-sum-exp is 1-Lipschitz in the max norm, so a logit's move and the log-sum-exp's
+    add up to twice logits_error; float32's own evaluation adds the sum of vocab
+    exponentials (gamma_vocab, relative, so as much absolutely in its log), the exp and
+    log (NONLINEAR_ROUNDING) and the subtraction's rounding (one u of the value)."""
+    return 2 * logits_error + gamma(vocab) + NONLINEAR_ROUNDING + U32 * scale
+
+
+def logprob_bound(logits, num_layers: int, max_terms: int) -> float:
+    """How far a float32 evaluation of a model's logprobs lies from the exact log_softmax
+    of logits from another float32 evaluation, given those logits [..., vocab] (their
+    scale; logprobs are at most the logits' spread plus log(vocab) in magnitude)."""
+    logits = np.asarray(logits, np.float64)
+    vocab = logits.shape[-1]
+    scale = float((logits.max(axis=-1) - logits.min(axis=-1)).max()) + math.log(vocab)
+    return log_softmax_bound(logits_bound(logits, num_layers, max_terms), vocab, scale)
+
+
+def softmax_relative(max_abs_scaled_logit: float, vocab: int) -> float:
+    """How far, relatively, float32 softmax probabilities (and filter decisions on them:
+    cumulative mass, ratios to the top probability) lie from float64's: twice the
+    largest scaled logit's rounding (u |x / T|, through the max-shift), the sum of the
+    exponentials (gamma_vocab), the exp and the division (NONLINEAR_ROUNDING)."""
+    return 2 * U32 * max_abs_scaled_logit + gamma(vocab) + NONLINEAR_ROUNDING
+
+
 def matmul_bound(abs_lhs, abs_rhs, k: int) -> np.ndarray:
     """x @ w with a reduction of length k: gamma_k |x| @ |w| (both given as magnitudes)."""
     return gamma(k) * (np.asarray(abs_lhs, np.float64) @ np.asarray(abs_rhs, np.float64))
