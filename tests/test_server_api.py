@@ -391,11 +391,19 @@ def test_structured_outputs_and_guided_fields(http):
         assert out.text in ("cat", "dog") and out.finish_reason == "stop"
     out = client.completions.create(prompt="Lily", max_tokens=8, extra_body={"guided_regex": "[0-9]{3}"}, **GREEDY)
     assert re.fullmatch("[0-9]{3}", out.choices[0].text)
+    # a JSON constraint's whitespace, as vLLM spells it: none at all, or a pattern of its own
+    schema = {key: value for key, value in SCHEMA.items() if key != "x-guidance"}
+    for extra in ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+                  {"guided_json": schema, "guided_whitespace_pattern": "[ ]"}):
+        text = client.completions.create(prompt="Lily", max_tokens=40, extra_body=extra, **GREEDY).choices[0].text
+        assert json.loads(text) and "\n" not in text and "  " not in text, (extra, text)
 
 
 @pytest.mark.parametrize("body, param, message", [
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format", "one constraint at most"),
     ({"structured_outputs": {"json": {"type": "nonsense"}}}, None, "does not compile"),
+    ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "applies to a JSON constraint"),
+    ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, None, "applies to json and json_object"),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
     ({"echo": True, "stream": True}, "echo", "echo with stream is not supported yet"),
     ({"max_tokens": 0}, "max_tokens", "0 only with echo"),

@@ -17,7 +17,7 @@ from jaxmtp.engine.structured_outputs import StructuredOutputsParams
 
 ENGINE = dict(page_size=4, max_num_seqs=4, prefill_chunk_size=7, max_num_batched_tokens=16, num_pages=60,
               enable_prefix_caching=True)
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # the tiny model would pad JSON with newlines forever
+COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # llguidance's own option, in the schema
 SCHEMAS = {
     "nested": {
         "type": "object", "additionalProperties": False, "required": ["name", "pet"],
@@ -58,7 +58,7 @@ def texts(llm, params) -> list[tuple[str, list[int]]]:
 
 @pytest.mark.parametrize("name", SCHEMAS)
 def test_json_schema_outputs_are_valid_and_spec_equals_plain(plain, spec, name):
-    schema = {**SCHEMAS[name], **COMPACT}
+    schema = {**SCHEMAS[name], **COMPACT}  # compact: done within max_tokens
     for params in (constrained({"json": schema}), constrained({"json": schema}, temperature=1.0, seed=5)):
         want = texts(plain, params)
         assert texts(spec, params) == want
@@ -79,6 +79,74 @@ def test_regex_choice_and_lark(plain, spec):
             want = texts(plain, params)
             assert texts(spec, params) == want, so
             assert all(valid(text) for text, _, _ in want), (so, want)
+
+
+SMALL_SCHEMAS = [
+    {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+     "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 1, "maximum": 99}}},
+    {"type": "object", "additionalProperties": False, "required": ["animal", "happy"],
+     "properties": {"animal": {"enum": ["cat", "dog", "bird", "fish"]}, "happy": {"type": "boolean"}}},
+    {"type": "object", "additionalProperties": False, "required": ["color"],
+     "properties": {"color": {"type": "string", "maxLength": 10}, "count": {"type": "integer", "minimum": 0, "maximum": 10}}},
+    {"type": "object", "additionalProperties": False, "required": ["friends"],
+     "properties": {"friends": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}},
+]
+STORY_OPENINGS = ["Once upon a time", "Lily saw a cat", "The sun was", "Tom and his dog", "One day, a little bird",
+                  "Mom said", "The big tree", "Sam wanted to", "A little girl named", "The dog ran"]
+
+
+def finished_valid(llm, so: dict, max_tokens: int) -> tuple[int, list[str]]:
+    """Twenty requests (ten openings twice, greedy then sampled, a small schema each): how
+    many finish with "stop" and output their schema validates, and the texts."""
+    cases = [(p, SMALL_SCHEMAS[i % len(SMALL_SCHEMAS)]) for i, p in enumerate(STORY_OPENINGS * 2)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0 if i < len(STORY_OPENINGS) else 0.8, seed=i,
+                             structured_outputs={"json": schema, **so}) for i, (_, schema) in enumerate(cases)]
+    outs = [o.outputs[0] for o in llm.generate([p for p, _ in cases], params, use_tqdm=False)]
+    good = 0
+    for out, (_, schema) in zip(outs, cases):
+        try:
+            jsonschema.validate(json.loads(out.text), schema)
+        except (ValueError, jsonschema.ValidationError):
+            continue
+        good += out.finish_reason == "stop"
+    return good, [out.text for out in outs]
+
+
+@pytest.mark.parametrize("engine", ["plain", "spec"])
+def test_json_whitespace_is_bounded_so_that_small_schemas_finish(request, engine):
+    """By default a JSON constraint allows runs of at most WHITESPACE_RUN whitespace
+    characters: the shipped model then finishes at least 18 of 20 requests with valid
+    JSON in 128 tokens (it finished 20). With llguidance's own default, any run (the
+    pattern below), it pads with newlines to max_tokens (0 of 20 finished: the ablation
+    runs four, shorter); disable_any_whitespace writes compact JSON."""
+    from jaxmtp.engine.structured_outputs import WHITESPACE_RUN
+
+    llm = request.getfixturevalue(engine)
+    good, outputs = finished_valid(llm, {}, 128)
+    assert good >= 18, outputs
+    assert not any(re.search(rf"\s{{{WHITESPACE_RUN + 1}}}", text) for text in outputs)
+    compact, outputs = finished_valid(llm, {"disable_any_whitespace": True}, 128)
+    assert compact >= 18, outputs
+    for text in outputs[:compact]:
+        assert json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False) == text
+    unbounded = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs={
+        "json": schema, "whitespace_pattern": r"[\x20\x0A\x0D\x09]+"}) for schema in SMALL_SCHEMAS]
+    outs = llm.generate(STORY_OPENINGS[:4], unbounded, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs), [o.outputs[0].text for o in outs]
+
+
+def test_whitespace_options_apply_to_json_constraints_only():
+    with pytest.raises(ValueError, match="whitespace_pattern applies to json and json_object"):
+        StructuredOutputsParams(regex="a+", whitespace_pattern=" ")
+    with pytest.raises(ValueError, match="disable_any_whitespace applies to json and json_object"):
+        StructuredOutputsParams(choice=["a"], disable_any_whitespace=True)
+    with pytest.raises(ValueError, match="contradict"):
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=True, whitespace_pattern=" ")
+    # llguidance's own options in the schema are taken as they are, and not beside ours
+    text = StructuredOutputsParams(json={**SCHEMAS["array"], **COMPACT}).grammar_text()
+    assert '"whitespace_flexible": false' in text and '"whitespace_pattern"' not in text
+    with pytest.raises(ValueError, match="x-guidance"):
+        StructuredOutputsParams(json={**SCHEMAS["array"], **COMPACT}, disable_any_whitespace=True).grammar_text()
 
 
 def test_json_object_outputs_parse_as_objects(plain, spec):

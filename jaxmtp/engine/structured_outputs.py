@@ -34,20 +34,39 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_CHOICES = 1999
 
 
+# The whitespace a JSON constraint allows between two tokens by default: a run of at
+# most this many characters. llguidance's default (as vLLM's and SGLang's) is any run, and
+# a weak model spends max_tokens on it (issue 34); 4 still allows an indented line.
+WHITESPACE_RUN = 4
+JSON_WHITESPACE = "[\\x20\\x0A\\x0D\\x09]"
+
+
 @dataclasses.dataclass
 class StructuredOutputsParams:
-    """vLLM's structured_outputs: exactly one of these."""
+    """vLLM's structured_outputs: exactly one of the constraint kinds (KINDS), and for the
+    JSON ones (json, json_object) how much whitespace they allow: by default runs of at
+    most WHITESPACE_RUN characters between tokens; disable_any_whitespace: none (compact
+    JSON); whitespace_pattern: a regex a run of whitespace must match."""
 
     json: dict | str | None = None  # a JSON schema (a dict or its text)
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None  # Lark, or GBNF / EBNF as llguidance reads them
     json_object: bool = False  # any JSON object
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
     def __post_init__(self):
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}, got {given or 'none'}")
+        for name in ("disable_any_whitespace", "whitespace_pattern"):
+            if getattr(self, name) not in (None, False) and given[0] not in ("json", "json_object"):
+                raise ValueError(f"structured_outputs.{name} applies to json and json_object constraints, not {given[0]}")
+        if self.disable_any_whitespace and self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs: disable_any_whitespace and whitespace_pattern contradict each other")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("structured_outputs.whitespace_pattern must be a string (a regex)")
         if self.choice is not None and (
             not isinstance(self.choice, list) or not self.choice or any(not isinstance(c, str) for c in self.choice)
         ):
@@ -62,16 +81,29 @@ class StructuredOutputsParams:
 
     def grammar_text(self) -> str:
         """The constraint as llguidance's grammar text."""
-        if self.json is not None:
-            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
-            return llguidance.grammar_from("json_schema", schema)
-        if self.json_object:
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+        if self.json is not None or self.json_object:
+            schema = json.loads(self.json) if isinstance(self.json, str) else dict(self.json or {"type": "object"})
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object or its text)")
+            if "x-guidance" in schema and (self.disable_any_whitespace or self.whitespace_pattern is not None):
+                raise ValueError("structured_outputs: the schema's x-guidance sets llguidance's whitespace options "
+                                 "itself; give them there or in disable_any_whitespace / whitespace_pattern")
+            schema.setdefault("x-guidance", self.json_whitespace())  # the schema's own x-guidance as it is
+            return llguidance.grammar_from("json_schema", json.dumps(schema))
         if self.regex is not None:
             return llguidance.grammar_from("regex", self.regex)
         if self.choice is not None:
             return llguidance.grammar_from("choice", json.dumps(self.choice))
         return llguidance.grammar_from("grammar", self.grammar)
+
+
+    def json_whitespace(self) -> dict:
+        """llguidance's whitespace options for a JSON constraint."""
+        if self.disable_any_whitespace:
+            return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+        if self.whitespace_pattern is not None:
+            return {"whitespace_pattern": self.whitespace_pattern}
+        return {"whitespace_pattern": f"{JSON_WHITESPACE}{{1,{WHITESPACE_RUN}}}"}
 
 
 class GrammarCompiler:

@@ -66,6 +66,9 @@ class StructuredOutputsFields(StrictModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # a JSON constraint's whitespace (jaxmtp.engine.structured_outputs.StructuredOutputsParams)
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
 
 
 # the fields of GenerationFields that are SamplingParams' fields of the same name
@@ -107,6 +110,7 @@ class GenerationFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = Field(None, description="vLLM's: the whitespace a JSON constraint allows")
     user: str | None = Field(None, description="OpenAI's end-user id: accepted, and it changes nothing")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -285,4 +289,10 @@ def structured_outputs_of(body: GenerationFields) -> dict | None:
             given[name] = {kind: getattr(body, name)}
     if len(given) > 1:
         raise APIError(400, f"one constraint at most: {', '.join(given)} each give one", next(iter(given)))
-    return next(iter(given.values()), None)
+    constraint = next(iter(given.values()), None)
+    if body.guided_whitespace_pattern is not None:
+        if constraint is None or not ({"json", "json_object"} & constraint.keys()):
+            raise APIError(400, "guided_whitespace_pattern applies to a JSON constraint (guided_json, response_format)",
+                           "guided_whitespace_pattern")
+        constraint = {**constraint, "whitespace_pattern": body.guided_whitespace_pattern}
+    return constraint
