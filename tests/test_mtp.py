@@ -368,9 +368,10 @@ def test_spec_sampling_follows_the_models_distribution_end_to_end(rng):
 
 
 def test_no_recompilation_after_warmup_with_mtp(plain, rng):
-    # two requests of k + 1 = 4 rows in 16: few shapes to warm up, and the five requests
-    # below still mix prefill chunks, verify rows, greedy and sampled rows in each
-    llm = make_llm(num_speculative_tokens=3, max_num_seqs=2, max_num_batched_tokens=16, prefill_chunk_size=11)
+    # two requests of k + 1 = 4 rows in 8: the fewest shapes to warm up (8 rows, 1 or 2
+    # requests), and the five requests below still mix prefill chunks, verify rows,
+    # greedy and sampled rows in each
+    llm = make_llm(num_speculative_tokens=3, max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=5)
     llm.engine.warmup()
     prompts = sampled_prompts(plain, rng, [2, 29, 13, 40, 5])  # (the plain engine may compile its own steps)
     before = num_compiles()
