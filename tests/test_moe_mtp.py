@@ -23,7 +23,8 @@ CHUNKS = [1, 3, PAGE - 1, PAGE, PAGE + 1, None]  # None: the whole prompt in one
 L = 2  # main layers: 0 dense, 1 experts; the MTP layer (index 2) has experts too
 # one engine shape for every test (their steps share compiled programs): a pool of 24
 # pages holds the chunk and greedy tests' requests, and makes the preemption test's preempt
-ENGINE = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=16, num_pages=24)
+# short contexts: the CPU attention reads a row's whole page table
+ENGINE = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=16, num_pages=24, max_model_len=128)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ CHUNKS = [1, 7, PAGE - 1, PAGE, PAGE + 1, None]  # None: the whole prompt in one
 
 
 def make_llm(model=MTP_MODEL, **kwargs) -> LLM:
-    defaults = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=32)
+    # contexts of at most 128 tokens: the CPU attention reads a row's whole page table
+    defaults = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
     return LLM(model, **{**defaults, **kwargs})
 
 

@@ -175,15 +175,14 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _exit_time(proc: subprocess.Popen, timeout: float) -> float:
-    start = time.monotonic()
+def _wait_for_exit(proc: subprocess.Popen, timeout: float) -> None:
+    """The process exits within timeout seconds, or the test fails (and it is killed)."""
     try:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
         pytest.fail(f"the surviving node still ran {timeout} s after the other died")
-    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
@@ -278,11 +277,10 @@ def test_a_dead_worker_ends_the_server_within_the_node_timeout(served):
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 128 + signal.SIGTERM
     assert "node 1: SIGTERM: ending this process, and with it every node" in served["logs"][1].read_text()
-    elapsed = _exit_time(server, DEAD_NODE_BOUND)
+    _wait_for_exit(server, DEAD_NODE_BOUND)
     assert server.returncode != 0
     log = served["logs"][0].read_text()
     assert "stopped sending heartbeats" in log, log[-3000:]
-    assert elapsed < DEAD_NODE_BOUND
 
 
 def test_a_dead_rank_0_ends_the_other_nodes(tmp_path):
@@ -298,7 +296,7 @@ def test_a_dead_rank_0_ends_the_other_nodes(tmp_path):
         tokens = [line for line in log.read_text().splitlines() if line.startswith("[")][-1]
         assert json.loads(tokens) == golden_ids()[:8]
         procs[0].send_signal(signal.SIGKILL)
-        _exit_time(procs[1], DEAD_NODE_BOUND)
+        _wait_for_exit(procs[1], DEAD_NODE_BOUND)
         worker_log = (tmp_path / "node1.log").read_text()
         assert procs[1].returncode != 0, worker_log[-3000:]
         # JAX's error polling ends it, or first its wait for the next message fails

@@ -23,7 +23,8 @@ MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"
 PAGE = 16
 # One engine shape for every test, with few batch shapes to compile (8 tokens, 1/2/4
 # requests); a pool of 24 pages holds about three of these requests, so pages are evicted.
-ENGINE = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=8, num_pages=24)
+# short contexts: the CPU attention reads a row's whole page table
+ENGINE = dict(page_size=PAGE, max_num_seqs=4, max_num_batched_tokens=8, num_pages=24, max_model_len=128)
 _request_ids = itertools.count()
 
 

@@ -115,14 +115,15 @@ def stream_outcome(url: str, body: dict) -> tuple:
     return ("done", [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]])
 
 
-def assert_drained(server, outcomes, sent: float) -> None:
+def assert_drained(server, outcomes) -> None:
     """Every stream ended with [DONE] (finish_reason "length", or "abort" for the ones
     the drain interrupted) or got a 503 or a refused connection; the process exits with
-    status 0, also while a shape compiles in the background (the compile is abandoned)."""
+    status 0, also while a shape compiles in the background (the compile is abandoned:
+    one that never ends would hold the wait past its limit). How soon after the drain
+    it exits: benchmarks/shutdown.py."""
     for outcome in outcomes:
         assert outcome[0] in ("503", "refused") or outcome[1] in (["length"], ["abort"]), outcome
     assert server.proc.wait(30) == 0
-    assert time.monotonic() - sent < SHUTDOWN_TIMEOUT + 10  # a compile left running took 35 s on a GPU
     log = server.log_path.read_text()
     assert "Traceback" not in log and "draining" in log, log[-3000:]
 
@@ -145,7 +146,6 @@ def test_sigterm_drains_then_exits(server):
                 assert time.monotonic() < deadline, "the nine requests never reached the engine"
                 time.sleep(0.02)
             server.proc.send_signal(signal.SIGTERM)
-            sent = time.monotonic()
             short_rest = list(short_events)
             long_rest = list(long_events)
         interrupted = waiting.result()
@@ -161,7 +161,7 @@ def test_sigterm_drains_then_exits(server):
     # the one without streaming got a proper error body
     assert assert_openai_error(interrupted, 503)["code"] == "server_shutting_down"
     assert all(outcome[0] == "done" for outcome in outcomes), outcomes  # queued streams end too
-    assert_drained(server, outcomes, sent)
+    assert_drained(server, outcomes)
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health")
 
@@ -200,9 +200,8 @@ def test_sigterm_at_any_moment_ends_every_stream(tmp_path, moment):
             while moment == "prefill" and server.metric("jaxmtp_requests_running") < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
             server.proc.send_signal(signal.SIGTERM)
-            sent = time.monotonic()
             outcomes = [stream.result() for stream in streams]
-        assert_drained(server, outcomes, sent)
+        assert_drained(server, outcomes)
         assert "abandoning the shape being compiled" in server.log_path.read_text()
     finally:
         if server.proc.poll() is None:

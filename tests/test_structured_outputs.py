@@ -16,7 +16,7 @@ from jaxmtp import LLM, SamplingParams
 from jaxmtp.engine.structured_outputs import StructuredOutputsParams
 
 ENGINE = dict(page_size=4, max_num_seqs=4, prefill_chunk_size=7, max_num_batched_tokens=16, num_pages=60,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, max_model_len=144)  # short contexts: the CPU attention reads them whole
 COMPACT = {"x-guidance": {"whitespace_flexible": False}}  # llguidance's own option, in the schema
 SCHEMAS = {
     "nested": {
