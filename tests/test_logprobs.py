@@ -26,7 +26,8 @@ def log_softmax64(logits: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module", params=[(STORIES, 0), (MTP_MODEL, 2)], ids=["k=0", "k=2"])
 def llm(request):
     model, k = request.param
-    return LLM(model, num_speculative_tokens=k, max_num_seqs=2, max_num_batched_tokens=16, max_logprobs=TOP)
+    return LLM(model, num_speculative_tokens=k, max_num_seqs=2, max_num_batched_tokens=16, max_logprobs=TOP,
+               max_model_len=128)
 
 
 def test_logprobs_are_a_float64_log_softmax_of_the_logits(rng, llm):

@@ -30,7 +30,7 @@ MODEL = ROOT / "checkpoints" / "stories260K-mtp"  # orbax; 8 heads, 4 kv heads, 
 STORIES = ROOT / "checkpoints" / "stories260K"  # the same base model in safetensors
 NODE_TIMEOUT = 8  # seconds without a heartbeat before a node counts as dead
 DEAD_NODE_BOUND = NODE_TIMEOUT + 40  # what a test waits for the survivor to exit (heartbeat + slack)
-ENGINE = dict(tensor_parallel_size=4, max_num_seqs=2, max_num_batched_tokens=8, num_speculative_tokens=2,
+ENGINE = dict(tensor_parallel_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128, num_speculative_tokens=2,
               enable_prefix_caching=True)
 TEXT_PROMPT = "Once upon a time"
 MAX_TOKENS = 16
@@ -243,7 +243,7 @@ def test_rank_0_sends_one_message_a_step_and_a_stop(two_nodes):
 def served(tmp_path_factory):
     """`jaxmtp serve` as two nodes (rank 1 serves no HTTP)."""
     folder, port, http = tmp_path_factory.mktemp("serve"), _free_port(), _free_port()
-    options = ["--max-num-seqs", "2", "--max-num-batched-tokens", "8", "--tensor-parallel-size", "4",
+    options = ["--max-num-seqs", "2", "--max-num-batched-tokens", "8", "--max-model-len", "128", "--tensor-parallel-size", "4",
                "--num-nodes", "2", "--coordinator", f"127.0.0.1:{port}", "--node-timeout", str(NODE_TIMEOUT),
                "--port", str(http), "--compilation-cache-dir", ""]
     procs = [_start(["-m", "jaxmtp.cli", "serve", str(MODEL), *options, "--node-rank", str(rank)],

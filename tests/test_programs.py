@@ -108,7 +108,7 @@ def test_the_engine_serves_before_its_shapes_compile_with_the_same_tokens_and_co
     """Warm-up in the background, its thread held back: every step runs on the largest
     shape and compiles nothing; once the shapes are compiled the steps run on their
     own (smaller) shapes and the requests get the same tokens (greedy, seeded samples)."""
-    llm = LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8)
+    llm = LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128)
     runner = llm.engine.runner
     plan = BucketPlan(8, 2, runner.max_pages_per_seq)  # four shapes: 8 rows, 1 or 2 requests, greedy or not
     largest = plan.largest()
@@ -169,7 +169,7 @@ def test_constrained_and_prompt_logprob_requests_wait_in_the_queue_while_their_k
     runs and finishes at once; a constrained request and a prompt-logprob one wait in
     the queue, no step compiling their shapes, until the largest shape of each kind is
     in; then they run, with the outputs they get once every shape is compiled."""
-    llm = LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8)
+    llm = LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128)
     engine, runner = llm.engine, llm.engine.runner
     programs, gate = runner.programs, threading.Event()
     lower = programs._lower

@@ -20,7 +20,7 @@ GOLDEN = golden_ids()[:12]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=32)
+    return LLM(MTP_MODEL, num_speculative_tokens=2, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128)
 
 
 @pytest.mark.parametrize("field, value", [

@@ -49,7 +49,7 @@ def _run(model, tp: int, **engine_kwargs) -> dict:
     a step: the step compiles for two batch shapes only, shared by every chunk size."""
     from jaxmtp import LLM, SamplingParams
 
-    llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, **engine_kwargs)
+    llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128, **engine_kwargs)
     initial_cache = llm.engine.cache.k[0].sharding
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=40, seed=3, ignore_eos=True, logprobs=3)
@@ -70,7 +70,7 @@ def _prefix_cache_run(tp: int, enable: bool) -> dict:
     kv-head-sharded cache) and computes only its suffix."""
     from jaxmtp import LLM, SamplingParams
 
-    llm = LLM(STORIES_MTP, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8,
+    llm = LLM(STORIES_MTP, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128,
               num_speculative_tokens=2, enable_prefix_caching=enable)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     shared = _prompts()[1]
@@ -95,7 +95,7 @@ def _modules_run(model, tp: int) -> dict:
     request aborted while a step that computes it is in flight, and the pages counted."""
     from jaxmtp import LLM, SamplingParams
 
-    llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, num_speculative_tokens=3,
+    llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128, num_speculative_tokens=3,
               page_size=4, num_pages=16, prefill_chunk_size=7, enable_prefix_caching=True)
     engine = llm.engine
     initial_cache = engine.cache.k[0].sharding
@@ -133,7 +133,7 @@ def _greedy_steps_run(tp: int) -> dict:
     from jaxmtp import LLM, SamplingParams
     from jaxmtp.worker.batch import BatchShape
 
-    llm = LLM(STORIES_MTP, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8,
+    llm = LLM(STORIES_MTP, tensor_parallel_size=tp, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=128,
               num_speculative_tokens=2, prefill_chunk_size=3)
     engine = llm.engine
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
