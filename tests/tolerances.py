@@ -57,6 +57,16 @@ def reordered_model_bound(scale: float, num_layers: int, max_terms: int) -> floa
     return 2 * STAGES_PER_LAYER * num_layers * gamma(max_terms) * scale
 
 
+def rounded_activations_bound(scale: float, num_layers: int, max_terms: int, unit_roundoff: float) -> float:
+    """How far a model whose activations are rounded to a narrower float (float16: u =
+    2^-11, bfloat16: 2^-8) after each summing stage, the sums accumulating in float32,
+    lies from the same weights computed exactly: each of STAGES_PER_LAYER stages a layer
+    (the head one more layer) rounds once (u) after a float32 sum (gamma of its terms),
+    at most the values' scale, to first order and with the assumption of
+    reordered_model_bound (no stage amplifies the error handed to it)."""
+    return STAGES_PER_LAYER * (num_layers + 1) * (unit_roundoff + gamma(max_terms)) * scale
+
+
 def logits_bound(expected, num_layers: int, max_terms: int) -> float:
     """How far two float32 evaluations of a model's logits (ours and transformers', or
     ours over other batches, chunks or devices) may lie apart: reordered_model_bound at
