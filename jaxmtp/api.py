@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -12,6 +13,7 @@ from tqdm import tqdm
 from jaxmtp.engine.llm_engine import LLMEngine
 from jaxmtp.engine.outputs import RequestOutput
 from jaxmtp.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxmtp.loading.chat_template import conversation_of
 
 Prompt = str | list[int] | dict  # dicts as vLLM's: {"prompt": text} or {"prompt_token_ids": ids}
 
@@ -41,6 +43,11 @@ class LLM:
         self.engine = LLMEngine(model, **engine_kwargs)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine under vLLM's name for it."""
+        return self.engine
 
     def get_tokenizer(self):
         """The model's jaxmtp.loading.tokenizer.Tokenizer (None for a model without tokenizer.json)."""
@@ -85,6 +92,42 @@ class LLM:
         finally:
             self._abort_unfinished([rid for rid in order if rid not in results])
         return [results[rid] for rid in sorted(order, key=order.get)]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request=None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of message dicts) or a list of them,
+        each rendered with the model's chat template (or chat_template: a template's
+        source or the name of one of the model's) and generated as generate() does;
+        each output's prompt is the rendered text."""
+        for name, value in (("lora_request", lora_request), ("mm_processor_kwargs", mm_processor_kwargs)):
+            if value is not None:
+                raise ValueError(f"{name} is not supported: this engine serves text models without adapters")
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer.json (and its chat template)")
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        rendered = []
+        for conversation in conversations:
+            conversation = conversation_of(conversation, chat_template_content_format)
+            render = functools.partial(
+                self.tokenizer.apply_chat_template, conversation, tools, chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            rendered.append((render(tokenize=False), render(return_dict=False)))
+        outputs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        return [dataclasses.replace(out, prompt=text) for out, (text, _) in zip(outputs, rendered)]
 
     def _abort_unfinished(self, request_ids: list[str]) -> None:
         """Leave the engine as it was: abort these requests and free their pages."""

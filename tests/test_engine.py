@@ -72,6 +72,13 @@ def test_stop_token_ids_stop_strings_and_ignore_eos():
     out = llm.generate([[1]], SamplingParams(max_tokens=60, temperature=0.0, stop=["Lily"]), use_tqdm=False)
     assert out[0].outputs[0].text == full.text[: full.text.index("Lily")]
     assert out[0].outputs[0].stop_reason == "Lily"
+    # min_tokens holds back stop strings as it does stop tokens (vLLM's rule): a match
+    # counts once the token that completes it is past the first min_tokens
+    first_30 = llm.generate([[1]], SamplingParams(max_tokens=30, temperature=0.0), use_tqdm=False)[0].outputs[0].text
+    later = full.text.index("play", len(first_30) - len("play") + 1)
+    out = llm.generate([[1]], SamplingParams(max_tokens=60, temperature=0.0, stop=["play"], min_tokens=30),
+                       use_tqdm=False)[0].outputs[0]
+    assert full.text.index("play") < len(first_30) and out.text == full.text[:later] and len(out.token_ids) > 30
     # sampled stories end at an eos id (stories260K ends stories with BOS, id 1, as
     # its generation_config.json says); ignore_eos runs through it
     sampled = [SamplingParams(max_tokens=250, temperature=1.0, seed=s) for s in range(6)]
@@ -84,6 +91,35 @@ def test_stop_token_ids_stop_strings_and_ignore_eos():
     longer = llm.generate([[1]], params, use_tqdm=False)[0].outputs[0]
     assert longer.finish_reason == "length"
     assert longer.token_ids[: len(story.token_ids)] == story.token_ids
+
+
+def test_chat_renders_each_conversation_with_the_chat_template():
+    """vLLM's LLM.chat: each conversation rendered with the chat template (the model's,
+    here the default one of README.md, or the caller's), then generated as generate()
+    generates from those ids; each output's prompt is the rendered text."""
+    llm = make_llm()
+    story = [{"role": "system", "content": "You tell stories."},
+             {"role": "user", "content": [{"type": "text", "text": "A cat"}, {"type": "text", "text": " and a dog"}]}]
+    plain = [{"role": "user", "content": "A cat and a dog"}]
+    outs = llm.chat([story, plain], GREEDY, use_tqdm=False)
+    rendered = ["<s>system: You tell stories.\nuser: A cat and a dog\nassistant:", "<s>user: A cat and a dog\nassistant:"]
+    assert [out.prompt for out in outs] == rendered
+    # the template writes BOS as text, which encodes to the BOS token
+    prompts = [llm.tokenizer.encode(text[len("<s>"):]) for text in rendered]
+    assert [out.prompt_token_ids for out in outs] == prompts
+    assert token_ids(outs) == token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+    # one conversation; the caller's template and its variables; the last message continued
+    source = "{{ bos_token }}{{ opening }} {{ messages[-1]['content'] }}"
+    out = llm.chat(plain, GREEDY, use_tqdm=False, chat_template=source, chat_template_kwargs={"opening": "Q:"})
+    assert len(out) == 1 and out[0].prompt == "<s>Q: A cat and a dog"
+    out = llm.chat(plain + [{"role": "assistant", "content": "Once upon"}], GREEDY, use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt.endswith("assistant: Once upon")
+    with pytest.raises(ValueError, match="'image_url' part; only text parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="lora_request is not supported"):
+        llm.chat(plain, lora_request=object(), use_tqdm=False)
+    assert llm.llm_engine is llm.engine
 
 
 def test_streaming_yields_growing_outputs_ending_in_the_full_text():
@@ -125,7 +161,8 @@ def test_output_text_continues_the_prompt_with_its_leading_space():
     llm = make_llm()
     out = llm.generate("Once upon a", SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)[0]
     assert out.outputs[0].text.startswith(" time")
-    assert ("Once upon a" + out.outputs[0].text) == llm.tokenizer.decode(out.prompt_token_ids + out.outputs[0].token_ids)
+    assert ("Once upon a" + out.outputs[0].text) == llm.tokenizer.decode(out.prompt_token_ids + out.outputs[0].token_ids,
+                                                                                 skip_special_tokens=True)
 
 
 def test_async_scheduling_gives_the_outputs_of_sync_scheduling(rng):

@@ -199,7 +199,8 @@ def test_chat_streamed_equals_non_streamed(client, tokenizer):
     choice = full.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
     as_text = [messages[0], {"role": "user", "content": "Tell me about a cat."}]
-    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(as_text), add_special_tokens=False)
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(as_text, add_generation_prompt=True, tokenize=False),
+                                  add_special_tokens=False)
     assert prompt_ids[0] == 1  # the default template's BOS
     assert full.usage.prompt_tokens == len(prompt_ids)
     assert full.usage.completion_tokens == len(choice.logprobs.content)

@@ -197,7 +197,7 @@ def test_chat_template_fields_are_honoured(http, engine):
                 chat_template_kwargs={"enable_thinking": False}, max_tokens=2, **GREEDY)
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
-    expected = tokenizer.apply_chat_template(messages, False, continue_final_message=True, tokenize=True)
+    expected = tokenizer.apply_chat_template(messages, continue_final_message=True, return_dict=False)
     assert tokenizer.decode(expected).endswith("Once")  # the open message, no turn after it
     assert response.json()["usage"]["prompt_tokens"] == len(expected)
     error = assert_openai_error(http.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400)
@@ -219,9 +219,9 @@ def test_tokenize_and_detokenize_as_vllm(http, engine):
     chat = http.post("/tokenize", json={"messages": HI}).json()
     usage = http.post("/v1/chat/completions", json=dict(messages=HI, max_tokens=1, **GREEDY)).json()["usage"]
     assert chat["count"] == usage["prompt_tokens"] == len(chat["tokens"])
-    assert chat["tokens"] == tokenizer.apply_chat_template(HI, tokenize=True)
+    assert chat["tokens"] == tokenizer.apply_chat_template(HI, add_generation_prompt=True, return_dict=False)
     open_ended = http.post("/tokenize", json={"messages": HI, "add_generation_prompt": False}).json()["tokens"]
-    assert open_ended == tokenizer.apply_chat_template(HI, False, tokenize=True) != chat["tokens"]
+    assert open_ended == tokenizer.apply_chat_template(HI, return_dict=False) != chat["tokens"]
 
 
 @pytest.mark.parametrize("path, body, param, message", [
@@ -342,7 +342,7 @@ def test_echo_scores_the_prompt_as_lm_eval_harness_asks(http, engine):
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
-    assert choice["text"] == engine.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+    assert choice["text"] == engine.tokenizer.decode(ids, skip_special_tokens=True) and choice["finish_reason"] == "length"
     assert response.json()["usage"]["completion_tokens"] == 0
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None

@@ -1,6 +1,7 @@
 """Chat templates and prompt encoding against transformers (PreTrainedTokenizerFast read
 from the same files): token ids equal apply_chat_template(..., tokenize=True), with
-sanitize_control_tokens=True where control tokens are typed in the caller's strings."""
+sanitize_control_tokens=True where control tokens are typed in the caller's strings; the
+rest of transformers' tokenizer surface gives transformers' answers."""
 
 from __future__ import annotations
 
@@ -123,11 +124,11 @@ def test_chat_ids_equal_transformers(name, case, request):
     chat = CHAT + [{"role": "assistant", "content": "The weather is  "}] if kwargs.get("continue_final_message") else CHAT
     if name == "chatml":
         chat = chat[:2] + [{"role": "note", "content": "skipped"}] + chat[2:]
-    ids = ours.apply_chat_template(chat, tokenize=True, **kwargs)
+    ids = ours.apply_chat_template(chat, **kwargs, return_dict=False)
     extra = kwargs.pop("chat_template_kwargs", {})
     assert ids == reference(theirs, chat, **kwargs, **extra)
     # the rendered text is transformers' too, and encodes to the same ids
-    text = ours.apply_chat_template(chat, **dict(CASES[case]))
+    text = ours.apply_chat_template(chat, tokenize=False, **dict(CASES[case]))
     assert text == theirs.apply_chat_template(chat, tokenize=False, **kwargs, **extra)
     assert ours.encode(text, add_special_tokens=False) == ids
 
@@ -135,7 +136,7 @@ def test_chat_ids_equal_transformers(name, case, request):
 def test_loop_break(chatml):
     ours, theirs = chatml
     chat = [{"role": "user", "content": "a"}, {"role": "end", "content": "b"}, {"role": "user", "content": "never"}]
-    ids = ours.apply_chat_template(chat, tokenize=True)
+    ids = ours.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
     assert ids == reference(theirs, chat, add_generation_prompt=True)
     assert "never" not in ours.decode(ids, skip_special_tokens=False)
 
@@ -146,10 +147,11 @@ def test_typed_control_tokens_stay_text(name, request):
     chat = [{"role": "system", "content": TYPED}, {"role": "user", "content": "x " + TYPED}]
     tools = [{"type": "function", "function": {"name": "f", "description": TYPED}}]
     kwargs = dict(add_generation_prompt=True, tools=tools)
-    ids = ours.apply_chat_template(chat, tokenize=True, **kwargs)
+    ids = ours.apply_chat_template(chat, **kwargs, return_dict=False)
     assert ids == reference(theirs, chat, sanitize_control_tokens=True, **kwargs)
     untyped = [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}]
-    plain = ours.apply_chat_template(untyped, tokenize=True, add_generation_prompt=True, tools=[{"type": "function", "function": {"name": "f"}}])
+    plain = ours.apply_chat_template(untyped, add_generation_prompt=True, return_dict=False,
+                                     tools=[{"type": "function", "function": {"name": "f"}}])
     for token in ("</s>", "<s>", "<|im_end|>", "<|im_start|>", "<think>"):
         token_id = ours.hf.token_to_id(token)
         if token_id is not None:  # typing it adds no such token
@@ -162,14 +164,15 @@ def test_template_files_and_names(tmp_path):
     ours, theirs = write_model(tmp_path / "jinja", STORIES / "tokenizer.json",
                                {"bos_token": "<s>", "chat_template": "ignored"}, jinja=LLAMA_LIKE)
     chat = CHAT[:2]
-    assert ours.apply_chat_template(chat, tokenize=True, tools=TOOLS) == reference(theirs, chat, add_generation_prompt=True, tools=TOOLS)
-    assert "ignored" not in ours.apply_chat_template(chat)
+    ids = ours.apply_chat_template(chat, tools=TOOLS, add_generation_prompt=True, return_dict=False)
+    assert ids == reference(theirs, chat, add_generation_prompt=True, tools=TOOLS)
+    assert "ignored" not in ours.apply_chat_template(chat, tokenize=False)
 
 
 def test_named_templates_choose_tool_use(llama_like):
     ours, _ = llama_like
-    assert "Tools:" in ours.apply_chat_template(CHAT, tools=TOOLS)
-    assert "Tools:" not in ours.apply_chat_template(CHAT)
+    assert "Tools:" in ours.apply_chat_template(CHAT, tools=TOOLS, tokenize=False)
+    assert "Tools:" not in ours.apply_chat_template(CHAT, tokenize=False)
 
 
 def test_template_errors_are_value_errors(llama_like, chatml):
@@ -182,7 +185,7 @@ def test_template_errors_are_value_errors(llama_like, chatml):
     with pytest.raises(ValueError, match="chat_template_kwargs: 'messages'"):
         ours.apply_chat_template(CHAT, chat_template_kwargs={"messages": []})
     with pytest.raises(ValueError, match="cannot both be set"):
-        ours.apply_chat_template(CHAT, continue_final_message=True)
+        ours.apply_chat_template(CHAT, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(ValueError, match="messages is empty"):
         ours.apply_chat_template([])
     # the sandbox refuses what transformers' refuses
@@ -202,6 +205,41 @@ def test_plain_prompts_keep_special_tokens_as_text(name, typed, request):
     assert ids == theirs(text, split_special_tokens=True)["input_ids"] and special_id not in ids
     parsed = ours.encode(text, parse_special_tokens=True)
     assert parsed == theirs(text)["input_ids"] and parsed.count(special_id) == 2
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama_like"])
+def test_the_transformers_tokenizer_surface(name, request):
+    """What scripts written for vLLM's get_tokenizer() (a transformers tokenizer) call,
+    answered as transformers answers (transformers 5: apply_chat_template returns a dict
+    of ids and attention mask by default)."""
+    ours, theirs = request.getfixturevalue(name)
+    for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "unk_token_id",
+                 "pad_token_id", "vocab_size"):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert len(ours) == len(theirs) and ours.get_vocab() == theirs.get_vocab()
+    texts = [TYPED, "  Hello 中文 😀  "]
+    assert ours(texts[0]).input_ids == theirs(texts[0]).input_ids
+    assert ours(texts, add_special_tokens=False) == dict(theirs(texts, add_special_tokens=False))
+    ids = ours(texts[0])["input_ids"]
+    assert ours.convert_ids_to_tokens(ids) == theirs.convert_ids_to_tokens(ids)
+    assert ours.convert_ids_to_tokens(ids[2]) == theirs.convert_ids_to_tokens(ids[2])
+    assert ours.convert_ids_to_tokens(ids, skip_special_tokens=True) == theirs.convert_ids_to_tokens(ids, skip_special_tokens=True)
+    tokens = theirs.convert_ids_to_tokens(ids) + ["never-a-token"]
+    assert ours.convert_tokens_to_ids(tokens) == theirs.convert_tokens_to_ids(tokens)
+    batch = [ids, ids[3:]]
+    assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.batch_decode(batch) == theirs.batch_decode(batch)
+    assert ours.batch_decode(batch, skip_special_tokens=True) == theirs.batch_decode(batch, skip_special_tokens=True)
+    # chats: a dict by default, a list of conversations, keyword arguments as template
+    # variables, a template given by its source
+    assert ours.apply_chat_template(CHAT) == dict(theirs.apply_chat_template(CHAT))
+    chats = [CHAT, CHAT[:2]]
+    assert ours.apply_chat_template(chats, add_generation_prompt=True, enable_thinking=False) == dict(
+        theirs.apply_chat_template(chats, add_generation_prompt=True, enable_thinking=False))
+    assert ours.apply_chat_template(chats, return_dict=False) == theirs.apply_chat_template(chats, return_dict=False)
+    source = "{{ greeting }} {% for m in messages %}{{ m.content }}|{% endfor %}"
+    assert ours.apply_chat_template(CHAT, chat_template=source, tokenize=False, greeting="hey") == \
+        theirs.apply_chat_template(CHAT, chat_template=source, tokenize=False, greeting="hey")
 
 
 def test_stories_eos_is_id_2():

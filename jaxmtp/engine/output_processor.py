@@ -129,7 +129,10 @@ class OutputProcessor:
             return False
         match = seq.stop_matcher.feed(piece) if seq.stop_matcher else None
         seq.text += piece
-        if match is None:
+        # min_tokens holds back stop strings too, as vLLM's: a match counts once more
+        # tokens than min_tokens are out (one that ends within the first min_tokens
+        # tokens' text never does)
+        if match is None or len(seq.output_token_ids) <= seq.params.min_tokens:
             return False
         end = match.start + len(match.stop) if seq.params.include_stop_str_in_output else match.start
         seq.text, seq.stop_reason = seq.text[:end], match.stop

@@ -40,7 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens
     repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt or generated tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (clamped to [-100, 100])
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings are held back until this many tokens are generated
     bad_words: list[str] | None = None  # words whose token sequences are never completed
     allowed_token_ids: list[int] | None = None  # when set, only these tokens are sampled
     # output text

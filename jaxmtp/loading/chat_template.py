@@ -60,8 +60,39 @@ def load_chat_templates(model_dir: Path, config: dict) -> dict[str, str]:
     return {"default": source or DEFAULT_CHAT_TEMPLATE}
 
 
-def select_template(templates: dict[str, str], tools) -> str:
-    """transformers' choice: "tool_use" when tools are given and it exists, else "default"."""
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's chat_template_content_format
+
+
+def conversation_of(messages: list[dict], content_format: str = "auto") -> list[dict]:
+    """OpenAI-style messages as the template reads them: a content given as parts
+    ([{"type": "text", "text": ...}]) joined into one string ("auto", "string"), or
+    every content as text parts ("openai", for templates that loop over parts). Only
+    text parts: the models here read no images or audio."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {content_format!r}")
+    conversation = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message:
+            raise ValueError(f"messages[{index}] is not a message: a dict with a role")
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{index}].content: a {kind!r} part; only text parts are supported")
+            content = "".join(part["text"] for part in content)
+        if content_format == "openai" and isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        conversation.append({**message, "content": content})
+    return conversation
+
+
+def select_template(templates: dict[str, str], tools, chosen: str | None = None) -> str:
+    """transformers' choice: the caller's (one of the model's templates by name, or a
+    template's source), else "tool_use" when tools are given and it exists, else
+    "default"."""
+    if chosen is not None:
+        return templates.get(chosen, chosen)
     if tools is not None and "tool_use" in templates:
         return templates["tool_use"]
     if "default" in templates:

@@ -15,7 +15,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from jaxmtp.loading import chat_template
+from jaxmtp.loading import chat_template as templating
 
 # the named special tokens transformers passes to chat templates
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -55,6 +55,23 @@ def _encode(hf: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
     return hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
+class BatchEncoding(dict):
+    """transformers' BatchEncoding as scripts read it: enc["input_ids"] or enc.input_ids."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def batch_encoding(ids: list[int] | list[list[int]]) -> BatchEncoding:
+    """The ids of a text (or of each of several) with their all-ones attention mask."""
+    if ids and isinstance(ids[0], list):
+        return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
+    return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
@@ -69,7 +86,7 @@ class Tokenizer:
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         self.special_tokens = {n: t for n in SPECIAL_TOKEN_NAMES if (t := _token_text(config.get(n))) is not None}
-        self.chat_templates = chat_template.load_chat_templates(model_dir, config)
+        self.chat_templates = templating.load_chat_templates(model_dir, config)
         self._chat_control_tokens = config.get("chat_control_tokens")
         added = self.hf.get_added_tokens_decoder()
         self._added_tokens = {token.content: token.special for token in added.values()}
@@ -91,8 +108,63 @@ class Tokenizer:
         hf = self.hf if parse_special_tokens else self._hf_as_text
         return _encode(hf, text, add_special_tokens)
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """transformers' decode: special tokens are shown unless skip_special_tokens."""
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ----- the rest of transformers' tokenizer surface, which scripts written for
+    # vLLM's get_tokenizer() use
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> BatchEncoding:
+        """{"input_ids", "attention_mask"} of a text, or of each of a list of texts; special
+        tokens written in the text are those tokens, as transformers reads them."""
+        if isinstance(text, str):
+            return batch_encoding(self.encode(text, add_special_tokens, parse_special_tokens=True))
+        return batch_encoding([self.encode(t, add_special_tokens, parse_special_tokens=True) for t in text])
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def __len__(self) -> int:
+        """The vocabulary with the added tokens (transformers' len(tokenizer))."""
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab_size(self) -> int:
+        """The base vocabulary, without the added tokens (transformers' vocab_size)."""
+        return self.hf.get_vocab_size(with_added_tokens=False)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.hf.get_vocab(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False):
+        """A token's text, or each of a list's; skip_special_tokens drops the named special
+        tokens' (bos_token, eos_token, ...), as transformers does."""
+        if isinstance(ids, int):
+            return self.hf.id_to_token(ids)
+        named = {self.hf.token_to_id(token) for token in self.special_tokens.values()} if skip_special_tokens else set()
+        return [self.hf.id_to_token(i) for i in ids if i not in named]
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]):
+        """A token's id (the unknown token's, or None without one, for a token not in the
+        vocabulary), or each of a list's."""
+        if isinstance(tokens, str):
+            found = self.hf.token_to_id(tokens)
+            return found if found is not None else self.unk_token_id
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def _special_token_id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return None if token is None else self.hf.token_to_id(token)
+
+    bos_token = property(lambda self: self.special_tokens.get("bos_token"))
+    eos_token = property(lambda self: self.special_tokens.get("eos_token"))
+    unk_token = property(lambda self: self.special_tokens.get("unk_token"))
+    pad_token = property(lambda self: self.special_tokens.get("pad_token"))
+    bos_token_id = property(lambda self: self._special_token_id("bos_token"))
+    eos_token_id = property(lambda self: self._special_token_id("eos_token"))
+    unk_token_id = property(lambda self: self._special_token_id("unk_token"))
+    pad_token_id = property(lambda self: self._special_token_id("pad_token"))
 
     def token_text_length(self, token_id: int, skip_special_tokens: bool = True) -> int:
         """len(decode([token_id])), cached: the incremental detokeniser's usual context."""
@@ -119,43 +191,61 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict],
-        add_generation_prompt: bool = True,
-        *,
-        continue_final_message: bool | str = False,
+        conversation: list[dict] | list[list[dict]],
         tools: list[dict] | None = None,
         documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        continue_final_message: bool | str = False,
+        tokenize: bool = True,
+        return_dict: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
-        tokenize: bool = False,
-    ) -> str | list[int]:
-        """The chat as the model's template renders it (transformers' apply_chat_template).
-        tokenize=True returns its token ids, with control tokens typed in messages, tools,
-        documents or chat_template_kwargs encoded as text (transformers'
-        sanitize_control_tokens=True); tokenize=False returns the rendered text as is."""
-        kwargs = dict(chat_template_kwargs or {})
-        for name in chat_template.TEMPLATE_VARIABLES:
-            if name in kwargs:
+        **kwargs: Any,
+    ):
+        """The chat as the model's template renders it, with transformers 5's signature and
+        defaults: {"input_ids", "attention_mask"} (tokenize=True; return_dict=False: the
+        ids alone), with control tokens typed in messages, tools,
+        documents or template variables encoded as text (transformers'
+        sanitize_control_tokens=True); tokenize=False returns the rendered text as is.
+        chat_template: a template's source or the name of one of the model's; the
+        template's variables come from kwargs and chat_template_kwargs (vLLM's spelling).
+        A list of conversations gives a list of results."""
+        if conversation and isinstance(conversation[0], (list, tuple)):
+            results = [
+                self.apply_chat_template(
+                    c, tools, documents, chat_template, add_generation_prompt, continue_final_message, tokenize, False,
+                    chat_template_kwargs, **kwargs,
+                )
+                for c in conversation
+            ]
+            return batch_encoding(results) if tokenize and return_dict else results
+        variables = {**(chat_template_kwargs or {}), **kwargs}
+        for name in templating.TEMPLATE_VARIABLES:
+            if name in variables:
                 raise ValueError(f"chat_template_kwargs: {name!r} is set by its own argument")
-        for value, field in ((messages, "messages"), (tools, "tools"), (documents, "documents"), (kwargs, "chat_template_kwargs")):
+        for value, field in ((conversation, "messages"), (tools, "tools"), (documents, "documents"), (variables, "chat_template_kwargs")):
             check_unicode(value, field)
-        source = chat_template.select_template(self.chat_templates, tools)
+        source = templating.select_template(self.chat_templates, tools, chat_template)
         markers_re = None
         if tokenize:
-            controls = chat_template.control_tokens(source, self._added_tokens, self._chat_control_tokens)
-            tokens_re, markers_re = chat_template.control_token_patterns(controls)
-            messages, tools, documents, kwargs = (
-                chat_template.mark_control_tokens(value, tokens_re) for value in (messages, tools, documents, kwargs)
+            controls = templating.control_tokens(source, self._added_tokens, self._chat_control_tokens)
+            tokens_re, markers_re = templating.control_token_patterns(controls)
+            conversation, tools, documents, variables = (
+                templating.mark_control_tokens(value, tokens_re) for value in (conversation, tools, documents, variables)
             )
-        text = chat_template.render(
+        text = templating.render(
             source,
-            messages,
+            conversation,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
             documents=documents,
-            variables={**self.special_tokens, **kwargs},
+            variables={**self.special_tokens, **variables},
         )
-        return self._encode_marked(text, markers_re) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self._encode_marked(text, markers_re)
+        return batch_encoding(ids) if return_dict else ids
 
     def _encode_marked(self, text: str, markers_re: re.Pattern) -> list[int]:
         """Encode a chat rendered from marked inputs: marked control tokens as plain text,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from fastapi import FastAPI, Request
@@ -168,7 +169,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         except ValueError as err:
             raise bad(err, CompletionRequest) from None
         with_prompt_logprobs = body.prompt_logprobs is not None
-        decode = engine.tokenizer.decode if engine.tokenizer else str
+        decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True) if engine.tokenizer else str
         fmt = (EchoFormat(body.logprobs, with_prompt_logprobs, decode, max_tokens == 0) if body.echo
                else CompletionFormat(body.logprobs, with_prompt_logprobs))
         return await server.respond(request, generation, fmt, body)

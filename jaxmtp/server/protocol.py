@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxmtp.loading.chat_template import conversation_of
+
 # Counts and ids reach the device as int32: a larger value would overflow the batch
 # array (and fail the step of every request in it), so it is refused here.
 INT32_MAX = 2**31 - 1
@@ -243,17 +245,10 @@ def check_prompt_texts(prompts: list[str | list[int]]) -> None:
 
 def chat_conversation(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the chat template reads them: text parts joined into one string."""
-    conversation = []
-    for message in messages:
-        content = message.content or ""
-        if not isinstance(content, str):
-            content = "".join(part.text for part in content)
-        check_text(content, "messages")
-        turn = {"role": message.role, "content": content}
-        if message.name is not None:
-            check_text(message.name, "messages")
-            turn["name"] = message.name
-        conversation.append(turn)
+    conversation = conversation_of([message.model_dump(exclude_none=True) for message in messages])
+    for turn in conversation:
+        for text in (turn.get("content"), turn.get("name")):
+            check_text(text or "", "messages")
     return conversation
 
 

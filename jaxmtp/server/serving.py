@@ -141,8 +141,9 @@ class Server:
         """The messages' token ids, rendered with the chat template as the request asks. The
         template writes its own special tokens (BOS); those typed in messages stay text."""
         return self.engine.tokenizer.apply_chat_template(
-            chat_conversation(messages), body.add_generation_prompt, continue_final_message=body.continue_final_message,
-            tools=tools, chat_template_kwargs=body.chat_template_kwargs, tokenize=True,
+            chat_conversation(messages), tools, add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
+            return_dict=False,
         )
 
     def check_admission(self, new: int) -> None:
