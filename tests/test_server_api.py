@@ -7,6 +7,7 @@ with a model_name label, and the periodic stats log line."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -144,10 +145,9 @@ UNSUPPORTED = [
     ("chat/completions", "function_call", "auto", "function_call is not supported yet"),
     ("completions", "suffix", "The end.", "suffix is not a field this server implements"),
     ("completions", "best_of", 2, "best_of is not a field this server implements"),
-    ("chat/completions", "store", True, "store is not a field this server implements"),
     ("chat/completions", "typo_penalty", 1.0, "typo_penalty is not a field this server implements"),
-    ("chat/completions", "stream_options", {"include_usage": True, "continuous_usage_stats": True},
-     "stream_options.continuous_usage_stats is not a field"),
+    ("chat/completions", "stream_options", {"include_usage": True, "include_typo": True},
+     "stream_options.include_typo is not a field"),
     ("chat/completions", "messages", [{"role": "user", "content": "Hi", "tool_call_id": "1"}],
      "messages.0.tool_call_id is not a field"),
 ]
@@ -186,6 +186,54 @@ def test_values_that_ask_for_nothing_are_accepted(http):
     assert response.status_code == 200, response.text
     response = http.post("/v1/completions", json=dict(prompt="Hi", max_tokens=2, echo=False, **GREEDY))
     assert response.status_code == 200, response.text
+
+
+def test_descriptive_fields_are_accepted_and_request_ids_and_token_ids_honoured(http, engine):
+    """Fields that only describe the request (OpenAI's metadata, store, user,
+    safety_identifier, prompt_cache_key, service_tier) change nothing; vLLM's request_id
+    names the response (the X-Request-Id header before it) and is echoed;
+    return_token_ids adds the prompt's and each choice's token ids."""
+    described = dict(metadata={"team": "a"}, store=False, user="alice", safety_identifier="u1", prompt_cache_key="k",
+                     service_tier="auto")
+    plain = http.post("/v1/chat/completions", json=dict(messages=HI, max_tokens=4, **GREEDY)).json()
+    response = http.post("/v1/chat/completions", json=dict(messages=HI, max_tokens=4, request_id="run-7",
+                                                           return_token_ids=True, **described, **GREEDY))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["id"] == "chatcmpl-run-7" and response.headers["X-Request-Id"] == "run-7"
+    assert body["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert body["prompt_token_ids"] == engine.tokenizer.apply_chat_template(HI, add_generation_prompt=True,
+                                                                            return_dict=False)
+    decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True)
+    prompt = body["prompt_token_ids"]
+    assert decode(prompt + body["choices"][0]["token_ids"]) == decode(prompt) + body["choices"][0]["message"]["content"]
+    response = http.post("/v1/completions", json=dict(prompt="Once upon", max_tokens=3, return_token_ids=True, **GREEDY),
+                         headers={"X-Request-Id": "from-header"})
+    choice = response.json()["choices"][0]
+    assert response.json()["id"] == "cmpl-from-header" and response.headers["X-Request-Id"] == "from-header"
+    assert choice["prompt_token_ids"] == engine.tokenizer.encode("Once upon") and len(choice["token_ids"]) == 3
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    bad = http.post("/v1/completions", json=dict(prompt="Hi", max_tokens=1, request_id="two words", **GREEDY))
+    assert assert_openai_error(bad, 400)["param"] == "request_id"
+
+
+def test_a_stream_returns_token_ids_and_usage_in_every_chunk_when_asked(http, engine):
+    """return_token_ids in a stream: the prompt's ids in the first chunk, each chunk's new
+    tokens; stream_options.continuous_usage_stats: every chunk's usage so far."""
+    body = dict(prompt="Once upon", max_tokens=5, stream=True, return_token_ids=True, ignore_eos=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True}, **GREEDY)
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert choices[0]["prompt_token_ids"] == engine.tokenizer.encode("Once upon")
+    assert all("prompt_token_ids" not in c for c in choices[1:])
+    tokens = [t for c in choices for t in c["token_ids"]]
+    assert len(tokens) == 5 and chunks[-1]["usage"]["completion_tokens"] == 5
+    # every chunk counts the tokens streamed up to it
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and all(
+        c["usage"]["completion_tokens"] >= sum(len(x["token_ids"]) for x in choices[: i + 1])
+        for i, c in enumerate(chunk for chunk in chunks if chunk["choices"]))
 
 
 def test_chat_template_fields_are_honoured(http, engine):
@@ -369,6 +417,9 @@ def test_prompt_logprobs_field_as_vllm(http):
     assert entries[0] is None and all(
         {"logprob", "rank", "decoded_token"} <= set(lp) for entry in entries[1:] for lp in entry.values()
     )
+    # a chat's one prompt: at the response's top level, as vLLM's
+    chat = http.post("/v1/chat/completions", json=dict(messages=HI, max_tokens=1, prompt_logprobs=0, **GREEDY)).json()
+    assert "prompt_logprobs" not in chat["choices"][0] and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize("path", ["completions", "chat/completions"])

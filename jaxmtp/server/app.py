@@ -170,8 +170,8 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             raise bad(err, CompletionRequest) from None
         with_prompt_logprobs = body.prompt_logprobs is not None
         decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True) if engine.tokenizer else str
-        fmt = (EchoFormat(body.logprobs, with_prompt_logprobs, decode, max_tokens == 0) if body.echo
-               else CompletionFormat(body.logprobs, with_prompt_logprobs))
+        fmt = (EchoFormat(body.logprobs, with_prompt_logprobs, body.return_token_ids, decode, max_tokens == 0)
+               if body.echo else CompletionFormat(body.logprobs, with_prompt_logprobs, body.return_token_ids))
         return await server.respond(request, generation, fmt, body)
 
     @app.post("/v1/chat/completions")
@@ -205,7 +205,8 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             generation = server.submit(body, [prompt], params, request.state.cache_salt, request.state.arrival)
         except ValueError as err:
             raise bad(err, ChatCompletionRequest, prompt_field="messages") from None
-        return await server.respond(request, generation, ChatFormat(logprobs, body.prompt_logprobs is not None), body)
+        fmt = ChatFormat(logprobs, body.prompt_logprobs is not None, body.return_token_ids)
+        return await server.respond(request, generation, fmt, body)
 
     add_tokenization_routes(app, server, bad)
 

@@ -42,24 +42,43 @@ class CompletionFormat:
     object = chunk_object = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool = False):
+    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool = False, return_token_ids: bool = False):
         self.num_logprobs = num_logprobs
         self.with_prompt_logprobs = with_prompt_logprobs  # vLLM's prompt_logprobs field
+        self.return_token_ids = return_token_ids  # vLLM's: prompt_token_ids and token_ids
 
     def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
         body = {"index": choice.index, "text": text, "logprobs": self.logprobs(choice, first_token)}
-        return self.finish(body, choice, done)
+        return self.finish(body, choice, first_token, done)
 
-    def finish(self, body: dict, choice: Choice, done: bool) -> dict:
-        if self.with_prompt_logprobs:  # as vLLM's: per prompt token {id: {logprob, rank, decoded_token}}
-            body["prompt_logprobs"] = [
-                None if entry is None else {str(t): dataclasses.asdict(lp) for t, lp in entry.items()}
-                for entry in choice.prompt_logprobs or []
-            ]
+    def finish(self, body: dict, choice: Choice, first_token: int, done: bool) -> dict:
+        """The fields every choice ends with; a stream's chunk carries the tokens from
+        first_token on, and the prompt's fields in its first chunk."""
+        if first_token == 0:
+            body.update(self.prompt_fields(choice))
+        if self.return_token_ids:
+            body["token_ids"] = choice.token_ids[first_token:]
         body["finish_reason"] = choice.finish_reason if done else None
         if done and choice.spec_stats is not None:
             body["spec_stats"] = choice.spec_stats
         return body
+
+    def prompt_fields(self, choice: Choice) -> dict:
+        """The prompt's logprobs (as vLLM's: per prompt token {id: {logprob, rank,
+        decoded_token}}) and token ids, where the request asked for them."""
+        fields = {}
+        if self.with_prompt_logprobs:
+            fields["prompt_logprobs"] = [
+                None if entry is None else {str(t): dataclasses.asdict(lp) for t, lp in entry.items()}
+                for entry in choice.prompt_logprobs or []
+            ]
+        if self.return_token_ids:
+            fields["prompt_token_ids"] = choice.prompt_token_ids
+        return fields
+
+    def response_fields(self, generation) -> dict:
+        """Fields of the whole response beside its choices."""
+        return {}
 
     def opening(self, choice: Choice) -> dict | None:
         return None
@@ -85,8 +104,9 @@ class EchoFormat(CompletionFormat):
     prompt's (the first prompt token has no logprob: null, as OpenAI's). With max_tokens 0
     the engine still samples one token, which the response leaves out."""
 
-    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool, decode, prompt_only: bool):
-        super().__init__(num_logprobs, with_prompt_logprobs)
+    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool, return_token_ids: bool, decode,
+                 prompt_only: bool):
+        super().__init__(num_logprobs, with_prompt_logprobs, return_token_ids)
         self.decode = decode  # token ids -> text, for prompts given as ids
         self.prompt_only = prompt_only
 
@@ -100,9 +120,11 @@ class EchoFormat(CompletionFormat):
             body["logprobs"] = logprobs
         else:
             body["logprobs"] = None
-        body = self.finish(body, choice, done)
+        body = self.finish(body, choice, 0, done)
         if self.prompt_only:
             body["finish_reason"] = "length"
+            if self.return_token_ids:
+                body["token_ids"] = []
         return body
 
     def usage(self, generation) -> dict:
@@ -134,7 +156,13 @@ class ChatFormat(CompletionFormat):
         message = {"content": text} if streaming else {"role": "assistant", "content": text}
         body = {"index": choice.index, "delta" if streaming else "message": message}
         body["logprobs"] = self.logprobs(choice, first_token)
-        return self.finish(body, choice, done)
+        return self.finish(body, choice, first_token, done)
+
+    def prompt_fields(self, choice: Choice) -> dict:
+        return {}  # a chat has one prompt: its fields are the response's (response_fields)
+
+    def response_fields(self, generation) -> dict:
+        return super().prompt_fields(generation.choices[0])
 
     def opening(self, choice: Choice) -> dict:
         delta = {"role": "assistant", "content": ""}

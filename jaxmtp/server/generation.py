@@ -101,8 +101,9 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         holdback = max((len(s) for s in params.stop), default=1) - 1
         self.choices = [
-            Choice(index=i * n + j, request_id=f"{uuid.uuid4().hex}-{i * n + j}", stop_holdback=holdback)
-            for i in range(len(prompts))
+            Choice(index=i * n + j, request_id=f"{uuid.uuid4().hex}-{i * n + j}", stop_holdback=holdback,
+                   prompt_token_ids=prompt)
+            for i, prompt in enumerate(prompts)
             for j in range(n)
         ]
         self._by_request_id = {c.request_id: c for c in self.choices}

@@ -46,6 +46,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk's usage so far")
 
 
 class JSONSchemaFormat(StrictModel):
@@ -113,7 +114,18 @@ class GenerationFields(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = Field(None, description="vLLM's: the whitespace a JSON constraint allows")
+    # fields that describe the request and change nothing in the output: accepted
     user: str | None = Field(None, description="OpenAI's end-user id: accepted, and it changes nothing")
+    safety_identifier: str | None = Field(None, description="OpenAI's: accepted, and it changes nothing")
+    prompt_cache_key: str | None = Field(None, description="OpenAI's: accepted (the prefix cache needs no key)")
+    metadata: dict[str, Any] | None = Field(None, description="OpenAI's: accepted, and it changes nothing")
+    store: bool | None = Field(None, description="OpenAI's: accepted; this server stores no completions")
+    service_tier: str | None = Field(None, description="OpenAI's: accepted; this server has one tier")
+    request_id: str | None = Field(
+        None, min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$",
+        description="vLLM's: the response's id (after its prefix), echoed in X-Request-Id; printable ASCII",
+    )
+    return_token_ids: bool = Field(False, description="vLLM's: prompt_token_ids and each choice's token_ids")
     stream: bool = False
     stream_options: StreamOptions | None = None
     timeout: float | None = Field(

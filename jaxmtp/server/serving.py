@@ -23,6 +23,7 @@ from jaxmtp.server.metrics import Metrics
 from jaxmtp.server.protocol import (
     SAMPLING_FIELDS,
     APIError,
+    StreamOptions,
     ChatMessage,
     ChatTemplateFields,
     GenerationFields,
@@ -196,10 +197,14 @@ class Server:
     async def respond(
         self, request: Request, generation: Generation, fmt: CompletionFormat, body: GenerationFields
     ) -> Response:
-        header = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": generation.created, "model": self.model_id}
+        # vLLM's: the X-Request-Id header's id, else the body's request_id, names the
+        # response, and the header echoes it
+        base_id = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
+        header = {"id": fmt.id_prefix + base_id, "created": generation.created, "model": self.model_id}
+        echo = {"X-Request-Id": base_id}
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self.stream(generation, fmt, header, include_usage), media_type="text/event-stream")
+            chunks = self.stream(generation, fmt, header, body.stream_options or StreamOptions())
+            return StreamingResponse(chunks, media_type="text/event-stream", headers=echo)
         try:
             if not await finished_before_disconnect(request, generation.run_to_end()):
                 return Response(status_code=499)  # nobody is there to read it
@@ -208,23 +213,30 @@ class Server:
 
         def body_of_the_response():  # off the event loop: logprobs of many tokens take a while
             choices = [fmt.choice(c, c.text, 0, True, False) for c in generation.choices]
-            return JSONResponse({**header, "object": fmt.object, "choices": choices, "usage": fmt.usage(generation)})
+            response = {**header, "object": fmt.object, "choices": choices, "usage": fmt.usage(generation)}
+            return JSONResponse({**response, **fmt.response_fields(generation)}, headers=echo)
 
         return await asyncio.to_thread(body_of_the_response)
 
-    async def stream(self, generation: Generation, fmt: CompletionFormat, header: dict, include_usage: bool):
-        """SSE chunks, one choice each. A client that disconnects cancels this generator,
-        and `finally` aborts its engine requests."""
+    async def stream(self, generation: Generation, fmt: CompletionFormat, header: dict, options: StreamOptions):
+        """SSE chunks, one choice each; the usage after the last one (include_usage), and
+        in every chunk as of it (continuous_usage_stats too). A client that disconnects
+        cancels this generator, and `finally` aborts its engine requests."""
         header = {**header, "object": fmt.chunk_object}
+        continuous_usage = options.include_usage and options.continuous_usage_stats
+
+        def sse_chunk(body: dict) -> str:
+            return sse({**body, "usage": generation.usage()} if continuous_usage else body)
 
         def chunk(choice, text, first_token, done):
-            return sse({**header, "choices": [fmt.choice(choice, text, first_token, done, True)]})
+            return sse_chunk({**header, "choices": [fmt.choice(choice, text, first_token, done, True)]})
 
         try:
             for choice in generation.choices:
                 opening = fmt.opening(choice)
-                if opening:
-                    yield sse({**header, "choices": [opening]})
+                if opening:  # the first one with the response's own fields
+                    fields = fmt.response_fields(generation) if choice is generation.choices[0] else {}
+                    yield sse_chunk({**header, "choices": [opening], **fields})
             while generation.unfinished:
                 update = await generation.next_update()
                 if isinstance(update, Interrupted):  # the open choices end with finish_reason "abort"
@@ -238,7 +250,7 @@ class Server:
                     yield await asyncio.to_thread(chunk, update, text, first_token, done)
                 elif text or done:
                     yield chunk(update, text, first_token, done)
-            if include_usage:
+            if options.include_usage:
                 yield sse({**header, "choices": [], "usage": generation.usage()})
         except APIError as err:  # the status line has gone out: the error goes in the stream
             yield sse(err.body)
