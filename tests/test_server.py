@@ -378,7 +378,7 @@ def test_unknown_fields_are_refused_by_name_and_the_server_still_serves(server, 
     body = dict(prompt="Once upon a time", max_tokens=5, **GREEDY)
     error = assert_openai_error(httpx.post(server.url + "/v1/completions", json={**body, "best_of": 2}, timeout=30), 400)
     assert error["param"] == "best_of" and "best_of is not a field this server implements" in error["message"]
-    with pytest.raises(openai.BadRequestError, match="tools is not supported yet"):
+    with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice and --tool-call-parser"):
         client.chat.completions.create(
             messages=[{"role": "user", "content": "Hi"}], tools=[{"type": "function", "function": {"name": "f"}}],
             **GREEDY,

@@ -138,18 +138,15 @@ def test_bad_sampling_values_get_a_400_naming_the_field(http, path, field, value
 
 UNSUPPORTED = [
     # path, field, value, a piece of the message
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}], "tools is not supported yet"),
-    ("chat/completions", "tool_choice", "auto", "tool_choice is not supported yet"),
-    ("chat/completions", "parallel_tool_calls", False, "parallel_tool_calls is not supported yet"),
-    ("chat/completions", "functions", [{"name": "f"}], "functions is not supported yet"),
-    ("chat/completions", "function_call", "auto", "function_call is not supported yet"),
+    ("chat/completions", "functions", [{"name": "f"}], "functions is not supported (use tools"),
+    ("chat/completions", "function_call", "auto", "function_call is not supported (use tools and tool_choice"),
     ("completions", "suffix", "The end.", "suffix is not a field this server implements"),
     ("completions", "best_of", 2, "best_of is not a field this server implements"),
     ("chat/completions", "typo_penalty", 1.0, "typo_penalty is not a field this server implements"),
     ("chat/completions", "stream_options", {"include_usage": True, "include_typo": True},
      "stream_options.include_typo is not a field"),
-    ("chat/completions", "messages", [{"role": "user", "content": "Hi", "tool_call_id": "1"}],
-     "messages.0.tool_call_id is not a field"),
+    ("chat/completions", "messages", [{"role": "user", "content": "Hi", "tool_call_ids": "1"}],
+     "messages.0.tool_call_ids is not a field"),
 ]
 
 
@@ -161,26 +158,25 @@ def test_fields_not_implemented_get_a_400_naming_them(http, path, field, value, 
 
 
 def test_every_unsupported_field_is_named(http):
-    body = {"messages": HI, "tools": [], "tool_choice": "required", "logit_bias_typo": {}, "audio": {}}
+    body = {"messages": HI, "functions": [{"name": "f"}], "logit_bias_typo": {}, "audio": {}}
     error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400)
     assert error["message"] == (
-        "tool_choice is not supported yet (it needs tool parsing); logit_bias_typo is not a field this server "
+        "functions is not supported (use tools, which replace them); logit_bias_typo is not a field this server "
         "implements; audio is not a field this server implements"
     )
 
 
 def test_the_openai_client_gets_the_refusal(http):
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
-    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match="tools is not supported yet") as caught:
-        client.chat.completions.create(messages=HI, tools=[tool], **GREEDY)
-    assert caught.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match="functions is not supported") as caught:
+        client.chat.completions.create(messages=HI, functions=[{"name": "f"}], **GREEDY)
+    assert caught.value.body["param"] == "functions"
 
 
 def test_values_that_ask_for_nothing_are_accepted(http):
     nothing = dict(
         response_format={"type": "text"}, tools=[], tool_choice="none", functions=None, function_call="none",
-        parallel_tool_calls=None, user="alice", prompt_logprobs=None,
+        user="alice", prompt_logprobs=None,
     )
     response = http.post("/v1/chat/completions", json=dict(messages=HI, max_tokens=2, **nothing, **GREEDY))
     assert response.status_code == 200, response.text
@@ -462,3 +458,108 @@ def test_structured_outputs_and_guided_fields(http):
 def test_bad_constraints_and_echo_get_400s(http, body, param, message):
     error = assert_openai_error(http.post("/v1/completions", json={"prompt": "Hi", **body}), 400)
     assert message in error["message"] and (param is None or error["param"] == param), error
+
+
+# ----- tools ---------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "description": "the time now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+# a Hermes call, forced by a regex: the stories model knows no tool format of its own
+HERMES_CALL = r'Sure\.<tool_call>\n\{"name": "weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tools_http(engine):
+    with serving(engine, disable_log_stats=True, enable_auto_tool_choice=True, tool_call_parser="hermes") as http:
+        yield http
+
+
+def test_a_named_function_is_called_with_arguments_its_schema_allows(http):
+    """tool_choice naming a function constrains the output to its parameters' schema
+    (the structured-output path, exact under MTP): the same tokens as that schema given
+    as a JSON constraint, returned as the call's arguments."""
+    body = dict(messages=HI, max_tokens=40, tools=[WEATHER, TIME], **GREEDY)
+    response = http.post("/v1/chat/completions", json={**body, "tool_choice": {"type": "function", "function": {"name": "weather"}}})
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    plain = http.post("/v1/chat/completions", json={**body, "tool_choice": "none", "structured_outputs": {
+        "json": WEATHER["function"]["parameters"]}}).json()["choices"][0]["message"]["content"]
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "weather", "arguments": plain} and message["content"] is None
+    assert json.loads(plain)["city"] in ("Paris", "Rome") and call["id"].startswith("chatcmpl-tool-")
+
+
+def test_required_calls_one_offered_tool_or_more(http):
+    """tool_choice required: the output is a JSON array of calls of offered tools
+    (vLLM's form); parallel_tool_calls false allows one. This model keeps calling while
+    it may, so the request runs with one call allowed; the array's schema is checked
+    against hand-written outputs."""
+    import jsonschema
+
+    from jaxmtp.server.tool_choice import ToolChoice, forced_call_constraint
+
+    body = dict(messages=HI, max_tokens=120, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+                **GREEDY)
+    choice = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    assert call["function"]["name"] in ("weather", "time")
+    assert call["function"]["name"] == "time" or json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+    two = [{"name": "time", "parameters": {}}, {"name": "weather", "parameters": {"city": "Rome"}}]
+    for parallel, output, valid in [(True, two, True), (False, two, False), (False, two[1:], True), (True, [], False),
+                                    (True, [{"name": "weather", "parameters": {"city": "Oslo"}}], False),
+                                    (True, [{"name": "time", "parameters": {}, "why": 1}], False)]:
+        schema = forced_call_constraint(ToolChoice("required"), [WEATHER, TIME], parallel)["json"]
+        assert jsonschema.Draft202012Validator(schema).is_valid(output) == valid, (parallel, output)
+
+
+def test_auto_reads_the_models_calls_with_the_servers_parser_whole_and_streamed(tools_http):
+    """tool_choice auto (the default with tools): the output read by --tool-call-parser
+    hermes into content and calls; streamed, the deltas add up to the same."""
+    body = dict(messages=HI, max_tokens=100, tools=[WEATHER], structured_outputs={"regex": HERMES_CALL}, **GREEDY)
+    choice = tools_http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    [call] = choice["message"]["tool_calls"]
+    assert choice["message"]["content"] == "Sure." and choice["finish_reason"] == "tool_calls"
+    assert call["function"]["name"] == "weather" and json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+    with tools_http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure."
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert streamed[0]["function"]["name"] == "weather" and streamed[0]["id"].startswith("chatcmpl-tool-")
+    assert "".join(c["function"]["arguments"] for c in streamed) == call["function"]["arguments"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # the openai client reads it
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tools_http, max_retries=0)
+    regex = body.pop("structured_outputs")
+    out = client.chat.completions.create(**body, extra_body={"structured_outputs": regex}).choices[0].message
+    assert out.tool_calls[0].function.arguments == call["function"]["arguments"] and out.content == "Sure."
+
+
+def test_tool_histories_reach_the_template_and_bad_tool_requests_are_400s(http, tools_http):
+    history = HI + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    response = http.post("/v1/chat/completions", json=dict(messages=history, max_tokens=2, tools=[WEATHER],
+                                                           tool_choice="none", **GREEDY))
+    assert response.status_code == 200, response.text
+    bad = [
+        (http, dict(tools=[WEATHER]), "tool_choice", "--enable-auto-tool-choice"),
+        (http, dict(tools=[WEATHER], tool_choice="auto"), "tool_choice", "--enable-auto-tool-choice"),
+        (tools_http, dict(tool_choice="required"), "tool_choice", "needs tools"),
+        (tools_http, dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "time"}}),
+         "tool_choice", "does not offer"),
+        (tools_http, dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+         "tool_choice", "cannot be combined"),
+        (tools_http, dict(messages=HI + [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "weather", "arguments": "{city"}}]}]),
+         "messages", "are not JSON"),
+    ]
+    for client, fields, param, message in bad:
+        error = assert_openai_error(client.post("/v1/chat/completions", json={"messages": HI, **fields}), 400)
+        assert error["param"] == param and message in error["message"], (fields, error)

@@ -83,8 +83,24 @@ def conversation_of(messages: list[dict], content_format: str = "auto") -> list[
             content = "".join(part["text"] for part in content)
         if content_format == "openai" and isinstance(content, str):
             content = [{"type": "text", "text": content}]
-        conversation.append({**message, "content": content})
+        turn = {**message, "content": content}
+        if message.get("tool_calls"):
+            turn["tool_calls"] = [_with_parsed_arguments(call, index) for call in message["tool_calls"]]
+        conversation.append(turn)
     return conversation
+
+
+def _with_parsed_arguments(call: dict, index: int) -> dict:
+    """A call of an assistant message with its arguments as a dict, as chat templates
+    read them (vLLM's); OpenAI sends them as JSON text."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ValueError(f"messages[{index}].tool_calls: arguments {arguments[:40]!r} are not JSON") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def select_template(templates: dict[str, str], tools, chosen: str | None = None) -> str:

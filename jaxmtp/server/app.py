@@ -33,6 +33,7 @@ from jaxmtp.server.protocol import (
 from jaxmtp.server.serving import Server
 from jaxmtp.server.stats_log import StatsLogger
 from jaxmtp.server.tokenization import add_tokenization_routes
+from jaxmtp.server.tool_choice import forced_call_constraint, output_reader
 
 log = logging.getLogger("jaxmtp.server")
 
@@ -192,11 +193,15 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         server.check_limits(body, 1, max_tokens_given or 1, field)  # a default max_tokens is made to fit
         server.check_admission(body.n)
 
+        tool_choice = server.tool_choice(body)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+        forced_call = forced_call_constraint(tool_choice, tools, body.parallel_tool_calls)
+
         def prepare():
-            prompt = server.chat_prompt(body, body.messages)
+            prompt = server.chat_prompt(body, body.messages, tools)
             # by default a reply may fill the context; a prompt that already does gets the context error
             max_tokens = max_tokens_given or server.default_max_tokens(prompt, body.n, logprobs)
-            params = server.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
+            params = server.sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, forced_call)
             server.validate_prompts([prompt], params, body.n)
             return prompt, params
 
@@ -205,7 +210,10 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
             generation = server.submit(body, [prompt], params, request.state.cache_salt, request.state.arrival)
         except ValueError as err:
             raise bad(err, ChatCompletionRequest, prompt_field="messages") from None
-        fmt = ChatFormat(logprobs, body.prompt_logprobs is not None, body.return_token_ids)
+        fmt = ChatFormat(logprobs, body.prompt_logprobs is not None, body.return_token_ids,
+                         output_reader(tool_choice, config.tool_call_parser),
+                         tool_calls_finish=tool_choice.mode in ("auto", "required"),
+                         max_tool_calls=None if body.parallel_tool_calls else 1)
         return await server.respond(request, generation, fmt, body)
 
     add_tokenization_routes(app, server, bad)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from jaxmtp.engine.engine_config import option
 from jaxmtp.server.metrics import METRICS_NAMES
+from jaxmtp.server.tool_parsers import TOOL_PARSERS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -63,6 +64,12 @@ class ServerConfig:
         10.0, "seconds between the stats lines the server logs (throughput, requests, KV cache usage, acceptance)"
     )
     disable_log_stats: bool = option(False, "log no stats lines")
+    enable_auto_tool_choice: bool = option(
+        False, "let chat requests with tools leave the choice to the model (tool_choice auto, the default with "
+        "tools), whose output --tool-call-parser reads into tool calls")
+    tool_call_parser: str | None = option(
+        None, "the model's tool-call format: deepseek_v3 (DeepSeek-V3, R1), deepseek_v31, glm45 (GLM-4.5, 4.6), "
+        "hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3)", tuple(sorted(TOOL_PARSERS)))
 
     def __post_init__(self):
         if isinstance(self.api_key, str):  # one key
@@ -73,7 +80,9 @@ class ServerConfig:
             value = getattr(self, f.name)
             if f.type in ("int", "float") and not value > 0:
                 raise ValueError(f"{f.name} must be > 0, got {value!r}")
-            if f.metadata["choices"] is not None and value not in f.metadata["choices"]:
+            if f.metadata["choices"] is not None and value is not None and value not in f.metadata["choices"]:
                 raise ValueError(f"{f.name} must be one of {f.metadata['choices']}, got {value!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser: the model's tool-call format")
         if self.served_model_name is not None and not all(self.served_model_name):
             raise ValueError("served_model_name must be non-empty names")

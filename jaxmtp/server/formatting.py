@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 
 from jaxmtp.engine.outputs import Logprob
 from jaxmtp.server.generation import Choice
@@ -152,11 +153,63 @@ class ChatFormat(CompletionFormat):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
+    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool = False, return_token_ids: bool = False,
+                 new_tool_reader=None, tool_calls_finish: bool = False, max_tool_calls: int | None = None):
+        """new_tool_reader: makes a reader of one choice's output into tool calls
+        (jaxmtp.server.tool_choice.output_reader), or None for text; tool_calls_finish:
+        a choice that called a tool and stopped finishes with "tool_calls"."""
+        super().__init__(num_logprobs, with_prompt_logprobs, return_token_ids)
+        self.new_tool_reader = new_tool_reader
+        self.tool_calls_finish = tool_calls_finish
+        self.max_tool_calls = max_tool_calls
+        self._readers: dict[int, object] = {}  # a stream's reader of each choice
+        self._called: set[int] = set()  # the choices that have made a call
+
     def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
-        message = {"content": text} if streaming else {"role": "assistant", "content": text}
+        if self.new_tool_reader is None:
+            message = {"content": text}
+        elif streaming:
+            message = self.delta_message(choice, text, done)
+        else:
+            parsed = self.new_tool_reader().parse(text)
+            calls = parsed.tool_calls[: self.max_tool_calls]
+            if calls:
+                self._called.add(choice.index)
+            message = {"content": parsed.content, "tool_calls": [
+                {"id": tool_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]}
+        if not streaming:
+            message = {"role": "assistant", **message}
         body = {"index": choice.index, "delta" if streaming else "message": message}
         body["logprobs"] = self.logprobs(choice, first_token)
         return self.finish(body, choice, first_token, done)
+
+    def delta_message(self, choice: Choice, text: str, done: bool) -> dict:
+        """A stream's delta: the content and the tool calls decided by this text."""
+        reader = self._readers.setdefault(choice.index, self.new_tool_reader())
+        pieces = [reader.feed(text)] + ([reader.finish()] if done else [])
+        message, calls = {}, []
+        content = "".join(piece.content for piece in pieces)
+        if content:
+            message["content"] = content
+        for delta in (d for piece in pieces for d in piece.tool_calls):
+            if self.max_tool_calls is not None and delta.index >= self.max_tool_calls:
+                continue
+            call = {"index": delta.index, "function": {"arguments": delta.arguments}}
+            if delta.name is not None:  # a call's first delta names it
+                call.update(id=tool_call_id(), type="function", function={"name": delta.name, **call["function"]})
+            calls.append(call)
+        if calls:
+            message["tool_calls"] = calls
+            self._called.add(choice.index)
+        return message
+
+    def finish(self, body: dict, choice: Choice, first_token: int, done: bool) -> dict:
+        body = super().finish(body, choice, first_token, done)
+        if done and self.tool_calls_finish and choice.index in self._called and body["finish_reason"] == "stop":
+            body["finish_reason"] = "tool_calls"
+        return body
 
     def prompt_fields(self, choice: Choice) -> dict:
         return {}  # a chat has one prompt: its fields are the response's (response_fields)
@@ -177,6 +230,10 @@ class ChatFormat(CompletionFormat):
                 {**token(e.token, e.logprob), "top_logprobs": [token(text, lp) for text, lp in e.top]} for e in entries
             ]
         }
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 def sse(data: dict | str) -> str:

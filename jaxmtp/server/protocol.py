@@ -18,22 +18,19 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
-# OpenAI and vLLM fields the server does not implement yet, with what they wait for. A
-# request that sets one gets a 400 naming it; the values that ask for nothing (null, and
-# the listed ones) are accepted as if the field were absent.
-NOT_SUPPORTED_YET = {
-    "tools": ("tool parsing", ([],)),
-    "tool_choice": ("tool parsing", ("none",)),
-    "parallel_tool_calls": ("tool parsing", ()),
-    "functions": ("tool parsing", ([],)),
-    "function_call": ("tool parsing", ("none",)),
+# OpenAI fields the server does not implement, with what they wait for. A request that
+# sets one gets a 400 naming it; the values that ask for nothing (null, and the listed
+# ones) are accepted as if the field were absent.
+NOT_SUPPORTED = {
+    "functions": ("tools, which replace them", ([],)),
+    "function_call": ("tools and tool_choice, which replace them", ("none",)),
 }
 
 
 def unsupported_field_message(name: str) -> str:
     """Why a field the request model does not have is refused."""
-    if name in NOT_SUPPORTED_YET:
-        return f"{name} is not supported yet (it needs {NOT_SUPPORTED_YET[name][0]})"
+    if name in NOT_SUPPORTED:
+        return f"{name} is not supported (use {NOT_SUPPORTED[name][0]})"
     return f"{name} is not a field this server implements"
 
 
@@ -137,7 +134,7 @@ class GenerationFields(StrictModel):
     def _drop_what_asks_for_nothing(cls, data: Any) -> Any:
         if isinstance(data, dict):
             asks_nothing = {
-                k for k, v in data.items() if k in NOT_SUPPORTED_YET and v in (None, *NOT_SUPPORTED_YET[k][1])
+                k for k, v in data.items() if k in NOT_SUPPORTED and v in (None, *NOT_SUPPORTED[k][1])
             }
             data = {k: v for k, v in data.items() if k not in asks_nothing}
         return data
@@ -157,10 +154,43 @@ class TextPart(StrictModel):
     text: str
 
 
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str = Field(description="a JSON object, as text")
+
+
+class MessageToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, description="passed to the chat template")
+    tool_calls: list[MessageToolCall] | None = Field(None, description="an assistant's calls, for the chat template")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: bool | None = Field(None, description="accepted: forced calls always follow the schema")
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(StrictModel):
+    class Function(StrictModel):
+        name: str
+
+    type: Literal["function"]
+    function: Function
 
 
 class ChatTemplateFields(StrictModel):
@@ -174,6 +204,10 @@ class ChatTemplateFields(StrictModel):
 
 class ChatCompletionRequest(GenerationFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools (which needs --enable-auto-tool-choice), else none")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call")
     max_tokens: Count | None = Field(None, description="default: the rest of the context")
     max_completion_tokens: Count | None = Field(None, description="overrides max_tokens")
     logprobs: bool = False
@@ -222,7 +256,7 @@ class APIError(Exception):
 def bad_request(err: ValueError, body: type[BaseModel], prompt_field: str = "prompt") -> APIError:
     """An engine ValueError as a 400; its message starts with the parameter it is about."""
     message = str(err)
-    param = message.split(" ", 1)[0].rstrip(":")
+    param = re.split(r"[ :.\[]", message, maxsplit=1)[0]  # "messages[1].tool_calls: ..." is about messages
     if param == "prompt":
         param = prompt_field
     return APIError(400, message, param=param if param in body.model_fields else None)

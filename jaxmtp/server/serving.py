@@ -23,15 +23,18 @@ from jaxmtp.server.metrics import Metrics
 from jaxmtp.server.protocol import (
     SAMPLING_FIELDS,
     APIError,
-    StreamOptions,
+    ChatCompletionRequest,
     ChatMessage,
     ChatTemplateFields,
     GenerationFields,
+    NamedToolChoice,
+    StreamOptions,
     chat_conversation,
     check_text,
     logit_bias_ids,
     structured_outputs_of,
 )
+from jaxmtp.server.tool_choice import ToolChoice
 
 log = logging.getLogger("jaxmtp.server")
 
@@ -129,14 +132,39 @@ class Server:
 
     @staticmethod
     def sampling_params(
-        body: GenerationFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        body: GenerationFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+        forced_call: dict | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams: each sampling field under its own name (None:
-        SamplingParams' default); a value it refuses is a ValueError naming the field."""
+        SamplingParams' default); a value it refuses is a ValueError naming the field.
+        forced_call: a tool_choice's constraint, which takes the place of a structured
+        output (tool_choice refuses both)."""
         given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
         given.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=logit_bias_ids(body.logit_bias),
-                     structured_outputs=structured_outputs_of(body), prompt_logprobs=prompt_logprobs)
+                     structured_outputs=forced_call or structured_outputs_of(body), prompt_logprobs=prompt_logprobs)
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+    def tool_choice(self, body: ChatCompletionRequest) -> ToolChoice:
+        """The request's tool_choice (by default auto with tools, as OpenAI's), a 400 where
+        it cannot be honoured."""
+        given, names = body.tool_choice, [tool.function.name for tool in body.tools or []]
+        if isinstance(given, NamedToolChoice):
+            choice = ToolChoice("function", given.function.name)
+        else:
+            choice = ToolChoice(given or ("auto" if names else "none"))
+        if choice.mode != "none" and not names:
+            raise APIError(400, f"tool_choice {choice.mode!r} needs tools", "tool_choice")
+        if choice.function is not None and choice.function not in names:
+            raise APIError(400, f"tool_choice names the function {choice.function!r}, which tools does not offer",
+                           "tool_choice")
+        if choice.mode == "auto" and not (self.config.enable_auto_tool_choice and self.config.tool_call_parser):
+            message = ('"auto" tool choice (the default with tools) needs the server started with '
+                       '--enable-auto-tool-choice and --tool-call-parser')
+            raise APIError(400, message, "tool_choice")
+        if choice.mode in ("required", "function") and structured_outputs_of(body) is not None:
+            raise APIError(400, f"tool_choice {choice.mode!r} constrains the output itself: it cannot be combined "
+                           "with response_format or structured outputs", "tool_choice")
+        return choice
 
     def chat_prompt(self, body: ChatTemplateFields, messages: list[ChatMessage], tools: list[dict] | None = None):
         """The messages' token ids, rendered with the chat template as the request asks. The
