@@ -563,3 +563,24 @@ def test_tool_histories_reach_the_template_and_bad_tool_requests_are_400s(http, 
     for client, fields, param, message in bad:
         error = assert_openai_error(client.post("/v1/chat/completions", json={"messages": HI, **fields}), 400)
         assert error["param"] == param and message in error["message"], (fields, error)
+
+
+def test_cors_answers_browser_preflights_as_vllm_does(http, engine):
+    """CORS with vLLM's defaults (any origin, method, header) and options; a preflight
+    carries no API key, so it is answered before the key is checked."""
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    response = http.options("/v1/chat/completions", headers=preflight)
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "*"
+    with serving(engine, disable_log_stats=True, api_key=["k"], allowed_origins=["https://app.example"]) as guarded:
+        response = guarded.options("/v1/chat/completions", headers=preflight)
+        assert response.status_code == 200, response.text
+        assert response.headers["access-control-allow-origin"] == "https://app.example"
+        assert guarded.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}
+                               ).status_code == 400
+        body = dict(messages=HI, max_tokens=1, **GREEDY)
+        refused = guarded.post("/v1/chat/completions", json=body, headers={"Origin": "https://app.example"})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://app.example"
+        answered = guarded.post("/v1/chat/completions", json=body,
+                                headers={"Origin": "https://app.example", "Authorization": "Bearer k"})
+        assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "https://app.example"

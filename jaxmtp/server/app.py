@@ -11,6 +11,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -60,6 +61,12 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
     app.state.server = server
     app.add_middleware(
         RequestGate, api_keys=config.api_key, max_body_bytes=config.max_body_bytes, public_metrics=config.public_metrics
+    )
+    # outside the gate, so that a browser's preflight (OPTIONS, which carries no key) is
+    # answered, as vLLM's is
+    app.add_middleware(
+        CORSMiddleware, allow_origins=config.allowed_origins or ["*"], allow_methods=config.allowed_methods or ["*"],
+        allow_headers=config.allowed_headers or ["*"], allow_credentials=config.allow_credentials,
     )
 
     @app.exception_handler(APIError)

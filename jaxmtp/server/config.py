@@ -64,6 +64,11 @@ class ServerConfig:
         10.0, "seconds between the stats lines the server logs (throughput, requests, KV cache usage, acceptance)"
     )
     disable_log_stats: bool = option(False, "log no stats lines")
+    # CORS, with vLLM's options and defaults: any origin, method and header, no credentials
+    allowed_origins: list[str] | None = option(None, "origins browsers may call from (default: any, *)")
+    allowed_methods: list[str] | None = option(None, "methods browsers may use (default: any, *)")
+    allowed_headers: list[str] | None = option(None, "headers browsers may send (default: any, *)")
+    allow_credentials: bool = option(False, "whether browsers may send credentials (cookies) along")
     enable_auto_tool_choice: bool = option(
         False, "let chat requests with tools leave the choice to the model (tool_choice auto, the default with "
         "tools), whose output --tool-call-parser reads into tool calls")
