@@ -390,6 +390,7 @@ def test_echo_scores_the_prompt_as_lm_eval_harness_asks(http, engine):
     assert response.json()["usage"]["completion_tokens"] == 0
     logprobs = choice["logprobs"]
     assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
+    assert logprobs["tokens"][0] == "<s>"  # the unscored first token by name, as vLLM's
     want, bound = reference_logprobs(ids)
     assert_within(logprobs["token_logprobs"][1:], want[np.arange(len(ids) - 1), ids[1:]], bound)
     greedy = [max(top, key=top.get) for top in logprobs["top_logprobs"][1:]]
@@ -405,6 +406,17 @@ def test_echo_with_a_completion_and_the_openai_client(http):
     assert choice.text == "Once upon a time" + plain.choices[0].text
     assert choice.logprobs.token_logprobs[-3:] == plain.choices[0].logprobs.token_logprobs
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == out.usage.prompt_tokens + 3
+    # OpenAI's text_offset: where each token's text starts, from the choice's first token on
+    for logprobs in (choice.logprobs, plain.choices[0].logprobs):
+        assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+
+def test_completion_max_tokens_null_runs_to_the_end_of_the_context(engine):
+    """vLLM's max_tokens null: the rest of the context, within --max-request-tokens."""
+    with serving(engine, disable_log_stats=True, max_request_tokens=12) as http:
+        body = dict(prompt="Once upon a time", max_tokens=None, ignore_eos=True, **GREEDY)
+        response = http.post("/v1/completions", json=body).json()
+        assert response["usage"]["completion_tokens"] == 12 and response["choices"][0]["finish_reason"] == "length"
 
 
 def test_prompt_logprobs_field_as_vllm(http):

@@ -157,8 +157,10 @@ def test_logprobs_without_a_tokenizer_name_token_ids(http, engine, monkeypatch):
 
 def test_served_model_names(engine):
     with serving(engine, served_model_name=["storyteller", "tiny"]) as http:
-        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["storyteller"]
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["storyteller", "tiny"]
         out = http.post("/v1/completions", json=dict(prompt="Hi", max_tokens=2, model="tiny"))
+        assert out.status_code == 200 and out.json()["model"] == "tiny"
+        out = http.post("/v1/completions", json=dict(prompt="Hi", max_tokens=2))
         assert out.status_code == 200 and out.json()["model"] == "storyteller"
         error = assert_openai_error(http.post("/v1/completions", json=dict(prompt="Hi", model=MODEL_ID)), 404)
         assert error["param"] == "model"

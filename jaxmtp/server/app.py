@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 
 from fastapi import FastAPI, Request
@@ -22,7 +21,6 @@ from jaxmtp.server.config import ServerConfig
 from jaxmtp.server.formatting import ChatFormat, CompletionFormat, EchoFormat
 from jaxmtp.server.gate import RequestGate
 from jaxmtp.server.protocol import (
-    DEFAULT_COMPLETION_TOKENS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -140,9 +138,9 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         return {
             "object": "list",
             "data": [{
-                "id": server.model_id, "object": "model", "created": 0, "owned_by": "jaxmtp",
+                "id": name, "object": "model", "created": 0, "owned_by": "jaxmtp",
                 "root": server.model_id, "max_model_len": engine.max_model_len,
-            }],
+            } for name in server.listed_names],
         }
 
     @app.post("/v1/completions")
@@ -153,13 +151,13 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         except ValueError as err:
             raise bad(err, CompletionRequest) from None
         check_prompt_texts(prompts)
-        max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+        max_tokens = body.max_tokens  # null: the rest of the context, as vLLM's
         if max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", "max_tokens")
         for name in ("echo", "prompt_logprobs"):
             if body.stream and getattr(body, name) not in (None, False):
                 raise APIError(400, f"{name} with stream is not supported yet", name)
-        server.check_limits(body, len(prompts), max_tokens, "max_tokens")
+        server.check_limits(body, len(prompts), 1 if max_tokens is None else max_tokens, "max_tokens")
         server.check_admission(len(prompts) * body.n)
         # echo shows the prompt's logprobs with the completion's (lm-eval-harness's loglikelihood)
         echoed = body.logprobs if body.echo else None
@@ -167,7 +165,9 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
 
         def prepare():
             ids = [engine.encode_prompt(p)[1] for p in prompts]
-            params = server.sampling_params(body, max(max_tokens, 1), body.logprobs, prompt_logprobs)
+            rest = min(server.default_max_tokens(p, body.n, body.logprobs) for p in ids)
+            params = server.sampling_params(body, max(rest if max_tokens is None else max_tokens, 1), body.logprobs,
+                                            prompt_logprobs)
             server.validate_prompts(ids, params, body.n)
             return ids, params
 
@@ -177,8 +177,7 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
         except ValueError as err:
             raise bad(err, CompletionRequest) from None
         with_prompt_logprobs = body.prompt_logprobs is not None
-        decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=True) if engine.tokenizer else str
-        fmt = (EchoFormat(body.logprobs, with_prompt_logprobs, body.return_token_ids, decode, max_tokens == 0)
+        fmt = (EchoFormat(body.logprobs, with_prompt_logprobs, body.return_token_ids, engine.tokenizer, max_tokens == 0)
                if body.echo else CompletionFormat(body.logprobs, with_prompt_logprobs, body.return_token_ids))
         return await server.respond(request, generation, fmt, body)
 

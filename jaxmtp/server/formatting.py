@@ -4,6 +4,7 @@ render logprobs from one loop (token_logprobs) and differ only in the shape arou
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import uuid
 
@@ -47,6 +48,7 @@ class CompletionFormat:
         self.num_logprobs = num_logprobs
         self.with_prompt_logprobs = with_prompt_logprobs  # vLLM's prompt_logprobs field
         self.return_token_ids = return_token_ids  # vLLM's: prompt_token_ids and token_ids
+        self._text_offsets: dict[int, int] = {}  # each choice's text length in its logprobs so far
 
     def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
         body = {"index": choice.index, "text": text, "logprobs": self.logprobs(choice, first_token)}
@@ -90,13 +92,19 @@ class CompletionFormat:
     def logprobs(self, choice: Choice, first_token: int) -> dict | None:
         if self.num_logprobs is None or choice.logprobs is None:
             return None
-        return self.logprobs_body(token_logprobs(choice, first_token, self.num_logprobs))
+        return self.logprobs_body(choice, token_logprobs(choice, first_token, self.num_logprobs))
 
-    def logprobs_body(self, entries: list[TokenLogprob]) -> dict:
+    def logprobs_body(self, choice: Choice, entries: list[TokenLogprob]) -> dict:
+        """OpenAI's completion logprobs; text_offset: where each token's text starts in the
+        choice's text, counted on from the tokens of a stream's earlier chunks (vLLM's)."""
+        start = self._text_offsets.get(choice.index, 0)
+        offsets = list(itertools.accumulate((len(e.token) for e in entries), initial=start))
+        self._text_offsets[choice.index] = offsets[-1]
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [dict(e.top) for e in entries],
+            "text_offset": offsets[:-1],
         }
 
 
@@ -105,18 +113,23 @@ class EchoFormat(CompletionFormat):
     prompt's (the first prompt token has no logprob: null, as OpenAI's). With max_tokens 0
     the engine still samples one token, which the response leaves out."""
 
-    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool, return_token_ids: bool, decode,
+    def __init__(self, num_logprobs: int | None, with_prompt_logprobs: bool, return_token_ids: bool, tokenizer,
                  prompt_only: bool):
+        """tokenizer: the text of prompts given as ids and of the first prompt token (None
+        for a model without one: tokens are then named by id)."""
         super().__init__(num_logprobs, with_prompt_logprobs, return_token_ids)
-        self.decode = decode  # token ids -> text, for prompts given as ids
+        self.tokenizer = tokenizer
         self.prompt_only = prompt_only
 
     def choice(self, choice: Choice, text: str, first_token: int, done: bool, streaming: bool) -> dict:
-        prompt = choice.prompt if choice.prompt is not None else self.decode(choice.prompt_token_ids)
+        prompt = choice.prompt
+        if prompt is None:
+            ids = choice.prompt_token_ids
+            prompt = str(ids) if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
         body = {"index": choice.index, "text": prompt + ("" if self.prompt_only else text)}
         if self.num_logprobs is not None:
             entries = [] if self.prompt_only else token_logprobs(choice, 0, self.num_logprobs)
-            logprobs = self.logprobs_body(prompt_logprobs(choice, self.num_logprobs) + entries)
+            logprobs = self.logprobs_body(choice, self.prompt_logprobs(choice) + entries)
             logprobs["token_logprobs"][0] = logprobs["top_logprobs"][0] = None
             body["logprobs"] = logprobs
         else:
@@ -128,25 +141,24 @@ class EchoFormat(CompletionFormat):
                 body["token_ids"] = []
         return body
 
+    def prompt_logprobs(self, choice: Choice) -> list[TokenLogprob]:
+        """The prompt's tokens as TokenLogprobs; the first, which nothing scores, with its
+        text (special tokens by name, as vLLM's) and a logprob the caller replaces by null."""
+        first = choice.prompt_token_ids[0]
+        text = f"token_id:{first}" if self.tokenizer is None else self.tokenizer.decode([first])
+        entries = [TokenLogprob(text, 0.0, [])]
+        for token, entry in zip(choice.prompt_token_ids[1:], choice.prompt_logprobs[1:]):
+            top = sorted(entry.items(), key=lambda item: item[1].rank)[: self.num_logprobs]
+            chosen = entry[token]
+            entries.append(TokenLogprob(token_text(token, chosen), chosen.logprob,
+                                        [(token_text(t, lp), lp.logprob) for t, lp in top]))
+        return entries
+
     def usage(self, generation) -> dict:
         usage = generation.usage()
         if self.prompt_only:
             usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
         return usage
-
-
-def prompt_logprobs(choice: Choice, num_top: int) -> list[TokenLogprob]:
-    """The prompt's tokens as TokenLogprobs; the first, which nothing scores, with a
-    placeholder the caller replaces by null."""
-    entries = []
-    for position, (token, entry) in enumerate(zip(choice.prompt_token_ids, choice.prompt_logprobs)):
-        if entry is None:
-            entries.append(TokenLogprob(token_text(token, Logprob(0.0, None, None)), 0.0, []))
-            continue
-        top = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
-        chosen = entry[token]
-        entries.append(TokenLogprob(token_text(token, chosen), chosen.logprob, [(token_text(t, lp), lp.logprob) for t, lp in top]))
-    return entries
 
 
 class ChatFormat(CompletionFormat):
@@ -221,7 +233,7 @@ class ChatFormat(CompletionFormat):
         delta = {"role": "assistant", "content": ""}
         return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}
 
-    def logprobs_body(self, entries: list[TokenLogprob]) -> dict:
+    def logprobs_body(self, choice: Choice, entries: list[TokenLogprob]) -> dict:
         def token(text: str, logprob: float) -> dict:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 

@@ -143,7 +143,8 @@ class GenerationFields(StrictModel):
 class CompletionRequest(GenerationFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(
-        DEFAULT_COMPLETION_TOKENS, ge=0, le=INT32_MAX, description=f"null: {DEFAULT_COMPLETION_TOKENS}; 0 only with echo"
+        DEFAULT_COMPLETION_TOKENS, ge=0, le=INT32_MAX,
+        description="null: the rest of the context (vLLM's); 0 only with echo",
     )
     logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     echo: bool = Field(False, description="the prompt before the completion, with its logprobs when logprobs is set")

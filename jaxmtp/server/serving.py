@@ -56,6 +56,8 @@ class Server:
         else:  # a Hugging Face id
             self.model_id = model
             self.model_names = {model}
+        # /v1/models lists each served name, as vLLM's
+        self.listed_names = list(config.served_model_name or [self.model_id])
         # where the model lies on this machine is nobody's business outside it
         self._paths = sorted({str(folder), str(model), str(engine.model_dir)}, key=len, reverse=True)
         self.metrics = Metrics(engine, self.model_id, config.metrics_names)
@@ -123,8 +125,9 @@ class Server:
             raise APIError(400, message, "n", code="request_too_large")
 
     def default_max_tokens(self, prompt: list[int], n: int, logprobs: int | None) -> int:
-        """A chat reply's default: the rest of the context, within max_request_tokens and
-        (with logprobs) max_logprob_entries."""
+        """A reply's length where the request sets none (a chat's default, a completion's
+        null): the rest of the context, within max_request_tokens and (with logprobs)
+        max_logprob_entries."""
         limit = self.config.max_request_tokens // n
         if logprobs is not None:
             limit = min(limit, self.config.max_logprob_entries // (n * (logprobs + 1)))
@@ -228,7 +231,9 @@ class Server:
         # vLLM's: the X-Request-Id header's id, else the body's request_id, names the
         # response, and the header echoes it
         base_id = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
-        header = {"id": fmt.id_prefix + base_id, "created": generation.created, "model": self.model_id}
+        # the name the request gave, where it is a served name (vLLM's); never a path
+        model = body.model if body.model in self.listed_names else self.model_id
+        header = {"id": fmt.id_prefix + base_id, "created": generation.created, "model": model}
         echo = {"X-Request-Id": base_id}
         if body.stream:
             chunks = self.stream(generation, fmt, header, body.stream_options or StreamOptions())
