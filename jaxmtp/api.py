@@ -37,7 +37,8 @@ def _from_dict(prompt: dict) -> str | list[int]:
 
 
 class LLM:
-    """LLM("checkpoints/stories260K", dtype="float32", page_size=16, ...)."""
+    """LLM("checkpoints/stories260K", dtype="float32", page_size=16, ...): the keyword
+    arguments are EngineConfig's fields, under vLLM's names where vLLM has the option."""
 
     def __init__(self, model: str | Path, **engine_kwargs):
         self.engine = LLMEngine(model, **engine_kwargs)
@@ -48,6 +49,13 @@ class LLM:
     def llm_engine(self) -> LLMEngine:
         """The engine under vLLM's name for it."""
         return self.engine
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams whose defaults are the sampling fields of the model's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, and
+        max_new_tokens as max_tokens; see the engine option generation_config), what
+        generate and chat use when given no sampling_params."""
+        return self.engine.default_sampling_params()
 
     def get_tokenizer(self):
         """The model's jaxmtp.loading.tokenizer.Tokenizer (None for a model without tokenizer.json)."""
@@ -64,7 +72,7 @@ class LLM:
         and leaves the engine as it was."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

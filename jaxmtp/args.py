@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 from jaxmtp.engine.engine_config import EngineConfig
@@ -30,7 +31,16 @@ CLI_ENGINE_HELP = {
     ),
 }
 
-TYPES = {"str": str, "int": int, "float": float}
+
+def json_value(text: str):
+    """A dict option's value, JSON as vLLM's command line takes it (--speculative-config '{...}')."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({err}): {text!r}") from None
+
+
+TYPES = {"str": str, "int": int, "float": float, "dict": json_value}
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -62,7 +72,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, defaults: dict | Non
         elif kind.startswith("list["):
             parser.add_argument(flag, nargs="+", type=TYPES[kind[5:-1]], default=default, help=text)
         else:
-            parser.add_argument(flag, type=TYPES[kind], default=default, choices=f.metadata["choices"], help=text)
+            metavar = "JSON" if kind == "dict" else None
+            parser.add_argument(flag, type=TYPES[kind], default=default, choices=f.metadata["choices"], metavar=metavar,
+                                help=text)
 
 
 def option_values(args: argparse.Namespace, cls: type) -> dict:
@@ -94,7 +106,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's keyword arguments from the parsed engine options."""
     kwargs = option_values(args, EngineConfig)
-    if kwargs["num_speculative_tokens"] is None:
+    if kwargs["num_speculative_tokens"] is None and kwargs["speculative_config"] is not None:
+        kwargs["num_speculative_tokens"] = 0  # speculative_config gives it
+    elif kwargs["num_speculative_tokens"] is None:
         from jaxmtp.loading import hub
         from jaxmtp.models.registry import load_config
 

@@ -15,7 +15,13 @@ DTYPES = ("auto", *MODEL_DTYPES)
 MAX_SPECULATIVE_TOKENS = 4
 
 
-SPECULATIVE_METHODS = ("mtp",)
+# vLLM's speculative methods that are the model's own MTP layers, for the families this
+# engine runs (vLLM reads the family names as aliases of "mtp"); drafting with another
+# model (draft_model, eagle, eagle3, medusa) or with n-grams is not implemented here
+SPECULATIVE_METHODS = ("mtp", "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp")
+# vLLM configs of MTP often name the served model as the draft "model"; LLMEngine checks it
+SPECULATIVE_KEYS = ("method", "model", "num_speculative_tokens")
+QUANTIZATIONS = ("auto", "fp8")
 
 
 def speculative_tokens_of(config: EngineConfig) -> int:
@@ -23,11 +29,16 @@ def speculative_tokens_of(config: EngineConfig) -> int:
     spec = config.speculative_config
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a dict, got {spec!r}")
-    unknown = sorted(set(spec) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(spec) - set(SPECULATIVE_KEYS))
     if unknown:
-        raise ValueError(f"speculative_config keys {unknown} are not supported (supported: method, num_speculative_tokens)")
-    if spec.get("method", "mtp") not in SPECULATIVE_METHODS:
-        raise ValueError(f"speculative_config method {spec.get('method')!r} is not supported (supported: {SPECULATIVE_METHODS})")
+        supported = ", ".join(SPECULATIVE_KEYS)
+        raise ValueError(f"speculative_config keys {unknown} are not supported (supported: {supported})")
+    method = spec.get("method") or "mtp"
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative_config method {method!r} is not supported: this engine drafts with the model's own MTP "
+            f"layers (supported methods: {', '.join(SPECULATIVE_METHODS)})"
+        )
     if config.num_speculative_tokens and config.num_speculative_tokens != spec.get("num_speculative_tokens"):
         raise ValueError("num_speculative_tokens and speculative_config disagree; give one of them")
     if "num_speculative_tokens" not in spec:
@@ -35,10 +46,18 @@ def speculative_tokens_of(config: EngineConfig) -> int:
     return spec["num_speculative_tokens"]
 
 
-def option(default, help: str, choices: tuple | None = None, cli: bool = True):
+def option(default, help: str, choices: tuple | None = None, cli: bool = True, no_effect: str | None = None):
     """A field with the metadata the CLI reads: its help text, its choices, and whether
-    it is a command-line option at all."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+    it is a command-line option at all; no_effect: see no_effect_option."""
+    metadata = {"help": help, "choices": choices, "cli": cli, "no_effect": no_effect}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def no_effect_option(default, reason: str, cli: bool = True):
+    """One of vLLM's options that changes no output of this engine: accepted, and logged
+    at INFO when set (EngineConfig.ineffective). reason: why it changes nothing here."""
+    text = f"vLLM's option, accepted with no effect here: {reason}" + (" (default: none)" if default is None else "")
+    return option(default, text, cli=cli, no_effect=reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +65,10 @@ class EngineConfig:
     dtype: str = option(
         "auto", "weights' and activations' dtype; auto: the checkpoint's (config.json's torch_dtype), float16 included",
         DTYPES)
+    quantization: str | None = option(
+        None, "the weights' quantization: auto (or none given), the checkpoint's; fp8 asserts an fp8 checkpoint "
+        "(config.json's quantization_config), as this engine does not quantize weights while loading them "
+        "(default: the checkpoint's)", QUANTIZATIONS)
     page_size: int = option(16, "tokens per KV cache page")
     num_pages: int | None = option(
         None, "KV pages in the pool (default: what gpu_memory_utilization or kv_cache_memory_bytes leaves room for, "
@@ -61,7 +84,9 @@ class EngineConfig:
     prefill_chunk_size: int | None = option(None, "prompt tokens of one request per step (default: max_num_batched_tokens)")
     num_speculative_tokens: int = option(0, f"MTP draft tokens per step, 0..{MAX_SPECULATIVE_TOKENS} (needs MTP weights)")
     speculative_config: dict | None = option(
-        None, 'vLLM\'s form of num_speculative_tokens: {"method": "mtp", "num_speculative_tokens": k}', cli=False)
+        None, 'vLLM\'s form of num_speculative_tokens, JSON on the command line: {"method": "mtp", '
+        '"num_speculative_tokens": k}; the methods mtp, deepseek_mtp, mimo_mtp and glm4_moe_mtp all draft with the '
+        'model\'s own MTP layers (default: none)')
     mtp_boundary: str = option(
         "next_chunk",
         "the token the MTP module reads after a non-final prefill chunk: the next prompt token (next_chunk), "
@@ -90,12 +115,35 @@ class EngineConfig:
         "clean shutdown waits for the other nodes")
     revision: str | None = option(
         None, "the Hugging Face revision (branch, tag or commit) of a model given by id (default: main)")
+    tokenizer: str | None = option(
+        None, "folder or Hugging Face id whose tokenizer.json, tokenizer_config.json and chat template are used "
+        "instead of the model's (default: the model's)")
+    tokenizer_revision: str | None = option(
+        None, "the Hugging Face revision of a tokenizer given by id (default: revision)")
+    generation_config: str = option(
+        "auto", "where the default sampling parameters come from (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, and max_new_tokens as max_tokens): auto, the model's generation_config.json; vllm, "
+        "none (SamplingParams' defaults); or a folder holding a generation_config.json")
     load_format: str = option("auto", "how to read the weights (dummy: random weights of the config's shapes)", LOAD_FORMATS)
     max_logprobs: int = option(20, "most top logprobs a request may ask for")
     seed: int = option(0, "seed of dummy weights and of requests that set none")
     async_scheduling: bool = option(
         True, "schedule and dispatch step N+1 before reading step N, so host work overlaps the device's"
     )
+    # vLLM's options that change no output here
+    trust_remote_code: bool = no_effect_option(
+        False, "this engine runs no checkpoint's Python code; it implements each architecture it serves")
+    enforce_eager: bool = no_effect_option(
+        False, "every step runs compiled by XLA; there are no CUDA graphs to leave out")
+    swap_space: float = no_effect_option(4.0, "a preempted request is recomputed, never swapped to CPU memory")
+    disable_custom_all_reduce: bool = no_effect_option(False, "tensor parallelism's all-reduces are XLA's collectives")
+    max_seq_len_to_capture: int = no_effect_option(8192, "no CUDA graphs are captured; every step shape is compiled")
+    compilation_config: dict | None = no_effect_option(
+        None, "XLA compiles every step; vLLM's torch.compile and CUDA graph settings do not apply (JSON on the "
+        "command line)")
+    disable_log_stats: bool = no_effect_option(  # LLM(...)'s: serve's --disable-log-stats is ServerConfig's
+        True, "the engine logs no periodic stats (jaxmtp serve's --disable-log-stats turns off the server's)",
+        cli=False)
 
     def __post_init__(self):
         if self.speculative_config is not None:
@@ -105,6 +153,11 @@ class EngineConfig:
     @property
     def chunk_size(self) -> int:
         return self.prefill_chunk_size or self.max_num_batched_tokens
+
+    def ineffective(self) -> dict[str, str]:
+        """vLLM's options set here that change no output of this engine, each with why."""
+        return {f.name: f.metadata["no_effect"] for f in dataclasses.fields(self)
+                if f.metadata["no_effect"] and getattr(self, f.name) != f.default}
 
     def validate(self) -> None:
         """Everything that can be checked without the model; a ValueError names the option."""
@@ -118,13 +171,15 @@ class EngineConfig:
             if kind == "int" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_pages",
-                     "max_model_len", "prefill_chunk_size", "num_nodes", "node_timeout"):
+                     "max_model_len", "prefill_chunk_size", "num_nodes", "node_timeout", "max_seq_len_to_capture"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if isinstance(self.gpu_memory_utilization, bool) or not isinstance(self.gpu_memory_utilization, (int, float)) \
                 or not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}")
         k = self.num_speculative_tokens

@@ -1,7 +1,8 @@
-"""The model families by config.json's model_type, and config.json parsing into a
-ModelConfig. A family is a row here: what its transformers modeling file hard-codes
-(the Llama block otherwise: RMSNorm, RoPE, GQA attention, a gated MLP), plus, where it
-has fields of its own (experts, MLA), the configure function of its file."""
+"""The model families by config.json's model_type, config.json parsing into a
+ModelConfig, and generation_config.json's default sampling parameters. A family is a
+row here: what its transformers modeling file hard-codes (the Llama block otherwise:
+RMSNorm, RoPE, GQA attention, a gated MLP), plus, where it has fields of its own
+(experts, MLA), the configure function of its file."""
 
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ from pathlib import Path
 from jaxmtp.models import deepseek_v3, glm4_moe
 from jaxmtp.models.config import HIDDEN_ACTIVATIONS, MODEL_DTYPES, MTP_LAYOUTS, ModelConfig
 from jaxmtp.models.quantization import quantization_from_hf
+
+
+# generation_config.json's sampling fields, each with the SamplingParams field it sets
+# (vLLM's get_diff_sampling_param: transformers' max_new_tokens is max_tokens)
+GENERATION_SAMPLING_FIELDS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +132,26 @@ def _eos_token_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
     if generation.is_file():
         ids += [i for i in _as_tuple(json.loads(generation.read_text()).get("eos_token_id")) if i not in ids]
     return tuple(ids)
+
+
+def generation_defaults(model_dir: Path, generation_config: str | Path = "auto") -> dict:
+    """The default sampling parameters (SamplingParams' field -> value) that
+    EngineConfig.generation_config names: "auto", those the model folder's
+    generation_config.json sets; "vllm", none; a folder, those of its
+    generation_config.json. Only fields the file sets (not null) are in it."""
+    if not isinstance(generation_config, (str, Path)):
+        raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {generation_config!r}")
+    if generation_config == "vllm":
+        return {}
+    folder = Path(model_dir) if generation_config == "auto" else Path(generation_config).expanduser()
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if generation_config == "auto":
+            return {}
+        raise FileNotFoundError(f"generation_config {generation_config!s}: no such folder with a generation_config.json")
+    fields = json.loads(path.read_text())
+    return {ours: fields[theirs] for theirs, ours in GENERATION_SAMPLING_FIELDS.items()
+            if fields.get(theirs) is not None}
 
 
 def _dtype_from_hf(hf: dict) -> str:

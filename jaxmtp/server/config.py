@@ -27,6 +27,9 @@ class ServerConfig:
     served_model_name: list[str] | None = option(
         None, "the names requests may give as `model`; responses report the first (default: the model folder's name)"
     )
+    chat_template: str | None = option(
+        None, "the chat template every chat is rendered with instead of the model's: a file, or the template itself "
+        "(default: the model's)")
     max_waiting: int = option(256, "waiting requests (one per choice) beyond which new ones get 429")
     request_timeout: float = option(600.0, "seconds after its arrival before a request is aborted")
     max_body_bytes: int = option(1 << 20, "larger request bodies get 413")
@@ -74,7 +77,7 @@ class ServerConfig:
         "tools), whose output --tool-call-parser reads into tool calls")
     tool_call_parser: str | None = option(
         None, "the model's tool-call format: deepseek_v3 (DeepSeek-V3, R1), deepseek_v31, glm45 (GLM-4.5, 4.6), "
-        "hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3)", tuple(sorted(TOOL_PARSERS)))
+        "hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3) (default: none)", tuple(sorted(TOOL_PARSERS)))
 
     def __post_init__(self):
         if isinstance(self.api_key, str):  # one key

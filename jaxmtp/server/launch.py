@@ -10,12 +10,15 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 import h11
+import jinja2
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from jaxmtp.args import add_engine_args, add_options, engine_kwargs, option_values, resolve_model
+from jaxmtp.loading.chat_template import compile_template
 from jaxmtp.server.app import create_app
 from jaxmtp.server.config import ServerConfig
 from jaxmtp.server.serving import Server
@@ -32,6 +35,47 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser, model_positional=True)
     key = os.environ.get("JAXMTP_API_KEY")
     add_options(parser, ServerConfig, defaults={"api_key": [key] if key else None})
+
+
+def launch_settings(args: argparse.Namespace) -> tuple[ServerConfig, str, dict, str | None]:
+    """What `jaxmtp serve`'s command line asks for, checked before any weights load: the
+    server's config, the model, the engine's keyword arguments and the chat template."""
+    config = ServerConfig(**option_values(args, ServerConfig))
+    return config, resolve_model(args), engine_kwargs(args), chat_template_source(config.chat_template)
+
+
+def chat_template_source(chat_template: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's text, or else, if it looks like a
+    template (braces or a newline), the option's own text with its backslash escapes
+    (\\n) decoded. A ValueError names a missing file or a template that does not compile."""
+    if chat_template is None:
+        return None
+    path = os.path.expanduser(chat_template)
+    if os.path.isfile(path):  # (False, not an error, for a template too long to be a file name)
+        source = Path(path).read_text(encoding="utf-8")
+    elif any(c in chat_template for c in "{}\n"):
+        # unicode_escape reads bytes as Latin-1: what Latin-1 cannot hold goes in as \\u escapes
+        source = chat_template.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    else:
+        raise ValueError(f"chat_template file {chat_template} does not exist (and it is no template)")
+    try:
+        compile_template(source)
+    except jinja2.TemplateError as err:
+        raise ValueError(f"chat_template does not compile: {err}") from None
+    return source
+
+
+def load_engine(model: str, engine_kwargs: dict, chat_template: str | None):
+    """The engine, whose tokenizer renders every chat with chat_template (a template's
+    source) if one is given."""
+    from jaxmtp.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(model, **engine_kwargs)
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise ValueError("chat_template needs the model's tokenizer (tokenizer.json)")
+        engine.tokenizer.chat_templates = {"default": chat_template}
+    return engine
 
 
 def timed_protocol(read_timeout: float) -> type[H11Protocol]:
@@ -108,16 +152,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    from jaxmtp.engine.llm_engine import LLMEngine
     from jaxmtp.worker.programs import use_persistent_cache
 
-    config = ServerConfig(**option_values(args, ServerConfig))
+    config, model, kwargs, chat_template = launch_settings(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("jaxmtp").setLevel(config.log_level.upper())
     if config.compilation_cache_dir:
         use_persistent_cache(config.compilation_cache_dir)
-    model = resolve_model(args)
-    engine = LLMEngine(model, **engine_kwargs(args))
+    engine = load_engine(model, kwargs, chat_template)
     # the largest shape holds any batch: requests run on it until theirs is compiled
     engine.warmup(COMPILE_THREADS, background=True)
     log.info("serving on the step's largest batch shape while %d more compile in the background",
