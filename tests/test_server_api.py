@@ -596,3 +596,44 @@ def test_cors_answers_browser_preflights_as_vllm_does(http, engine):
         answered = guarded.post("/v1/chat/completions", json=body,
                                 headers={"Origin": "https://app.example", "Authorization": "Bearer k"})
         assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "https://app.example"
+
+
+def test_vllm_docs_tool_calling_example_runs_unchanged(tools_http):
+    """The OpenAI-client example of vLLM's tool-calling docs (its named-function form:
+    this model writes no tool format of its own), with only the base URL changed, and
+    the schema closed (the location an enum, no other properties): this model never
+    ends a free string."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url="http://testserver/v1", api_key="dummy", http_client=tools_http)
+
+    def get_weather(location: str, unit: str):
+        return f"Getting the weather for {location} in {unit}..."
+
+    tool_functions = {"get_weather": get_weather}
+    tools = [{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather in a given location",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "location": {"type": "string", "description": "City and state, e.g., 'San Francisco, CA'",
+                                 "enum": ["San Francisco, CA", "Boston, MA"]},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["location", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    }]
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[{"role": "user", "content": "What's the weather like in San Francisco?"}],
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    tool_call = response.choices[0].message.tool_calls[0].function
+    assert tool_call.name == "get_weather"
+    assert tool_functions[tool_call.name](**json.loads(tool_call.arguments)).startswith("Getting the weather for")
