@@ -197,7 +197,8 @@ def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: in
     host_steps = 20
     # every request still decodes when the last one has prefilled, and through the host phases
     max_tokens = 64 + host_steps * (k + 1) + -(-batch * context // batched)
-    llm = LLM(folder, load_format="dummy", max_model_len=4096, max_num_seqs=batch,
+    positions = json.loads((Path(folder) / "config.json").read_text())["max_position_embeddings"]
+    llm = LLM(folder, load_format="dummy", max_model_len=min(4096, positions), max_num_seqs=batch,
               num_pages=batch * -(-(context + max_tokens + 16) // 16) + 64,
               max_num_batched_tokens=batched, num_speculative_tokens=k)
     engine = llm.engine

@@ -91,7 +91,8 @@ def main() -> None:
                "batch": batch, "new_tokens": new, "rows": {}}
     for k in (0, 1):
         llm = LLM(folder, load_format="dummy", num_speculative_tokens=k, max_num_seqs=batch,
-                  max_num_batched_tokens=512 if args.tiny else 2048, max_model_len=2048, num_pages=None)
+                  max_num_batched_tokens=512 if args.tiny else 2048,
+                  max_model_len=min(2048, config["max_position_embeddings"]), num_pages=None)
         for name, extra in (("unconstrained", {}), ("json_schema", {"structured_outputs": {"json": SCHEMA}})):
             params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, **extra)
             timed_run(llm, prompts, params)  # compiles this configuration's shapes

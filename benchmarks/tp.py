@@ -99,7 +99,8 @@ def worker(tp: int, budget_s: float, tiny: bool, vocab_replicated: bool) -> None
 
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "config.json").write_text(json.dumps(scale["config"]))
-        engine = functools.partial(LLM, folder, load_format="dummy", tensor_parallel_size=tp, max_model_len=1024,
+        max_model_len = min(1024, scale["config"]["max_position_embeddings"])
+        engine = functools.partial(LLM, folder, load_format="dummy", tensor_parallel_size=tp, max_model_len=max_model_len,
                                    num_pages=scale["num_pages"])
         batch_1(result, engine, scale, emit)
         gc.collect()  # one engine's weights and cache on the devices at a time

@@ -60,6 +60,24 @@ def test_generation_config_auto_makes_the_models_sampling_fields_the_defaults(ll
     assert streamed.outputs[0].token_ids == default.token_ids
 
 
+def test_the_server_takes_the_generation_config_for_the_fields_a_request_leaves_out(llm, monkeypatch):
+    """Over HTTP, as vLLM's: the request's own fields win, the generation config fills in
+    the rest, and its max_new_tokens caps max_tokens."""
+    from fastapi.testclient import TestClient
+
+    from jaxmtp.server import ServerConfig, create_app
+
+    made, add_request = [], llm.engine.add_request
+    monkeypatch.setattr(llm.engine, "add_request", lambda rid, prompt, params, **kw: (made.append(params),
+                                                                                     add_request(rid, prompt, params, **kw)))
+    with TestClient(create_app(llm.engine, "recommended", ServerConfig(disable_log_stats=True))) as http:
+        assert http.post("/v1/completions", json=dict(prompt="Hi", top_k=3, max_tokens=50)).status_code == 200
+        assert http.post("/v1/chat/completions", json=dict(messages=HELLO, temperature=0.5)).status_code == 200
+    completion, chat = made
+    assert (completion.top_k, completion.temperature, completion.top_p, completion.max_tokens) == (3, 0.0, 0.9, 5)
+    assert (chat.temperature, chat.top_k, chat.repetition_penalty, chat.max_tokens) == (0.5, 7, 1.3, 5)
+
+
 def test_generation_config_vllm_leaves_them_out_and_a_folder_gives_its_own(recommended, llm):
     plain = LLM(recommended, generation_config="vllm", **ENGINE)
     assert plain.engine.generation_defaults == {} and plain.get_default_sampling_params() == SamplingParams()

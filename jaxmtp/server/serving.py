@@ -133,19 +133,22 @@ class Server:
             limit = min(limit, self.config.max_logprob_entries // (n * (logprobs + 1)))
         return max(1, min(self.engine.max_model_len - len(prompt), limit))
 
-    @staticmethod
     def sampling_params(
-        body: GenerationFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
+        self, body: GenerationFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None,
         forced_call: dict | None = None,
     ) -> SamplingParams:
-        """The request's SamplingParams: each sampling field under its own name (None:
-        SamplingParams' default); a value it refuses is a ValueError naming the field.
+        """The request's SamplingParams: each sampling field under its own name, a field it
+        leaves out the model's generation_config.json default (vLLM's --generation-config
+        auto), else SamplingParams'; a value it refuses is a ValueError naming the field.
+        max_tokens is capped by the generation config's max_new_tokens, as vLLM caps it.
         forced_call: a tool_choice's constraint, which takes the place of a structured
         output (tool_choice refuses both)."""
+        defaults = dict(self.engine.generation_defaults)
+        max_tokens = min(max_tokens, defaults.pop("max_tokens", max_tokens))
         given = {name: getattr(body, name) for name in SAMPLING_FIELDS}
         given.update(max_tokens=max_tokens, logprobs=logprobs, logit_bias=logit_bias_ids(body.logit_bias),
                      structured_outputs=forced_call or structured_outputs_of(body), prompt_logprobs=prompt_logprobs)
-        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+        return SamplingParams(**{**defaults, **{k: v for k, v in given.items() if v is not None}})
 
     def tool_choice(self, body: ChatCompletionRequest) -> ToolChoice:
         """The request's tool_choice (by default auto with tools, as OpenAI's), a 400 where
