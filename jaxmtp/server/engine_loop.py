@@ -73,6 +73,7 @@ class EngineLoop:
                 self.engine.abort_request(request_id)  # before the next step can fail on them again
             self._loop.call_soon_threadsafe(self._fail_all)
             return
+        self.metrics.observe_step()
         for out in outputs:
             if out.finished:
                 self.metrics.observe_finished(out)

@@ -118,6 +118,7 @@ class Generation:
         except ValueError:
             self.cancel()
             raise
+        metrics.observe_params(len(prompts), n, params.max_tokens)
 
     @property
     def unfinished(self) -> bool:
