@@ -27,7 +27,7 @@ JAX_MODULES = ("jax", "jaxlib", "flax", "optax", "orbax")
 ENGINE_CONTRACTS = {
     "jaxmtp.worker.distributed": {"start_runner"},  # the engine's one way to a runner
     "jaxmtp.models.config": {"ATTENTION_BACKENDS", "MODEL_DTYPES", "ModelConfig"},
-    "jaxmtp.models.registry": {"load_config"},
+    "jaxmtp.models.registry": {"load_config", "generation_defaults"},
 }
 ENGINE_LOOP = "jaxmtp.engine.llm_engine"  # builds the runner, so JAX loads beneath it
 

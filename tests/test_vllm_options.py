@@ -206,7 +206,7 @@ def test_deepseek_mtp_drafts_with_the_models_mtp_layers_and_the_start_is_logged(
 
 
 def test_max_model_len_past_max_position_embeddings_needs_the_environment(monkeypatch):
-    from jaxmtp.engine.llm_engine import ALLOW_LONG_MAX_MODEL_LEN, max_model_len
+    from jaxmtp.engine.model_options import ALLOW_LONG_MAX_MODEL_LEN, max_model_len
     from jaxmtp.models.registry import load_config
 
     for name in ALLOW_LONG_MAX_MODEL_LEN:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -22,6 +21,7 @@ import numpy as np
 from jaxmtp.engine.allocator import PageAllocator, pages_for
 from jaxmtp.engine.engine_config import EngineConfig
 from jaxmtp.engine.intake import RequestIntake
+from jaxmtp.engine.model_options import check_model_options, log_start, max_model_len, tokenizer_folder
 from jaxmtp.engine.output_processor import OutputProcessor, Request
 from jaxmtp.engine.outputs import RequestMetrics, RequestOutput
 from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -29,9 +29,8 @@ from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxmtp.engine.sequence import SpecStats
 from jaxmtp.engine.structured_outputs import fill_row_masks
-from jaxmtp.loading.hub import resolve_model, resolve_tokenizer
+from jaxmtp.loading.hub import resolve_model
 from jaxmtp.loading.tokenizer import Tokenizer
-from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.registry import generation_defaults, load_config
 from jaxmtp.worker.distributed import start_runner
 
@@ -39,10 +38,6 @@ if TYPE_CHECKING:
     from jaxmtp.worker.runner import InFlightStep, StepResult
 
 log = logging.getLogger("jaxmtp.engine.llm_engine")
-
-# either allows a max_model_len past the model's max_position_embeddings (vLLM's, and ours)
-ALLOW_LONG_MAX_MODEL_LEN = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "JAXMTP_ALLOW_LONG_MAX_MODEL_LEN")
-
 
 @dataclasses.dataclass
 class EngineStats:
@@ -56,37 +51,19 @@ class EngineStats:
     generation_tokens: int = 0
 
 
-def max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    """config.max_model_len, else the model's max_position_embeddings; past that only where
-    the environment allows it, as vLLM does (ALLOW_LONG_MAX_MODEL_LEN)."""
-    limit = cfg.max_position_embeddings
-    if config.max_model_len is None or config.max_model_len <= limit:
-        return config.max_model_len or limit
-    allowed = [name for name in ALLOW_LONG_MAX_MODEL_LEN if os.environ.get(name, "").strip().lower() in ("1", "true")]
-    if not allowed:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} is more than the model's max_position_embeddings={limit} "
-            f"(config.json); set {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 (or {ALLOW_LONG_MAX_MODEL_LEN[1]}=1) to allow it "
-            "for a model whose positions hold past that"
-        )
-    log.warning("max_model_len=%d is more than the model's max_position_embeddings=%d (allowed by %s): outputs past "
-                "%d positions may be poor", config.max_model_len, limit, allowed[0], limit)
-    return config.max_model_len
-
-
 class LLMEngine:
     def __init__(self, model: str | Path, **kwargs):
         self.config = config = EngineConfig(**kwargs)
         self.model_dir = model_dir = resolve_model(model, config.revision)
         self.model_config = cfg = load_config(model_dir, config.dtype)
-        self._check_model_options(model, cfg)
+        check_model_options(config, model, model_dir, cfg)
         # what a request that gives no SamplingParams gets: the model's recommended sampling
         self.generation_defaults: dict = generation_defaults(model_dir, config.generation_config)
         try:
             self.default_sampling_params()
         except (ValueError, TypeError) as err:
             raise ValueError(f"generation_config's sampling defaults {self.generation_defaults}: {err}") from None
-        tokenizer_dir = self._tokenizer_dir(model_dir)
+        tokenizer_dir = tokenizer_folder(config, model_dir)
         k = config.num_speculative_tokens
         if k and not cfg.num_mtp_modules:
             raise ValueError(
@@ -104,7 +81,7 @@ class LLMEngine:
                 f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
             )
         self.max_model_len = max_model_len(config, cfg)
-        self._log_start(model, cfg)
+        log_start(config, model, cfg, self.max_model_len, self.generation_defaults)
         self.page_size = config.page_size
         # room for k verify rows plus k-1 chained draft positions past the last token
         self.max_pages_per_seq = pages_for(self.max_model_len + 2 * k, self.page_size)
@@ -149,53 +126,6 @@ class LLMEngine:
         self.last_step: InFlightStep | None = None
         self.last_schedule = []
         self.last_step_output: StepResult | None = None
-
-    def _check_model_options(self, model: str | Path, cfg: ModelConfig) -> None:
-        """The options only the model can check: a ValueError names the option."""
-        config = self.config
-        if config.quantization == "fp8" and cfg.quantization is None:
-            raise ValueError(
-                f"quantization='fp8' needs an fp8 checkpoint, and {self.model_dir!s}'s config.json has no fp8 "
-                "quantization_config: this engine does not quantize weights while loading them"
-            )
-        draft = (config.speculative_config or {}).get("model")
-        served = isinstance(draft, (str, Path)) and (
-            str(draft) == str(model) or Path(draft).expanduser().resolve() == self.model_dir.resolve()
-        )
-        if draft is not None and not served:
-            raise ValueError(
-                f"speculative_config model {draft!r} is not supported: MTP drafts with the served model's own MTP "
-                "layers, so model may only name the served model (or be left out)"
-            )
-
-    def _tokenizer_dir(self, model_dir: Path) -> Path:
-        """The folder of the tokenizer and chat template: config.tokenizer's, else the model's."""
-        config = self.config
-        if config.tokenizer is None:
-            return model_dir
-        revision = config.tokenizer_revision
-        if revision is None and not Path(config.tokenizer).expanduser().is_dir():
-            revision = config.revision  # as vLLM: the model's revision for a tokenizer given by id
-        folder = resolve_tokenizer(config.tokenizer, revision)
-        if not (folder / "tokenizer.json").is_file():
-            raise FileNotFoundError(f"tokenizer folder {config.tokenizer!s} has no tokenizer.json")
-        return folder
-
-    def _log_start(self, model: str | Path, cfg: ModelConfig) -> None:
-        """One line naming what this engine serves, and a line per vLLM option that changes nothing here."""
-        config = self.config
-        k = config.num_speculative_tokens
-        log.info(
-            "model %s%s, dtype %s%s, max_model_len %d, speculative decoding: %s", model,
-            f" (revision {config.revision})" if config.revision else "", cfg.dtype,
-            ", fp8 weights" if cfg.quantization else "", self.max_model_len,
-            f"method mtp (the model's MTP layers), num_speculative_tokens {k}" if k else "off",
-        )
-        if self.generation_defaults:
-            log.info("default sampling parameters from generation_config.json: %s (generation_config='vllm' leaves "
-                     "them out)", self.generation_defaults)
-        for name, reason in config.ineffective().items():
-            log.info("%s=%r has no effect here: %s", name, getattr(config, name), reason)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with generation_defaults: what a request that gives none gets."""

@@ -1,0 +1,83 @@
+"""The engine options only the model can check or resolve (vLLM's: max_model_len against
+the model's positions, quantization, speculative_config's model, tokenizer), and the
+start-up log line that names what the engine serves."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from jaxmtp.engine.engine_config import EngineConfig
+from jaxmtp.loading.hub import resolve_tokenizer
+from jaxmtp.models.config import ModelConfig
+
+log = logging.getLogger("jaxmtp.engine.model_options")
+
+# either allows a max_model_len past the model's max_position_embeddings (vLLM's, and ours)
+ALLOW_LONG_MAX_MODEL_LEN = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "JAXMTP_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    """config.max_model_len, else the model's max_position_embeddings; past that only where
+    the environment allows it, as vLLM does (ALLOW_LONG_MAX_MODEL_LEN)."""
+    limit = cfg.max_position_embeddings
+    if config.max_model_len is None or config.max_model_len <= limit:
+        return config.max_model_len or limit
+    allowed = [name for name in ALLOW_LONG_MAX_MODEL_LEN if os.environ.get(name, "").strip().lower() in ("1", "true")]
+    if not allowed:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} is more than the model's max_position_embeddings={limit} "
+            f"(config.json); set {ALLOW_LONG_MAX_MODEL_LEN[0]}=1 (or {ALLOW_LONG_MAX_MODEL_LEN[1]}=1) to allow it "
+            "for a model whose positions hold past that"
+        )
+    log.warning("max_model_len=%d is more than the model's max_position_embeddings=%d (allowed by %s): outputs past "
+                "%d positions may be poor", config.max_model_len, limit, allowed[0], limit)
+    return config.max_model_len
+
+
+def check_model_options(config: EngineConfig, model: str | Path, model_dir: Path, cfg: ModelConfig) -> None:
+    """The options only the model can check: a ValueError names the option."""
+    if config.quantization == "fp8" and cfg.quantization is None:
+        raise ValueError(
+            f"quantization='fp8' needs an fp8 checkpoint, and {model_dir!s}'s config.json has no fp8 "
+            "quantization_config: this engine does not quantize weights while loading them"
+        )
+    draft = (config.speculative_config or {}).get("model")
+    served = isinstance(draft, (str, Path)) and (
+        str(draft) == str(model) or Path(draft).expanduser().resolve() == model_dir.resolve()
+    )
+    if draft is not None and not served:
+        raise ValueError(
+            f"speculative_config model {draft!r} is not supported: MTP drafts with the served model's own MTP "
+            "layers, so model may only name the served model (or be left out)"
+        )
+
+
+def tokenizer_folder(config: EngineConfig, model_dir: Path) -> Path:
+    """The folder of the tokenizer and chat template: config.tokenizer's, else the model's."""
+    if config.tokenizer is None:
+        return model_dir
+    revision = config.tokenizer_revision
+    if revision is None and not Path(config.tokenizer).expanduser().is_dir():
+        revision = config.revision  # as vLLM: the model's revision for a tokenizer given by id
+    folder = resolve_tokenizer(config.tokenizer, revision)
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"tokenizer folder {config.tokenizer!s} has no tokenizer.json")
+    return folder
+
+
+def log_start(config: EngineConfig, model: str | Path, cfg: ModelConfig, max_len: int, generation_defaults: dict):
+    """One line naming what this engine serves, and a line per vLLM option that changes nothing here."""
+    k = config.num_speculative_tokens
+    log.info(
+        "model %s%s, dtype %s%s, max_model_len %d, speculative decoding: %s", model,
+        f" (revision {config.revision})" if config.revision else "", cfg.dtype,
+        ", fp8 weights" if cfg.quantization else "", max_len,
+        f"method mtp (the model's MTP layers), num_speculative_tokens {k}" if k else "off",
+    )
+    if generation_defaults:
+        log.info("default sampling parameters from generation_config.json: %s (generation_config='vllm' leaves "
+                 "them out)", generation_defaults)
+    for name, reason in config.ineffective().items():
+        log.info("%s=%r has no effect here: %s", name, getattr(config, name), reason)
