@@ -1,6 +1,7 @@
 """What every benchmark mode measures and prints: each request's token arrival times,
-the latency percentiles made from them (TTFT, TPOT, ITL, end to end), the environment
-a figure was measured in (date, device, JAX version), and the report."""
+the latency percentiles made from them (TTFT, TPOT, ITL, end to end; jaxmtp's and
+vLLM's), the environment a figure was measured in (date, device, JAX version), and the
+report: vLLM's summary lines, then jaxmtp's sections."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class RequestTimes:
     num_tokens: int = 0
     prompt_tokens: int = 0
     error: str | None = None
+    text: str = ""  # what it generated (serve's; vLLM's generated_texts)
 
     def record(self, now: float, new_tokens: int) -> None:
         if new_tokens:
@@ -59,6 +61,24 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float] | None:
         return None
     values = np.asarray(seconds, np.float64) * 1e3
     return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in PERCENTILES}}
+
+
+def vllm_stats(seconds: list[float], percentiles: list[float]) -> dict[str, float]:
+    """vLLM's figures of a latency in milliseconds: mean, median, std and the percentiles
+    (p99, p99.9, ...); all 0 without values, as vLLM's."""
+    values = np.asarray(seconds or [0.0], np.float64) * 1e3
+    stats = {"mean": values.mean(), "median": np.median(values), "std": values.std()}
+    stats.update({f"p{int(p) if p == int(p) else p}": np.percentile(values, p) for p in percentiles})
+    return {key: float(value) for key, value in stats.items()}
+
+
+def line(label: str, value) -> str:
+    """A line of vLLM's summary: the label in 40 columns, a float with 2 decimals."""
+    return f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value!s:<10}"
+
+
+def heading(text: str, fill: str = "-") -> str:
+    return f"{text:{fill}^50}"
 
 
 def summarize(requests: list[RequestTimes], duration: float) -> dict:
@@ -103,13 +123,15 @@ def environment(device: str | None = None) -> dict:
 
 
 def format_report(title: str, result: dict) -> str:
-    """The report as lines: environment, settings, then each figure (percentile
-    dicts as one line each)."""
+    """The report as lines: those of the sections environment, settings and results
+    that the result has, each figure on a line (a percentile dict on one)."""
     width = 60
     lines = [f" {title} ".center(width, "=")]
     for section in ("environment", "settings", "results"):
+        if section not in result:
+            continue
         lines.append(f"-- {section}")
-        for key, value in result.get(section, {}).items():
+        for key, value in result[section].items():
             if isinstance(value, dict):
                 value = "  ".join(f"{k} {v:.2f}" for k, v in value.items())
             elif isinstance(value, float):
@@ -119,8 +141,9 @@ def format_report(title: str, result: dict) -> str:
     return "\n".join(lines)
 
 
-def emit(title: str, result: dict, output_json: str | None) -> None:
-    """Print the report; with output_json also write the result there as JSON."""
-    print(format_report(title, result), flush=True)
-    if output_json:
-        Path(output_json).write_text(json.dumps(result, indent=1))
+def emit(title: str, summary: list[str], result: dict, path: str | None) -> None:
+    """Print vLLM's summary lines and the report; with a path also write the result there
+    as JSON."""
+    print("\n".join([*summary, format_report(title, result)]), flush=True)
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1))
