@@ -337,8 +337,8 @@ class Bench:
         return llm
 
     def prompts(self, n, length):
-        # jaxmtp.bench.offline.random_prompts' draw, without importing the server that
-        # package pulls in (the GPU image has no fastapi)
+        # random token prompts, drawn here: jaxmtp.bench pulls in the server, and the GPU
+        # image has no fastapi
         return [self.rng.integers(3, self.config["vocab_size"], size=length).tolist() for _ in range(n)]
 
     def floor_s(self, batch, context):
