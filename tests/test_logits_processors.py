@@ -215,14 +215,14 @@ def test_a_processed_request_changes_nothing_for_its_neighbours(spec):
 def test_preempted_processed_request_resumes_with_its_counts(spec):
     """A processed request preempted mid-output is readmitted with its state rebuilt
     from its output so far, and continues as it would have."""
-    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True, frequency_penalty=0.7, repetition_penalty=1.2)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, frequency_penalty=0.7, repetition_penalty=1.2)
     alone = spec.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
     engine = spec.engine
     held = engine.allocator.allocate(engine.allocator.num_pages - 26)
     try:
         before = engine.scheduler.num_preemptions
         crowd = [[1, 300 + i] for i in range(4)]
-        outs = spec.generate(crowd + [PROMPTS[0]], [SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)] * 4
+        outs = spec.generate(crowd + [PROMPTS[0]], [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 4
                              + [params], use_tqdm=False)
         assert engine.scheduler.num_preemptions > before
         assert engine.requests == {}

@@ -453,20 +453,20 @@ def test_overload_answers_429_at_once(guarded_server):
 
 
 def test_schema_fuzzing_finds_no_server_error(fuzz_server, tmp_path):
-    """Schemathesis cases (valid and invalid bodies, ten per operation and kind: sixty
+    """Schemathesis cases (valid and invalid bodies, six per operation and kind: thirty-six
     and more) against a server whose contexts hold 48 tokens and whose requests time out
     after 1 s, so that long generations stay cheap."""
     result = subprocess.run(
         [
             sys.executable, "-m", "schemathesis.cli", "run", fuzz_server.url + "/openapi.json",
-            "--checks", "not_a_server_error", "--max-examples", "10", "--seed", "1",
+            "--checks", "not_a_server_error", "--max-examples", "6", "--seed", "1",
             "--generation-database", "none", "--request-timeout", "20", "--no-color",
         ],
         cwd=tmp_path, capture_output=True, text=True, timeout=150,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     generated = int(re.search(r"(\d+) generated", result.stdout).group(1))
-    assert generated >= 60, result.stdout[-2000:]
+    assert generated >= 36, result.stdout[-2000:]
 
 
 # ----- the README and the command line ------------------------------------------------------
