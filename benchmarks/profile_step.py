@@ -148,35 +148,17 @@ def part_table(events: list[dict], parts: dict[str, str], steps: int) -> list[di
 
 def host_phases(engine, steps: int) -> dict[str, float]:
     """Milliseconds per engine.step() with async scheduling, over `steps` steps: the
-    whole step, the compiled call (ModelRunner._run: its dispatch; the device runs
-    behind it), the read-back of the step before (ModelRunner.read: mostly waiting for
-    the device) and the host's own work, the rest."""
-    runner = engine.runner
-    spent = collections.Counter()
+    whole step, the compiled call (its dispatch), the read-back of the step before
+    (mostly waiting for the device) and the host's own work, the rest."""
+    from timing import runner_phases
 
-    def timed(name: str):
-        method = getattr(runner, name)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - start
-
-        setattr(runner, name, wrapper)  # an instance attribute over the method; deleted below
-
-    for name in ("_run", "read"):
-        timed(name)
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    whole = time.perf_counter() - start
-    for name in ("_run", "read"):
-        delattr(runner, name)
+    with runner_phases(engine) as spent:
+        for _ in range(steps):
+            engine.step()
     per_step = lambda s: 1e3 * s / steps  # noqa: E731
-    return {"step_ms": per_step(whole), "compiled_call_ms": per_step(spent["_run"]),
-            "read_back_ms": per_step(spent["read"]), "host_work_ms": per_step(whole - spent["_run"] - spent["read"])}
+    return {"step_ms": per_step(spent["whole"]), "compiled_call_ms": per_step(spent["_run"]),
+            "read_back_ms": per_step(spent["read"]),
+            "host_work_ms": per_step(spent["whole"] - spent["_run"] - spent["read"])}
 
 
 def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: int, steps: int,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import time
 
 import numpy as np
@@ -36,3 +38,33 @@ def replay_time(step, repeats: int, warmup: int = 3) -> float:
         out = step()
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / repeats
+
+
+@contextlib.contextmanager
+def runner_phases(engine):
+    """Seconds spent while the block runs: "whole", and within it "_run" (ModelRunner._run,
+    the compiled call's dispatch; the device runs behind it) and "read" (ModelRunner.read,
+    the read-back, mostly waiting for the device). The rest is the host's own work."""
+    runner, spent = engine.runner, collections.Counter()
+
+    def timed(name: str):
+        method = getattr(runner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        setattr(runner, name, wrapper)  # an instance attribute over the method; deleted below
+
+    for name in ("_run", "read"):
+        timed(name)
+    start = time.perf_counter()
+    try:
+        yield spent
+    finally:
+        spent["whole"] = time.perf_counter() - start
+        for name in ("_run", "read"):
+            delattr(runner, name)

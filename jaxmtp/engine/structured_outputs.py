@@ -192,7 +192,7 @@ class GrammarMatcher:
         """Start computing, on a worker thread, the masks of the rows that follow each
         prefix of drafts from the current state (the next step's rows)."""
         self._settled()
-        masks = np.full((len(drafts) + 1, self._compiler.mask_words), -1, np.int32)
+        masks = np.empty((len(drafts) + 1, self._compiler.mask_words), np.int32)  # _fill writes every row
         work = functools.partial(_fill, self._compiler.executor, [(self._matcher, 0, list(drafts))], masks)
         self._prefetched = (list(drafts), masks, self._compiler.workers.submit(work))
 
