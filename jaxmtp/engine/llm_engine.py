@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("jaxmtp.engine.llm_engine")
 
+
 @dataclasses.dataclass
 class EngineStats:
     steps: int = 0

@@ -96,7 +96,6 @@ class StructuredOutputsParams:
             return llguidance.grammar_from("choice", json.dumps(self.choice))
         return llguidance.grammar_from("grammar", self.grammar)
 
-
     def json_whitespace(self) -> dict:
         """llguidance's whitespace options for a JSON constraint."""
         if self.disable_any_whitespace:

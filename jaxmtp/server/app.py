@@ -165,9 +165,11 @@ def create_app(engine, model: str, config: ServerConfig = ServerConfig()) -> Fas
 
         def prepare():
             ids = [engine.encode_prompt(p)[1] for p in prompts]
-            rest = min(server.default_max_tokens(p, body.n, body.logprobs) for p in ids)
-            params = server.sampling_params(body, max(rest if max_tokens is None else max_tokens, 1), body.logprobs,
-                                            prompt_logprobs)
+            if max_tokens is None:  # the rest of the context of the longest prompt
+                length = min(server.default_max_tokens(p, body.n, body.logprobs) for p in ids)
+            else:
+                length = max(max_tokens, 1)
+            params = server.sampling_params(body, length, body.logprobs, prompt_logprobs)
             server.validate_prompts(ids, params, body.n)
             return ids, params
 

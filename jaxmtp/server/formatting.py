@@ -27,17 +27,18 @@ def token_text(token: int, logprob: Logprob) -> str:
     return f"token_id:{token}" if logprob.decoded_token is None else logprob.decoded_token
 
 
+def token_logprob(token: int, entry: dict[int, Logprob], num_top: int) -> TokenLogprob:
+    """One token's entry from the engine (the token, with its own rank, and the top n,
+    ranks 1..n) as a TokenLogprob with the top num_top alternatives."""
+    top = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
+    chosen = entry[token]
+    return TokenLogprob(token_text(token, chosen), chosen.logprob, [(token_text(t, lp), lp.logprob) for t, lp in top])
+
+
 def token_logprobs(choice: Choice, first_token: int, num_top: int) -> list[TokenLogprob]:
     """The logprobs of the choice's tokens from first_token on."""
-    entries = []
-    for position in range(first_token, len(choice.logprobs)):
-        entry, token = choice.logprobs[position], choice.token_ids[position]
-        # the engine's entry is the chosen token (its own rank) and the top n (ranks 1..n)
-        top = sorted(entry.items(), key=lambda item: item[1].rank)[:num_top]
-        chosen = entry[token]
-        alternatives = [(token_text(t, lp), lp.logprob) for t, lp in top]
-        entries.append(TokenLogprob(token_text(token, chosen), chosen.logprob, alternatives))
-    return entries
+    return [token_logprob(choice.token_ids[position], choice.logprobs[position], num_top)
+            for position in range(first_token, len(choice.logprobs))]
 
 
 class CompletionFormat:
@@ -146,13 +147,10 @@ class EchoFormat(CompletionFormat):
         text (special tokens by name, as vLLM's) and a logprob the caller replaces by null."""
         first = choice.prompt_token_ids[0]
         text = f"token_id:{first}" if self.tokenizer is None else self.tokenizer.decode([first])
-        entries = [TokenLogprob(text, 0.0, [])]
-        for token, entry in zip(choice.prompt_token_ids[1:], choice.prompt_logprobs[1:]):
-            top = sorted(entry.items(), key=lambda item: item[1].rank)[: self.num_logprobs]
-            chosen = entry[token]
-            entries.append(TokenLogprob(token_text(token, chosen), chosen.logprob,
-                                        [(token_text(t, lp), lp.logprob) for t, lp in top]))
-        return entries
+        return [TokenLogprob(text, 0.0, [])] + [
+            token_logprob(token, entry, self.num_logprobs)
+            for token, entry in zip(choice.prompt_token_ids[1:], choice.prompt_logprobs[1:])
+        ]
 
     def usage(self, generation) -> dict:
         usage = generation.usage()

@@ -18,7 +18,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens of /v1/completions
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
-# OpenAI fields the server does not implement, with what they wait for. A request that
+# OpenAI fields the server does not implement, with what replaces them. A request that
 # sets one gets a 400 naming it; the values that ask for nothing (null, and the listed
 # ones) are accepted as if the field were absent.
 NOT_SUPPORTED = {

@@ -163,7 +163,7 @@ class Server:
         if choice.function is not None and choice.function not in names:
             raise APIError(400, f"tool_choice names the function {choice.function!r}, which tools does not offer",
                            "tool_choice")
-        if choice.mode == "auto" and not (self.config.enable_auto_tool_choice and self.config.tool_call_parser):
+        if choice.mode == "auto" and not self.config.enable_auto_tool_choice:  # (which needs tool_call_parser)
             message = ('"auto" tool choice (the default with tools) needs the server started with '
                        '--enable-auto-tool-choice and --tool-call-parser')
             raise APIError(400, message, "tool_choice")
