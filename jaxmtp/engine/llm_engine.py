@@ -21,7 +21,8 @@ import numpy as np
 from jaxmtp.engine.allocator import PageAllocator, pages_for
 from jaxmtp.engine.engine_config import EngineConfig
 from jaxmtp.engine.intake import RequestIntake
-from jaxmtp.engine.model_options import check_model_options, log_start, max_model_len, tokenizer_folder
+from jaxmtp.engine.model_options import (check_model_options, log_start, max_model_len, sampling_defaults,
+                                         tokenizer_folder)
 from jaxmtp.engine.output_processor import OutputProcessor, Request
 from jaxmtp.engine.outputs import RequestMetrics, RequestOutput
 from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -31,7 +32,7 @@ from jaxmtp.engine.sequence import SpecStats
 from jaxmtp.engine.structured_outputs import fill_row_masks
 from jaxmtp.loading.hub import resolve_model
 from jaxmtp.loading.tokenizer import Tokenizer
-from jaxmtp.models.registry import generation_defaults, load_config
+from jaxmtp.models.registry import load_config
 from jaxmtp.worker.distributed import start_runner
 
 if TYPE_CHECKING:
@@ -59,11 +60,7 @@ class LLMEngine:
         self.model_config = cfg = load_config(model_dir, config.dtype)
         check_model_options(config, model, model_dir, cfg)
         # what a request that gives no SamplingParams gets: the model's recommended sampling
-        self.generation_defaults: dict = generation_defaults(model_dir, config.generation_config)
-        try:
-            self.default_sampling_params()
-        except (ValueError, TypeError) as err:
-            raise ValueError(f"generation_config's sampling defaults {self.generation_defaults}: {err}") from None
+        self.generation_defaults: dict = sampling_defaults(config, model_dir)
         tokenizer_dir = tokenizer_folder(config, model_dir)
         k = config.num_speculative_tokens
         if k and not cfg.num_mtp_modules:

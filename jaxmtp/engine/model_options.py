@@ -1,6 +1,6 @@
 """The engine options only the model can check or resolve (vLLM's: max_model_len against
-the model's positions, quantization, speculative_config's model, tokenizer), and the
-start-up log line that names what the engine serves."""
+the model's positions, quantization, speculative_config's model, tokenizer,
+generation_config), and the start-up log line that names what the engine serves."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import os
 from pathlib import Path
 
 from jaxmtp.engine.engine_config import EngineConfig
+from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.loading.hub import resolve_tokenizer
 from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.registry import generation_defaults
 
 log = logging.getLogger("jaxmtp.engine.model_options")
 
@@ -52,6 +54,17 @@ def check_model_options(config: EngineConfig, model: str | Path, model_dir: Path
             f"speculative_config model {draft!r} is not supported: MTP drafts with the served model's own MTP "
             "layers, so model may only name the served model (or be left out)"
         )
+
+
+def sampling_defaults(config: EngineConfig, model_dir: Path) -> dict:
+    """The sampling fields config.generation_config names (registry.generation_defaults),
+    checked as SamplingParams checks them: a bad value is a ValueError at start-up."""
+    defaults = generation_defaults(model_dir, config.generation_config)
+    try:
+        SamplingParams(**defaults)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"generation_config's sampling defaults {defaults}: {err}") from None
+    return defaults
 
 
 def tokenizer_folder(config: EngineConfig, model_dir: Path) -> Path:
