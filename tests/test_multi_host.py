@@ -245,7 +245,7 @@ def served(tmp_path_factory):
     folder, port, http = tmp_path_factory.mktemp("serve"), _free_port(), _free_port()
     options = ["--max-num-seqs", "2", "--max-num-batched-tokens", "8", "--max-model-len", "128", "--tensor-parallel-size", "4",
                "--num-nodes", "2", "--coordinator", f"127.0.0.1:{port}", "--node-timeout", str(NODE_TIMEOUT),
-               "--port", str(http), "--compilation-cache-dir", ""]
+               "--port", str(http), "--compilation-cache-dir", os.environ["JAX_COMPILATION_CACHE_DIR"]]
     procs = [_start(["-m", "jaxmtp.cli", "serve", str(MODEL), *options, "--node-rank", str(rank)],
                      folder / f"node{rank}.log") for rank in (0, 1)]
     url = f"http://127.0.0.1:{http}"
