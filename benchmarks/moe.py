@@ -295,7 +295,8 @@ def engine_check(run: Run):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
         agree.append(n)
-        diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())) - next(iter(b.outputs[0].logprobs[i].values())))
+        # the sampled token's logprob at each step (logprobs=0: the only entry)
+        diffs += [abs(a.outputs[0].logprobs[i][ta[i]].logprob - b.outputs[0].logprobs[i][tb[i]].logprob)
                   for i in range(min(n + 1, len(ta)))]
     run.results["engine_mla_kernel_vs_reference"] = {"tokens_equal_before_first_difference": agree, "of": 16,
                                                      "max_logprob_diff_on_shared_prefix": float(max(diffs))}
