@@ -221,8 +221,9 @@ def test_preempted_processed_request_resumes_with_its_counts(spec):
     held = engine.allocator.allocate(engine.allocator.num_pages - 26)
     try:
         before = engine.scheduler.num_preemptions
-        crowd = [[1, 300 + i] for i in range(4)]
-        outs = spec.generate(crowd + [PROMPTS[0]], [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 4
+        # four requests at once: the batch shapes the other tests compiled (up to 4 requests)
+        crowd = [[1, 300 + i] for i in range(3)]
+        outs = spec.generate(crowd + [PROMPTS[0]], [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 3
                              + [params], use_tqdm=False)
         assert engine.scheduler.num_preemptions > before
         assert engine.requests == {}
