@@ -169,8 +169,9 @@ def test_mtp_layer_matches_the_float64_reference(mtp_model, rng):
         assert drafts == [draft], f"chunk={chunk} prompt={prompt}"
 
 
-# k = 1 drafts once; k = 3 chains the one MTP layer twice
-@pytest.mark.parametrize("k", [1, 3])
+# k = 1 drafts once; k = 2 chains the one MTP layer (every test here drafts with k = 1 or
+# 2, so that their steps share compiled programs)
+@pytest.mark.parametrize("k", [1, 2])
 def test_greedy_with_mtp_equals_without(mtp_model, plain, rng, k):
     """Chunks of 3 (the whole prompt in one chunk: the chunk-invariance test's reference)."""
     prompts = random_prompts(rng, [3, 30, 17])
@@ -256,7 +257,7 @@ def test_prefix_cache_hit_gives_the_no_cache_drafts(mtp_model, rng):
 def test_greedy_with_mtp_equals_without_under_preemption(mtp_model, plain, rng):
     prompts = random_prompts(rng, [30, 25, 20, 28])
     expected = token_ids(plain.generate(prompts, greedy(48), use_tqdm=False))
-    llm = make_llm(mtp_model[0], num_speculative_tokens=3, prefill_chunk_size=7)
+    llm = make_llm(mtp_model[0], num_speculative_tokens=2, prefill_chunk_size=7)
     assert token_ids(llm.generate(prompts, greedy(48), use_tqdm=False)) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
