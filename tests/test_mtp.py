@@ -44,11 +44,9 @@ def sampled_prompts(llm: LLM, rng, lengths) -> list[list[int]]:
 # ----- invariant 1: greedy output with MTP == without ------------------------------------
 
 
-# k = 1 drafts once; k = 2 chains the module (longer chains take the same path: k = 3
-# under preemption below, k = 3 and 4 of several modules). Each chunk size once, the two
-# ks between them (chunk invariance at every size:
-# test_chunk_invariance_and_the_sampled_ablation_breaks_it). The default pool's tests
-# draft with k = 1 or 2 only, so that they share compiled steps.
+# k = 1 drafts once; k = 2 chains the module (as k = 3 under preemption below; the default
+# pool's tests all draft with k = 1 or 2, sharing compiled steps). Each chunk size once,
+# the two ks between them (every size: test_chunk_invariance_and_the_sampled_ablation_breaks_it)
 @pytest.mark.parametrize("k, chunks", [(1, [1, PAGE, None]), (2, [7, PAGE - 1, PAGE + 1])])
 def test_greedy_with_mtp_equals_without(plain, rng, k, chunks):
     prompts = sampled_prompts(plain, rng, [3, 40, 21])
