@@ -1,5 +1,6 @@
-"""fp8 checkpoints with 128 x 128 block scales (DeepSeek-V3's format), on the CPU: tiny
-random models quantized here into exactly that format (every linear weight
+"""fp8 checkpoints with block scales (DeepSeek-V3's format: 128 x 128 blocks; the Llama
+here has 128 x 64, so that an engine mixing up the two block sizes fails), on the CPU:
+tiny random models quantized here into exactly that format (every linear weight
 float8_e4m3fn with its float32 weight_scale_inv, the rest as it was), against
 transformers running the same weights dequantized; greedy MTP equal to plain decoding;
 the weights stay fp8 on the device, dummy weights and tensor parallelism included."""
@@ -27,6 +28,11 @@ from tolerances import assert_within, logits_bound, rounded_activations_bound
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 BLOCK = 128
+# the Llama's weight_block_size, [out, in]: non-square, so that a block size read along
+# the wrong axis (the kernel's K step, a scale's repeat, a shard of whole blocks) shows
+LLAMA_BLOCK = (128, 64)
+# the tiny DeepSeek's (its matrices are 16-88 wide: 128 x 128 would make each one block)
+DEEPSEEK_BLOCK = (32, 16)
 E4M3_MAX = 448.0
 # a dense Llama whose matrices span several blocks, the last of most partial (K = 320
 # for down_proj, N = 320 for gate and up, N = 64 for k and v), with 8 heads of 32
@@ -41,25 +47,28 @@ def is_linear_weight(name: str) -> bool:
     return (name.endswith("_proj.weight") or name.endswith("kv_a_proj_with_mqa.weight")) and "eh_proj" not in name
 
 
-def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek's quantization of an [out, in] weight: per 128 x 128 block, scale_inv =
-    amax / 448 and q = w / scale_inv in e4m3."""
+def per_block(values: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
+    """values [ceil(out / block[0]), ceil(in / block[1])] spread over an [out, in] matrix."""
+    return values.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+
+
+def quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's quantization of an [out, in] weight: per block ([out, in] sizes),
+    scale_inv = amax / 448 and q = w / scale_inv in e4m3."""
     out, inp = w.shape
-    blocks = (math.ceil(out / BLOCK), math.ceil(inp / BLOCK))
-    padded = torch.zeros(blocks[0] * BLOCK, blocks[1] * BLOCK, dtype=torch.float64)
+    blocks = (math.ceil(out / block[0]), math.ceil(inp / block[1]))
+    padded = torch.zeros(blocks[0] * block[0], blocks[1] * block[1], dtype=torch.float64)
     padded[:out, :inp] = w
-    amax = padded.reshape(blocks[0], BLOCK, blocks[1], BLOCK).abs().amax(dim=(1, 3))
+    amax = padded.reshape(blocks[0], block[0], blocks[1], block[1]).abs().amax(dim=(1, 3))
     scale = (amax / E4M3_MAX).clamp(min=1e-12).float()
-    q = (w / scale.repeat_interleave(BLOCK, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inp]).to(torch.float8_e4m3fn)
-    return q, scale
+    return (w / per_block(scale, block, w.shape)).to(torch.float8_e4m3fn), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    out, inp = q.shape
-    return q.float() * scale.repeat_interleave(BLOCK, 0)[:out].repeat_interleave(BLOCK, 1)[:, :inp]
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    return q.float() * per_block(scale, block, q.shape)
 
 
-def quantize_folder(folder, rng) -> tuple:
+def quantize_folder(folder, rng, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple:
     """Quantizes folder's model.safetensors in place into the fp8 format, each block of
     each weight first scaled by 2^U(-2, 2) so that the blocks' scales differ (a scale
     applied to the wrong block shows). Returns the fp8 folder and two twins for
@@ -73,15 +82,16 @@ def quantize_folder(folder, rng) -> tuple:
         if not is_linear_weight(name):
             stored[name], dequantized[name], unquantized[name] = w, w.float(), w.float()
             continue
-        spread = torch.tensor(2.0 ** rng.uniform(-2, 2, (math.ceil(w.shape[0] / BLOCK), math.ceil(w.shape[1] / BLOCK))))
-        w = w.double() * spread.repeat_interleave(BLOCK, 0)[: w.shape[0]].repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
-        q, scale = quantize(w)
-        stored[name], stored[name + "_scale_inv"], dequantized[name] = q, scale, dequantize(q, scale)
+        spread = torch.tensor(2.0 ** rng.uniform(-2, 2, (math.ceil(w.shape[0] / block[0]), math.ceil(w.shape[1] / block[1]))))
+        w = w.double() * per_block(spread, block, w.shape)
+        q, scale = quantize(w, block)
+        stored[name], stored[name + "_scale_inv"], dequantized[name] = q, scale, dequantize(q, scale, block)
         unquantized[name] = w.float()
     for target, tensors in zip((folder, *twins), (stored, dequantized, unquantized)):
         save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}))
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        **FP8_CONFIG, "weight_block_size": list(block)}}))
     return folder, *twins
 
 
@@ -129,11 +139,12 @@ def assert_bf16_rounded(ours, theirs, truth, num_layers: int, max_terms: int) ->
 
 @pytest.fixture(scope="module")
 def llama_fp8(tmp_path_factory):
-    """A dense Llama in bf16 (as fp8 checkpoints ship their other tensors), quantized."""
+    """A dense Llama in bf16 (as fp8 checkpoints ship their other tensors), quantized in
+    128 x 64 blocks."""
     rng = fresh_rng()
     folder = make_hf_model(tmp_path_factory.mktemp("fp8") / "llama", "llama", seed=int(rng.integers(1 << 30)),
                            dtype="bfloat16", **LLAMA_SHAPE)
-    return quantize_folder(folder, rng)
+    return quantize_folder(folder, rng, LLAMA_BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -143,16 +154,18 @@ def llama_engine(llama_fp8):
 
 def test_linear_weights_stay_fp8_on_the_device_with_their_block_scales(llama_fp8, llama_engine):
     cfg, layer, params = llama_engine.engine.model_config, llama_engine.engine.params.layers[0], llama_engine.engine.params
-    assert cfg.quantization.block_in == cfg.quantization.block_out == BLOCK
-    for name, shape, blocks in [("q_proj", (256, 256), (2, 2)), ("k_proj", (256, 64), (2, 1)),
-                                ("o_proj", (256, 256), (2, 2)), ("down_proj", (320, 256), (3, 2))]:
+    assert (cfg.quantization.block_out, cfg.quantization.block_in) == LLAMA_BLOCK
+    # stored [in, out]: scales [ceil(in / 64), ceil(out / 128)]
+    for name, shape, blocks in [("q_proj", (256, 256), (4, 2)), ("k_proj", (256, 64), (4, 1)),
+                                ("o_proj", (256, 256), (4, 2)), ("down_proj", (320, 256), (5, 2))]:
         w = getattr(layer, name)
         assert isinstance(w, Fp8Weight) and w.weight.dtype == FP8 and w.weight.shape == shape, name
         assert w.scale_inv.dtype == np.float32 and w.scale_inv.shape == blocks, name
-    assert layer.gate_up_proj.weight.shape == (256, 2, 320) and layer.gate_up_proj.scale_inv.shape == (2, 2, 3)
+        assert w.block == (64, 128), name
+    assert layer.gate_up_proj.weight.shape == (256, 2, 320) and layer.gate_up_proj.scale_inv.shape == (4, 2, 3)
     # embeddings, norms and the head keep the model's dtype
     assert params.embed.dtype == params.lm_head.dtype == layer.input_norm.dtype == np.float32
-    # the stored bytes are the device's: scales [ceil(out/128), ceil(in/128)], transposed
+    # the stored bytes are the device's: scales [ceil(out/128), ceil(in/64)], transposed
     stored = load_file(llama_fp8[0] / "model.safetensors")
     np.testing.assert_array_equal(np.asarray(layer.down_proj.scale_inv),
                                   stored["model.layers.0.mlp.down_proj.weight_scale_inv"].numpy().T)
@@ -205,14 +218,15 @@ def test_the_engine_runs_the_pallas_kernel_where_the_attention_does(llama_fp8, l
 
 @pytest.fixture(scope="module")
 def deepseek_fp8(tmp_path_factory):
-    """A tiny DeepSeek-V3 (MLA, experts, its MTP layer), quantized: experts, shared
-    experts, dense MLP and every MLA projection, the MTP layer's block included."""
+    """A tiny DeepSeek-V3 (MLA, experts, its MTP layer), quantized in 32 x 16 blocks:
+    experts, shared experts, dense MLP and every MLA projection, the MTP layer's block
+    included."""
     from test_moe_mtp import make_mtp_checkpoint
 
     rng = fresh_rng()
     folder, _, _ = make_mtp_checkpoint(tmp_path_factory.mktemp("fp8") / "deepseek", "deepseek-qlora-yarn",
                                        seed=int(rng.integers(1 << 30)))
-    return quantize_folder(folder, rng)
+    return quantize_folder(folder, rng, DEEPSEEK_BLOCK)
 
 
 DEEPSEEK_ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_num_batched_tokens=16, num_pages=24)
@@ -222,7 +236,7 @@ def test_deepseek_v3_fp8_matches_transformers_and_mtp_drafts_exactly(deepseek_fp
     folder, twin, _ = deepseek_fp8
     plain = LLM(folder, **DEEPSEEK_ENGINE)
     moe, mla = plain.engine.params.layers[1].moe, plain.engine.params.layers[1].mla
-    assert moe.experts_gate_up.weight.dtype == FP8 and moe.experts_gate_up.block == (1, BLOCK, 1, BLOCK)
+    assert moe.experts_gate_up.weight.dtype == FP8 and moe.experts_gate_up.block == (1, 16, 1, 32)
     assert moe.router.dtype == np.float32 and not isinstance(moe.router, Fp8Weight)
     assert all(isinstance(w, Fp8Weight) for w in (mla.q_a_proj, mla.q_b_proj, mla.kv_a_proj, mla.kv_b_proj))
     ids = [1] + rng.integers(3, 97, size=29).tolist()
@@ -311,7 +325,7 @@ def test_a_checkpoint_not_in_the_format_is_refused_by_tensor(tmp_path, llama_fp8
     tensors = load_file(folder / "model.safetensors")
     name = "model.layers.1.self_attn.v_proj.weight"
     unquantized = {key: w for key, w in tensors.items() if key != name + "_scale_inv"}
-    unquantized[name] = dequantize(tensors[name], tensors[name + "_scale_inv"])
+    unquantized[name] = dequantize(tensors[name], tensors[name + "_scale_inv"], LLAMA_BLOCK)
     save_file(unquantized, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match=f"{name} is stored as F32 without a weight_scale_inv"):
         LLM(folder, max_num_seqs=1)
