@@ -12,17 +12,21 @@ from jaxmtp.args import DEFAULT_BASE, DEFAULT_MODEL, HelpFormatter, add_engine_a
 __all__ = ["DEFAULT_MODEL", "DEFAULT_BASE", "build_parser", "main"]
 
 
+# SamplingParams fields the generate command sets, by option (dest), and what it uses
+# where neither the option nor the model's generation_config gives one
+GENERATE_OPTIONS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "seed": "sample_seed"}
+GENERATE_FALLBACK = {"max_tokens": 128, "temperature": 0.0}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxmtp import LLM, SamplingParams
 
     llm = LLM(resolve_model(args), **engine_kwargs(args))
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.sample_seed,
-    )
+    # the options given, over the model's generation_config (engine option
+    # generation_config), over greedy decoding of 128 tokens
+    given = {name: getattr(args, option) for name, option in GENERATE_OPTIONS.items() if getattr(args, option) is not None}
+    params = SamplingParams(**{**GENERATE_FALLBACK, **llm.engine.generation_defaults, **given})
     sys.stdout.write(args.prompt)
     printed = ""
     for chunk in llm.stream(args.prompt, params):
@@ -78,10 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text from a prompt", formatter_class=HelpFormatter)
     gen.add_argument("prompt", nargs="?", default="Once upon a time", help="the text to continue")
-    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate")
-    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's probability mass")
-    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1: all)")
+    model_default = "default: the model's generation_config, else "
+    gen.add_argument("--max-tokens", type=int, default=None, help=f"tokens to generate ({model_default}128)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help=f"sampling temperature, 0: greedy ({model_default}0)")
+    gen.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling's probability mass ({model_default}1)")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help=f"sample among the k likeliest tokens, -1: all ({model_default}-1)")
     gen.add_argument("--sample-seed", type=int, default=None, help="seed of the sampling (default: a random one)")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, STORIES, greedy
 
 
 def run_cli(*args):
@@ -18,6 +18,28 @@ def test_generate_prints_a_story():
     result = run_cli("generate", "Once upon a time", "--max-tokens", "40")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Once upon a time, there was a little girl named Lily.")
+
+
+def test_generate_samples_as_the_models_generation_config_says_unless_told(tmp_path, capsys):
+    """generation_config.json's fields are the defaults of the options left out (as the
+    Python API's and the server's); an option given wins; neither: greedy, 128 tokens."""
+    import json
+    import shutil
+
+    from jaxmtp import LLM
+    from jaxmtp.cli import main
+
+    folder = tmp_path / "stories"
+    shutil.copytree(STORIES, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    # top_k 1: greedy, whatever the temperature
+    (folder / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 6, "top_k": 1}))
+    llm = LLM(folder, max_num_seqs=1)
+    greedy_text = [llm.generate(["Once"], greedy(n), use_tqdm=False)[0].outputs[0].text for n in (6, 9)]
+    for extra, want in (([], greedy_text[0]), (["--max-tokens", "9"], greedy_text[1])):
+        assert main(["generate", "Once", "--model", str(folder), "--max-num-seqs", "1", "--temperature", "1.5",
+                     *extra]) == 0
+        assert capsys.readouterr().out == "Once" + want + "\n"
 
 
 def test_generate_reports_bad_input_without_a_traceback():
