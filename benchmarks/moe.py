@@ -409,8 +409,11 @@ def time_mosaic_ragged_dot(flat_gate_up, sorted_inputs):
         return None
 
 
-SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages)
-    "decode": [(16, 64, 128, 4, 4), (16, 16, 256, 4, 4), (16, 128, 64, 4, 4)],
+SWEEP = {  # (block_m, block_n, block_k, num_warps, num_stages[, split_k])
+    # split_k: more programs streaming the few experts a decode step touches (a tiling
+    # whose K runs do not divide a projection's K is recorded as failing for it)
+    "decode": [(16, 64, 128, 4, 4), (16, 16, 256, 4, 4), (16, 128, 64, 4, 4), (16, 32, 128, 4, 4, 4),
+               (16, 64, 64, 4, 4, 2), (16, 32, 64, 4, 4, 2)],
     "middle": [(32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (16, 64, 128, 4, 4)],
     "prefill": [(128, 128, 64, 8, 4), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)],
 }

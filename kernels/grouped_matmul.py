@@ -19,7 +19,10 @@ product written (half the output bytes of the fused gate/up matmul, no second pa
 Work split. The sorted rows of each group are cut into blocks of `block_m`; a program
 computes one block times one `block_n` column tile of its group's matrix, walking K
 `block_k` at a time. Each program finds its group from group_sizes itself (a cumsum
-over the groups), so the call needs no planning ops around it. A decode step (a few
+over the groups), so the call needs no planning ops around it. With `split_k` > 1,
+that many programs share a tile, each over its own run of K steps, and write float32
+partials that one XLA fusion after the call sums (and, for swiglu, activates): more
+loads in flight where a few rows leave too few programs to stream the weights. A decode step (a few
 rows per expert) therefore reads exactly the routed experts' weights, once, and nothing
 of the others; a prefill step runs MMA tiles of up to 128 x 128. The rows past the
 groups' sum form one more group that computes nothing and stores zeros.
@@ -82,6 +85,7 @@ class GroupedMatmulConfig:
     block_k: int  # contraction step
     num_warps: int
     num_stages: int  # software-pipelining depth of the K loop's loads
+    split_k: int = 1  # programs per tile, each over a run of K steps (float32 partials)
 
 
 def _largest_dividing(n: int, preferred: int) -> int:
@@ -120,9 +124,11 @@ def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool 
 
 
 def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, block_m: int, block_n: int,
-            block_k: int, swiglu: bool, n: int):
-    m_block, n_block = pl.program_id(0), pl.program_id(1)
-    num_rows = out_ref.shape[0]
+            block_k: int, swiglu: bool, n: int, split_k: int):
+    """out: [M, N] (swiglu: the activated product) with one run of K, else [split_k, M,
+    N] float32 partials (swiglu: [split_k, M, 2N], gate then up, activated after)."""
+    m_block, n_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_rows = out_ref.shape[-2]
     k_total = lhs_ref.shape[1]
     precision = HIGHEST if lhs_ref.dtype == jnp.float32 else None
 
@@ -152,10 +158,11 @@ def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups:
     rhs_row = jnp.minimum(group, num_groups - 1) * k_total
     # the padding group and blocks with no rows run no K steps: their tile stays 0
     # (a product, not where(): the Triton lowering types a select of two literals as i1)
-    k_steps = (k_total // block_k) * ((group < num_groups) & (rows_here > 0)).astype(jnp.int32)
+    run_steps = k_total // block_k // split_k
+    k_steps = run_steps * ((group < num_groups) & (rows_here > 0)).astype(jnp.int32)
 
     def step(i, accs):
-        kk = i * block_k + depth
+        kk = (split * run_steps + i) * block_k + depth
         a = plgpu.load(lhs_ref.at[source[:, None], kk[None, :]], mask=lhs_mask, other=0)
         weights = rhs_ref.at[rhs_row + kk[:, None], col[None, :]]
         out = [accs[0] + plgpu.dot(a, plgpu.load(weights), precision=precision)]
@@ -166,9 +173,13 @@ def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups:
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
     accs = lax.fori_loop(0, k_steps, step, (zeros, zeros) if swiglu else (zeros,))
+    store_mask = jnp.broadcast_to(row_ok[:, None], (block_m, block_n))
+    if split_k > 1:  # partials: the activation waits for the whole sum
+        for part, acc in enumerate(accs):
+            plgpu.store(out_ref.at[split, row[:, None], part * n + col[None, :]], acc, mask=store_mask)
+        return
     out = accs[0] / (1 + jnp.exp(-accs[0])) * accs[1] if swiglu else accs[0]
-    plgpu.store(out_ref.at[row[:, None], col[None, :]], out.astype(out_ref.dtype),
-                mask=jnp.broadcast_to(row_ok[:, None], (block_m, block_n)))
+    plgpu.store(out_ref.at[row[:, None], col[None, :]], out.astype(out_ref.dtype), mask=store_mask)
 
 
 def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
@@ -182,22 +193,28 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
     num_rows = lhs.shape[0] if rows is None else rows.shape[0]
     if config is None:
         config = default_config(num_rows, num_groups, k, n, swiglu)
-    if k % config.block_k or n % config.block_n:
+    if k % (config.block_k * config.split_k) or n % config.block_n:
         raise ValueError(f"{config} does not tile K={k}, N={n}")
     # A static bound on the row blocks: sum_g cdiv(size_g, block_m) over the groups and
     # the padding group is at most M // block_m + G + 1, and a block holds a row.
     num_blocks = max(1, min(num_rows, num_rows // config.block_m + num_groups + 1))
     kernel = functools.partial(_kernel, num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
-                               block_k=config.block_k, swiglu=swiglu, n=n)
+                               block_k=config.block_k, swiglu=swiglu, n=n, split_k=config.split_k)
     rows = jnp.arange(num_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
-    return pl.pallas_call(
+    split = config.split_k > 1
+    out_shape = (config.split_k, num_rows, 2 * n if swiglu else n) if split else (num_rows, n)
+    out = pl.pallas_call(
         kernel,
-        grid=(num_blocks, n // config.block_n),
-        out_shape=jax.ShapeDtypeStruct((num_rows, n), lhs.dtype),
+        grid=(num_blocks, n // config.block_n, config.split_k),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split else lhs.dtype),
         compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="grouped_swiglu" if swiglu else "grouped_matmul",
     )(group_sizes.astype(jnp.int32), rows, lhs, rhs.reshape(num_groups * k, -1))
+    if not split:
+        return out
+    out = out.sum(axis=0)
+    return (jax.nn.silu(out[:, :n]) * out[:, n:] if swiglu else out).astype(lhs.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))

@@ -7,6 +7,8 @@ did not shows up as NaN; cache slots nobody may attend hold NaN or 1e30 (make_ca
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +24,8 @@ from tolerances import assert_within, attention_float64, gamma, swiglu_relative
 
 # Small tiles: groups span several row blocks, K several steps, N several column tiles.
 SMALL = gm.GroupedMatmulConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+# and K's two steps in two programs, their float32 partials summed (and activated) after
+SPLIT_K = dataclasses.replace(SMALL, split_k=2)
 
 
 def group_sizes_for(loads, rng, groups, rows):
@@ -37,7 +41,7 @@ def group_sizes_for(loads, rng, groups, rows):
     return sizes
 
 
-@pytest.mark.parametrize("config", [None, SMALL], ids=["default-tiling", "small-tiles"])
+@pytest.mark.parametrize("config", [None, SMALL, SPLIT_K], ids=["default-tiling", "small-tiles", "split-k"])
 @pytest.mark.parametrize("loads", ["ragged", "empty-experts", "one-expert-takes-all", "padding-rows"])
 def test_grouped_kernels_on_ragged_loads(loads, config):
     """Both kernels, their rows gathered from lhs through `rows`, against float64; the
