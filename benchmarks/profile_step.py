@@ -171,6 +171,7 @@ def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: in
     from e2e import last_step_replay
     from timing import replay_time
     from jaxmtp import LLM, SamplingParams
+    from jaxmtp.engine.sampling_params import RequestOutputKind
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, vocab_size, size=context).tolist() for _ in range(batch)]
@@ -183,8 +184,12 @@ def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: in
               num_pages=batch * -(-(context + max_tokens + 16) // 16) + 64,
               max_num_batched_tokens=batched, num_speculative_tokens=k)
     engine = llm.engine
+    # one output when a request finishes, as LLM.generate asks (no per-step output copies
+    # in the host's phases)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        engine.add_request(f"r{i}", prompt, params)
     # step until the last step read back decoded every request: that step is replayed
     while not engine.requests or not all(
         len(seq.output_token_ids) >= 2 for r in engine.requests.values() for seq in r.seqs
