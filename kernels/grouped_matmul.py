@@ -19,13 +19,13 @@ product written (half the output bytes of the fused gate/up matmul, no second pa
 Work split. The sorted rows of each group are cut into blocks of `block_m`; a program
 computes one block times one `block_n` column tile of its group's matrix, walking K
 `block_k` at a time. Each program finds its group from group_sizes itself (a cumsum
-over the groups), so the call needs no planning ops around it. With `split_k` > 1,
-that many programs share a tile, each over its own run of K steps, and write float32
-partials that one XLA fusion after the call sums (and, for swiglu, activates): more
-loads in flight where a few rows leave too few programs to stream the weights. A decode step (a few
+over the groups), so the call needs no planning ops around it. A decode step (a few
 rows per expert) therefore reads exactly the routed experts' weights, once, and nothing
 of the others; a prefill step runs MMA tiles of up to 128 x 128. The rows past the
-groups' sum form one more group that computes nothing and stores zeros.
+groups' sum form one more group that computes nothing and stores zeros. With `split_k`
+> 1, that many programs share a tile, each over its own run of K steps, and write
+float32 partials that one XLA fusion after the call sums (and, for swiglu, activates):
+more loads in flight where a few rows leave too few programs to stream the weights.
 
 Every memory access is an explicit gather (row and column index vectors), so the same
 kernel runs under Triton on the GPU and under `interpret=True` on the CPU.
@@ -65,12 +65,17 @@ def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Ar
     return _ragged_dot(_sorted_lhs(lhs, rows), rhs, group_sizes).astype(lhs.dtype)
 
 
+def _silu_and_mul(both: jax.Array, n: int) -> jax.Array:
+    """silu(gate) * up of float32 products [M, 2N], gate then up."""
+    return jax.nn.silu(both[:, :n]) * both[:, n:]
+
+
 def grouped_swiglu_reference(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
                              rows: jax.Array | None = None) -> jax.Array:
     """silu(lhs @ gate[g]) * (lhs @ up[g]) per group, from float32 accumulators."""
     num_groups, k, _, n = gate_up.shape
     both = _ragged_dot(_sorted_lhs(lhs, rows), gate_up.reshape(num_groups, k, 2 * n), group_sizes)
-    return (jax.nn.silu(both[:, :n]) * both[:, n:]).astype(lhs.dtype)
+    return _silu_and_mul(both, n).astype(lhs.dtype)
 
 
 # ----- kernel ----------------------------------------------------------------------------
@@ -214,7 +219,7 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
     if not split:
         return out
     out = out.sum(axis=0)
-    return (jax.nn.silu(out[:, :n]) * out[:, n:] if swiglu else out).astype(lhs.dtype)
+    return (_silu_and_mul(out, n) if swiglu else out).astype(lhs.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
