@@ -3,8 +3,10 @@
 Two measurements with a 2-layer, 64-wide Llama model (dummy weights) and the
 stories260K tokenizer, so detokenisation and stop strings are part of the work:
 
-  step: 8 greedy requests decoding; the host's time per step is the step's wall time
-        minus the time it waits for the device (ModelRunner.read), async scheduling on.
+  step: --batch greedy requests (8) decoding; the host's time per step is the step's
+        wall time minus the time it waits for the device (ModelRunner.read), async
+        scheduling on; once with a cumulative output every step (engine.step's default
+        kind) and once with one output when a request finishes (LLM.generate's).
   stream: one request streamed for 7000 tokens; the mean time per token of the last
         500 against that of tokens 100-600 (flat when host work per token is O(1)).
 
@@ -18,6 +20,8 @@ the peer of the same run); it then measures the step's wall time only.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import platform
@@ -26,6 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from timing import runner_phases
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,30 +54,20 @@ def model_folder(tmp: Path) -> Path:
 
 def measure_steps(llm, sampling_params, num_requests: int, num_steps: int, split_wait: bool) -> dict:
     engine = llm.engine
-    waited = [0.0]
-    if split_wait:
-        read = engine.runner.read
-
-        def timed_read(record):
-            start = time.perf_counter()
-            result = read(record)
-            waited[0] += time.perf_counter() - start
-            return result
-
-        engine.runner.read = timed_read
     for i in range(num_requests):
         engine.add_request(f"s{i}", [1, 10 + i, 20 + i], sampling_params)
     for _ in range(20):  # prefill and the first decode steps (they may compile)
         engine.step()
-    waited[0] = 0.0
     start = time.perf_counter()
-    for _ in range(num_steps):
-        engine.step()
-    wall, wait = (time.perf_counter() - start) / num_steps, waited[0] / num_steps
+    with runner_phases(engine) if split_wait else contextlib.nullcontext() as spent:
+        for _ in range(num_steps):
+            engine.step()
+    wall = (time.perf_counter() - start) / num_steps
     while engine.has_unfinished_requests():
         engine.step()
     result = {"step_ms": wall * 1e3}
-    if split_wait:
+    if split_wait:  # the read-back is mostly waiting for the device; the rest is the host's
+        wait = spent["read"] / num_steps
         result["device_wait_ms"] = wait * 1e3
         result["host_ms"] = (wall - wait) * 1e3
     return result
@@ -96,6 +92,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks"))
     parser.add_argument("--stream-tokens", type=int, default=7000)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=8, help="requests decoding together in the step measurements")
     args = parser.parse_args()
     repo = Path(args.repo).resolve() if args.repo else ROOT
     sys.path.insert(0, str(repo))
@@ -110,17 +107,20 @@ def main() -> None:
         def engine():
             # one engine per measurement: pages a measurement touched first are faster
             # to read again (the host's memory), which would favour the stream's start
-            return LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=context,
-                       num_pages=8 * context // 16 + 64)
+            return LLM(folder, load_format="dummy", max_num_seqs=args.batch, max_num_batched_tokens=max(64, args.batch),
+                       max_model_len=context, num_pages=args.batch * context // 16 + 64)
 
         decode = SamplingParams(max_tokens=args.steps + 30, temperature=0.0, ignore_eos=True, stop=["Once upon a midnight"])
-        steps = measure_steps(engine(), decode, 8, args.steps, split_wait=args.repo is None)
+        steps = measure_steps(engine(), decode, args.batch, args.steps, split_wait=args.repo is None)
+        if args.repo is None:  # one output when a request finishes (LLM.generate's kind), the same steps
+            from jaxmtp.engine.sampling_params import RequestOutputKind
+
+            final_only = dataclasses.replace(decode, output_kind=RequestOutputKind.FINAL_ONLY)
+            steps["final_only"] = measure_steps(engine(), final_only, args.batch, args.steps, split_wait=True)
         stream_params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True,
                                        stop=["Once upon a midnight"])
         delta = args.repo is None  # older checkouts stream cumulative outputs only
         if delta:
-            from jaxmtp.engine.sampling_params import RequestOutputKind
-
             stream_params.output_kind = RequestOutputKind.DELTA
         stream = measure_stream(engine(), stream_params, delta)
     results = {
@@ -135,10 +135,13 @@ def main() -> None:
         f"# Host work per step and per token ({results['date']}, {results['backend']}, jax {results['jax']})",
         "", f"Checkout: {repo.name}; `python benchmarks/host.py{' --repo ' + args.repo if args.repo else ''}`", "",
         "| measure | value | target |", "|---|---|---|",
-        f"| step wall time, 8 requests decoding | {steps['step_ms']:.2f} ms | |",
+        f"| step wall time, {args.batch} requests decoding, a cumulative output each step | {steps['step_ms']:.2f} ms | |",
     ]
     if "host_ms" in steps:
         lines.append(f"| of which host (wall minus waiting for the device) | {steps['host_ms']:.2f} ms | <= 2 ms |")
+        final_only = steps["final_only"]
+        lines.append(f"| the same, one output when a request finishes (LLM.generate's): step, of which host | "
+                     f"{final_only['step_ms']:.2f} ms, {final_only['host_ms']:.2f} ms | |")
     lines += [
         f"| stream, ms per token at tokens 100-600 | {stream['early_ms']:.3f} | |",
         f"| stream, ms per token over the last 500 of {stream['tokens']} | {stream['late_ms']:.3f} | |",

@@ -95,3 +95,13 @@ def test_moe_kernels_and_the_moonlight_shaped_model_end_to_end(tmp_path):
     assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]
     assert not results.get("failed_parts") and not results.get("skipped_over_budget")
     assert "| e2e | b3 decode" in (tmp_path / "moe_smoke.md").read_text()
+
+
+def test_host_measures_both_output_kinds_and_the_stream(tmp_path):
+    """benchmarks/host.py (CPU by design): the step's host time with a cumulative output
+    every step and with one at the end, and the stream's per-token times."""
+    run_script("host.py", "--steps", "5", "--stream-tokens", "700", "--batch", "2", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "host.json").read_text())
+    for step in (results["step"], results["step"]["final_only"]):
+        assert 0 < step["host_ms"] <= step["step_ms"] and step["device_wait_ms"] >= 0
+    assert results["stream"]["tokens"] == 700 and results["stream"]["late_over_early"] > 0
