@@ -174,9 +174,9 @@ def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True, replayed=Non
     set_async(llm, overlap)
     for i, p in enumerate(prompts):
         # greedy ignores the seed; it names the request's row of the oracle table. One
-        # output when a request finishes, as LLM.generate asks for (a cumulative output
-        # every step copies each request's tokens so far: 35-40% more host time a step
-        # at batch 128 on the CPU, work that neither generate nor the server's deltas do)
+        # output when a request finishes, as LLM.generate asks for: a cumulative output
+        # every step copies each request's tokens so far, work that neither generate nor
+        # the server's deltas do (benchmarks/host.py measures both kinds)
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, seed=i,
                                                       stop=STOP_STRINGS, output_kind=RequestOutputKind.FINAL_ONLY))
     engine.oracle_tokens = oracle
