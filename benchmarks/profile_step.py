@@ -149,15 +149,14 @@ def host_phases(engine, steps: int) -> dict[str, float]:
     """Milliseconds per engine.step() with async scheduling, over `steps` steps: the
     whole step, the compiled call (its dispatch), the read-back of the step before
     (mostly waiting for the device) and the host's own work, the rest."""
-    from timing import runner_phases
+    from timing import compiled_calls, host_work, runner_phases
 
     with runner_phases(engine) as spent:
         for _ in range(steps):
             engine.step()
     per_step = lambda s: 1e3 * s / steps  # noqa: E731
-    return {"step_ms": per_step(spent["whole"]), "compiled_call_ms": per_step(spent["_run"]),
-            "read_back_ms": per_step(spent["read"]),
-            "host_work_ms": per_step(spent["whole"] - spent["_run"] - spent["read"])}
+    return {"step_ms": per_step(spent["whole"]), "compiled_call_ms": per_step(compiled_calls(spent)),
+            "read_back_ms": per_step(spent["read"]), "host_work_ms": per_step(host_work(spent))}
 
 
 def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: int, steps: int,
@@ -198,7 +197,7 @@ def profile_config(folder: str, vocab_size: int, batch: int, context: int, k: in
     replay = last_step_replay(engine)
     step_ms = replay_time(replay, steps) * 1e3
     events = trace_events(replay, steps)
-    hlo = engine.runner.programs.program(engine.last_step.args[3]).as_text()
+    hlo = "\n".join(program.as_text() for program in engine.runner.programs.program(engine.last_step.args[3]))
     if hlo_path is not None:
         hlo_path.write_bytes(gzip.compress(hlo.encode()))
     result = {"replayed_step_ms": step_ms, "replayed_step_requests": len(engine.last_schedule),

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 from e2e import LLAMA3_8B, TINY, Bench  # noqa: E402
-from timing import runner_phases  # noqa: E402
+from timing import host_work, runner_phases  # noqa: E402
 
 # a record whose free-text field outlasts max_tokens: every step is constrained
 SCHEMA = {
@@ -45,27 +45,29 @@ def timed_run(llm, prompts, params) -> dict:
     from jaxmtp.engine import llm_engine
 
     spent = [0.0]
-    fill = llm_engine.fill_row_masks
+    fill = llm_engine.step_bitmask
 
     def timed_fill(*args):
         t = time.perf_counter()
-        fill(*args)
-        spent[0] += time.perf_counter() - t
+        try:
+            return fill(*args)
+        finally:
+            spent[0] += time.perf_counter() - t
 
-    llm_engine.fill_row_masks = timed_fill
+    llm_engine.step_bitmask = timed_fill
     steps_before = llm.engine.stats.steps
     try:
         with runner_phases(llm.engine) as phases:
             outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = phases["whole"]
     finally:
-        llm_engine.fill_row_masks = fill
+        llm_engine.step_bitmask = fill
     steps = llm.engine.stats.steps - steps_before
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     # over the batch's steps that ran with drafts (a request with none has no length)
     spec = [o.spec_stats for o in outs if o.spec_stats]
     drafting = sum(stats["num_steps"] for stats in spec)
-    host_ms = 1e3 * (elapsed - phases["_run"] - phases["read"]) / steps
+    host_ms = 1e3 * host_work(phases) / steps
     return {"tokens_per_s": tokens / elapsed, "tokens": tokens, "steps": steps, "mask_ms_per_step": 1e3 * spent[0] / steps,
             "host_ms_per_step": host_ms,
             "acceptance_length": 1 + sum(stats["accepted"] for stats in spec) / drafting if drafting else None,

@@ -42,9 +42,10 @@ def replay_time(step, repeats: int, warmup: int = 3) -> float:
 
 @contextlib.contextmanager
 def runner_phases(engine):
-    """Seconds spent while the block runs: "whole", and within it "_run" (ModelRunner._run,
-    the compiled call's dispatch; the device runs behind it) and "read" (ModelRunner.read,
-    the read-back, mostly waiting for the device). The rest is the host's own work."""
+    """Seconds spent while the block runs: "whole", and within it "_run" and "_finish"
+    (ModelRunner._run and _finish: the compiled calls' dispatch, a masked step's second
+    program in _finish; the device runs behind them) and "read" (ModelRunner.read, the
+    read-back, mostly waiting for the device). The rest is the host's own work."""
     runner, spent = engine.runner, collections.Counter()
 
     def timed(name: str):
@@ -59,12 +60,23 @@ def runner_phases(engine):
 
         setattr(runner, name, wrapper)  # an instance attribute over the method; deleted below
 
-    for name in ("_run", "read"):
+    for name in ("_run", "_finish", "read"):
         timed(name)
     start = time.perf_counter()
     try:
         yield spent
     finally:
         spent["whole"] = time.perf_counter() - start
-        for name in ("_run", "read"):
+        for name in ("_run", "_finish", "read"):
             delattr(runner, name)
+
+
+def compiled_calls(spent) -> float:
+    """The seconds of runner_phases' spent in the compiled calls' dispatch."""
+    return spent["_run"] + spent["_finish"]
+
+
+def host_work(spent) -> float:
+    """The seconds of runner_phases' spent in the host's own work: neither the compiled
+    calls' dispatch nor the read-back."""
+    return spent["whole"] - compiled_calls(spent) - spent["read"]

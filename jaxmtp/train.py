@@ -95,7 +95,7 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
         output_index=zeros_b,
         num_logprobs=zeros_b,
         carry_index=np.full(num_seqs, -1, np.int32),
-        **unprocessed(num_seqs, 0),
+        **unprocessed(num_seqs),
     )
 
 

@@ -46,9 +46,11 @@ def _prompts() -> list[list[int]]:
 
 def scenario(**nodes) -> dict:
     """One engine: a greedy batch, a seeded sampled request with logits processing
-    (its LogitsState row is written on the device) and prompt logprobs, then two
-    requests one after the other that reuse the pages of the batch's 37-token prompt."""
+    (its LogitsState row is written on the device) and prompt logprobs, a constrained
+    request (its steps' masks are a message of their own), then two requests one after
+    the other that reuse the pages of the batch's 37-token prompt."""
     from jaxmtp import LLM, SamplingParams
+    from jaxmtp.engine.structured_outputs import StructuredOutputsParams
 
     llm = LLM(MODEL, **ENGINE, **nodes)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -56,7 +58,10 @@ def scenario(**nodes) -> dict:
                              presence_penalty=0.5, logit_bias={300: 2.0}, allowed_token_ids=list(range(3, 512, 2)),
                              prompt_logprobs=1)
     short, shared = _prompts()
-    outs = llm.generate([short, shared, [1, 403, 29, 11]], [greedy, greedy, sampled], use_tqdm=False)
+    constrained = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+                                 structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}( [a-z]{2,6}){3}"))
+    outs = llm.generate([short, shared, [1, 403, 29, 11], [1, 403]], [greedy, greedy, sampled, constrained],
+                        use_tqdm=False)
     # the first reuses two pages whole; the second diverges right after them, so the
     # second page's last draft row is recomputed in a copy of it (copy-on-write)
     outs += [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in (shared + [5, 9], shared[:32] + [7])]
@@ -214,7 +219,7 @@ def test_two_processes_give_one_processes_outputs(reference, two_nodes):
     # gloo's all-reduce order changes float32 rounding only: two evaluations, each within
     # stories_logprob_bound of the exact logprobs
     short, shared = _prompts()
-    prompts = [short, shared, [1, 403, 29, 11], shared + [5, 9], shared[:32] + [7]]
+    prompts = [short, shared, [1, 403, 29, 11], [1, 403], shared + [5, 9], shared[:32] + [7]]
     bound = 2 * stories_logprob_bound_of([p + t[:-1] for p, t in zip(prompts, reference["tokens"])])
     for a, b in zip(run["logprobs"] + [run["prompt_logprobs"]], reference["logprobs"] + [reference["prompt_logprobs"]]):
         assert_within(a, b, bound)
@@ -229,12 +234,15 @@ def test_mtp_drafts_and_prefix_cache_hits_are_one_processes(reference, two_nodes
 
 
 def test_rank_0_sends_one_message_a_step_and_a_stop(two_nodes):
-    """Every step's device work (and nothing per token beyond it) crosses in one message;
-    rank 1 prints nothing but exits 0 once told to stop."""
+    """Every step's device work (and nothing per token beyond it) crosses in one message,
+    and a masked step's bitmasks in a second; rank 1 prints nothing but exits 0 once
+    told to stop."""
     run = two_nodes["report"]
     channel = run["channel"]
     assert channel["step_messages"] == run["steps"]
-    assert channel["messages"] == channel["step_messages"]  # the stop goes at exit, after the report
+    assert channel["mask_messages"] > 0  # the constrained request's steps
+    # the stop goes at exit, after the report
+    assert channel["messages"] == channel["step_messages"] + channel["mask_messages"]
     assert 0 < channel["step_bytes"] / channel["step_messages"] < 4096, channel
     assert "Traceback" not in two_nodes["worker_log"]
 
@@ -346,7 +354,7 @@ def test_node_options_are_checked_before_anything_runs():
 def test_step_messages_carry_every_input_exactly():
     from jaxmtp.worker import distributed
     from jaxmtp.worker.batch import BatchShape
-    from jaxmtp.worker.runner import StepInputs
+    from jaxmtp.worker.step_records import StepInputs
 
     rng = np.random.default_rng(0)
     inputs = StepInputs(

@@ -36,7 +36,7 @@ def fake_programs(fail=(), gate: threading.Event | None = None, entered: threadi
             entered.set()
         if gate is not None:
             gate.wait()
-        return FakeLowered(shape, compiled, fail)
+        return (FakeLowered(shape, compiled, fail),)
 
     return StepPrograms(lower), compiled
 
@@ -61,7 +61,7 @@ def test_a_deferred_shape_runs_on_the_smallest_compiled_shape_that_holds_it():
     # not deferred, not compiled: itself, compiled when the step asks for it
     assert programs.shape_to_run(shape(32, 2)) == shape(32, 2)
     assert programs.num_compiled_on_demand == 0
-    assert programs.program(shape(32, 2)) == f"program {shape(32, 2)}"
+    assert programs.program(shape(32, 2)) == (f"program {shape(32, 2)}",)
     assert programs.num_compiled_on_demand == 1
 
 
@@ -133,8 +133,8 @@ def test_the_engine_serves_before_its_shapes_compile_with_the_same_tokens_and_co
     ran_on = []
     dispatch = runner.dispatch
 
-    def recording(step_id, scheduled):
-        record = dispatch(step_id, scheduled)
+    def recording(*args):
+        record = dispatch(*args)
         ran_on.append(record.args[-1])
         return record
 

@@ -116,14 +116,14 @@ def test_a_step_that_consumed_its_donated_state_loses_no_request_after_it(llm, m
             return getattr(self.programs, name)
 
         def program(self, shape):
-            compiled = self.programs.program(shape)
+            *first, last = self.programs.program(shape)  # a masked step's second program: its last
 
             def run(*args):
-                output = compiled(*args)
+                output = last(*args)
                 if failures:
                     raise failures.pop()
                 return output
-            return run
+            return (*first, run)
 
     monkeypatch.setattr(runner, "_programs_for", lambda oracle: FailingOnce(programs_for(oracle)))
     for i, (prompt, params) in enumerate(EVERY_KIND):

@@ -209,6 +209,6 @@ def test_each_rule_reports_a_planted_violation(tmp_path):
     assert cycle == ["jaxmtp.worker.a -> jaxmtp.worker.b -> jaxmtp.worker.c -> jaxmtp.worker.a"]
     allowed = {"engine/llm_engine.py": "from jaxmtp.worker.distributed import start_runner\n"
                                        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                       "    from jaxmtp.worker.runner import StepResult\n",
+                                       "    from jaxmtp.worker.step_records import StepResult\n",
                "worker/distributed.py": "import jax\n"}
     assert RULES["engine"](planted_files(tmp_path / "allowed", allowed)) == []

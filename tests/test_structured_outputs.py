@@ -164,9 +164,55 @@ def test_json_object_outputs_parse_as_objects(plain, spec):
 
 
 def test_drafts_inside_the_grammar_are_accepted(spec):
-    """Tokens the grammar forces (the schema's punctuation and names) are the drafts."""
-    out = spec.generate(PROMPTS[:1], constrained({"json": {**SCHEMAS["nested"], **COMPACT}}), use_tqdm=False)[0]
+    """Where a step is built from the read output (here: async scheduling off), the
+    tokens the grammar forces (the schema's punctuation and names) are the drafts."""
+    import dataclasses
+
+    engine = spec.engine
+    config, engine.config = engine.config, dataclasses.replace(engine.config, async_scheduling=False)
+    try:
+        out = spec.generate(PROMPTS[:1], constrained({"json": {**SCHEMAS["nested"], **COMPACT}}), use_tqdm=False)[0]
+    finally:
+        engine.config = config
     assert out.spec_stats["mean_acceptance_length"] > 1.5, out.spec_stats
+
+
+def test_constrained_steps_overlap_the_device(spec, monkeypatch):
+    """With async scheduling a constrained request continues the step in flight as any
+    other does. Step N+1's first part (the forward) is queued before step N is read; its
+    second part, which takes the masks computed from step N's tokens, after that read,
+    just before step N+2's forward: the host's turn runs under the forward, and the
+    device runs the two parts back to back. Every step holds every request."""
+    runner, events = spec.engine.runner, []
+    for name in ("dispatch", "read", "complete"):
+        method = getattr(runner, name)
+
+        def logged(*args, _name=name, _method=method):
+            step_id = args[0] if _name == "dispatch" else args[0].step_id
+            if _name != "dispatch":
+                events.append((_name, step_id, None))
+            result = _method(*args)
+            if _name == "dispatch":  # once queued (its before_device hook runs inside)
+                events.append((_name, step_id, len(args[1].rows)))
+            return result
+
+        monkeypatch.setattr(runner, name, logged)
+    schedule = spec.engine.scheduler.schedule
+    monkeypatch.setattr(spec.engine.scheduler, "schedule", lambda: events.append(("schedule", None, None)) or schedule())
+    outs = spec.generate(PROMPTS, constrained({"json": {**SCHEMAS["nested"], **COMPACT}}), use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+    order = {(name, step): i for i, (name, step, _) in enumerate(events)}
+    steps = sorted(step for name, step, _ in events if name == "dispatch")
+    overlapped = [n for n in steps if ("dispatch", n + 1) in order and order[("dispatch", n + 1)] < order[("read", n)]]
+    assert len(overlapped) >= len(steps) - 8, events  # all but the prefill and the last steps
+    scheduled_at = [i for i, (name, _, _) in enumerate(events) if name == "schedule"]
+    for n in overlapped[:-1]:  # (the last step, all its requests done, is completed by a later call)
+        assert order[("read", n)] < order[("complete", n + 1)] < order[("dispatch", n + 2)], events
+        # step n + 2 was scheduled (and built) before: the masks computed meanwhile
+        assert any(order[("read", n)] < i < order[("complete", n + 1)] for i in scheduled_at), events
+    rows = [size for name, _, size in events if name == "dispatch"]
+    shortest = min(len(o.outputs[0].token_ids) for o in outs)
+    assert rows[2 : shortest // 3] == [3] * len(rows[2 : shortest // 3]), rows  # no turns while all three decode
 
 
 def test_constraints_survive_preemption_and_prefix_cache_hits(spec):
@@ -252,6 +298,72 @@ def test_prefetched_masks_equal_masks_computed_when_the_batch_is_built(spec, rng
             np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} drafts={prefix}")
         assert matcher.prefetched(drafts) is not None
         assert matcher.prefetched(drafts + [5]) is None  # more than it computed
+
+
+def test_rows_after_a_refused_draft_allow_every_token(spec, rng):
+    """A request continuing its step verifies the device's drafts as they are, which may
+    leave the grammar: its rows up to the first refused draft get the grammar's masks
+    (that row's mask refuses the draft, so the verify rejects it there) and the rows
+    after it every token, prefetched or computed when the step's masks are filled."""
+    import numpy as np
+
+    from jaxmtp.engine.structured_outputs import fill_row_masks
+
+    grammars = spec.engine.intake.grammars
+    params = StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT})
+    seed = int(rng.integers(1 << 30))
+    pick = np.random.default_rng(seed)
+
+    def masks_after(tokens):
+        matcher, mask = grammars.matcher(params), np.full((1, grammars.mask_words), -1, np.int32)
+        for token in tokens:
+            matcher.accept(token)
+        fill_row_masks([(matcher, 0, [])], mask)
+        return mask[0]
+
+    def allowed(mask_row, wanted):
+        bits = np.unpackbits(mask_row.view(np.uint8), bitorder="little")[: grammars.vocab_size]
+        return int(pick.choice(np.flatnonzero(bits == wanted)))
+
+    first = masks_after([])
+    valid = allowed(first, 1)
+    second = masks_after([valid])
+    for drafts, rows in (([allowed(first, 0), valid], [first]), ([valid, allowed(second, 0)], [first, second])):
+        for prefetch in (True, False):
+            matcher = grammars.matcher(params)
+            if prefetch:
+                matcher.prefetch(drafts)
+            got = np.full((3, grammars.mask_words), -1, np.int32)  # as the engine's step bitmask starts
+            fill_row_masks([(matcher, 0, drafts)], got)
+            want = np.stack(rows + [np.full(grammars.mask_words, -1, np.int32)] * (3 - len(rows)))
+            np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} drafts={drafts} prefetch={prefetch}")
+
+
+def test_a_request_whose_masks_fail_fails_alone(spec):
+    """A grammar whose masks raise while a step's bitmask is filled ends its own request
+    with the error; the step runs, and the other requests, constrained or not, give the
+    outputs they give alone."""
+    so = {"json": {**SCHEMAS["array"], **COMPACT}}
+    params = [constrained(so), constrained(so), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
+    want = [texts(spec, p)[i] for i, p in enumerate(params)]
+    engine = spec.engine
+    for i, p in enumerate(params):
+        engine.add_request(f"masks{i}", PROMPTS[i], p)
+    for _ in range(4):  # past the prefills, into constrained decoding
+        engine.step()
+    broken = engine.requests["masks0"].seqs[0].grammar
+
+    def fail(*args):
+        raise RuntimeError("llguidance fell over")
+
+    broken.prefetched, broken.row_drafts = fail, fail
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outputs["masks0"].outputs[0].finish_reason == "error" and "fell over" in outputs["masks0"].error
+    got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in (outputs["masks1"], outputs["masks2"])]
+    assert got == want[1:]
 
 
 def test_a_matcher_waits_for_the_prefetch_computing_on_its_state(spec):

@@ -29,16 +29,20 @@ from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxmtp.engine.sequence import SpecStats
-from jaxmtp.engine.structured_outputs import fill_row_masks
+from jaxmtp.engine.structured_outputs import step_bitmask
 from jaxmtp.loading.hub import resolve_model
 from jaxmtp.loading.tokenizer import Tokenizer
 from jaxmtp.models.registry import load_config
 from jaxmtp.worker.distributed import start_runner
 
 if TYPE_CHECKING:
-    from jaxmtp.worker.runner import InFlightStep, StepResult
+    from jaxmtp.worker.step_records import InFlightStep, StepResult
 
 log = logging.getLogger("jaxmtp.engine.llm_engine")
+
+
+class StaleSchedule(Exception):
+    """A step was scheduled on a cache that the failure of the step before it lost."""
 
 
 @dataclasses.dataclass
@@ -117,6 +121,7 @@ class LLMEngine:
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
         self._in_flight: deque[InFlightStep] = deque()
+        self._awaiting: InFlightStep | None = None  # the masked step in flight whose second part is not queued yet
         self._step_ids = 0
         self.usable = True  # False once a failed step could not be recovered from
         # the last step read: its record (schedule and device arguments), rows and output,
@@ -229,18 +234,19 @@ class LLMEngine:
         """Run one engine step; returns an output for every request that progressed (as
         its RequestOutputKind asks). With async_scheduling the step dispatched here is
         read on the next call: step N+1 is scheduled, built and queued on the device
-        before step N's tokens are read, so the host's work overlaps the device's."""
+        before step N's tokens are read, so the host's work overlaps the device's.
+        A step with constrained requests goes in two parts: its forward, queued as any
+        step; then, once step N's tokens have advanced the grammars, its sampling with
+        the masks they give, queued on the next call just before step N+2 (_awaiting).
+        The host's turn (reading step N, the masks on worker threads, scheduling and
+        building step N+2) then runs under the forward, and the device runs the second
+        part and the next forward back to back."""
         outputs = self._admit_and_abort()
-        # A constrained request's next rows need its in-flight step's tokens (its grammar
-        # masks): scheduling without them would leave it out of the next step, and
-        # constrained requests would split into groups taking turns, each in half-full
-        # steps. Its step is read first instead.
-        while self._in_flight and any(item.seq.grammar is not None for item in self._in_flight[0].scheduled.rows):
-            outputs += self._postprocess(self._in_flight.popleft())
         scheduled = self.scheduler.schedule()
-        if scheduled.rows:
-            self._dispatch(scheduled, outputs)
-        keep = 1 if scheduled.rows and self.config.async_scheduling else 0
+        dispatched = self._dispatch(scheduled, outputs) if scheduled.rows else None
+        keep = 1 if dispatched is not None and self.config.async_scheduling else 0
+        if not keep:  # every step before it has been read: its masks are known
+            self._complete_awaiting(outputs)
         while len(self._in_flight) > keep:
             outputs += self._postprocess(self._in_flight.popleft())
         return [out for out in outputs if out is not None]
@@ -260,24 +266,51 @@ class LLMEngine:
                 outputs.append(self._end_request(request, "abort"))
         return outputs
 
-    def _dispatch(self, scheduled: SchedulerOutput, outputs: list) -> None:
-        """Run the scheduled step. A batch that cannot be built fails only the requests
-        that break it; a step that fails on the device fails the requests it held and,
-        if it consumed the cache, every running request, and the engine goes on."""
+    def _dispatch(self, scheduled: SchedulerOutput, outputs: list) -> InFlightStep | None:
+        """Run the scheduled step (a masked one's first part); returns its record. A batch
+        that cannot be built fails only the requests that break it; a step that fails on
+        the device fails the requests it held and, if it consumed the cache, every
+        running request, and the engine goes on."""
         self._step_ids += 1
+
+        def before_device() -> None:  # the step awaiting its masks goes first (step())
+            if not self._complete_awaiting(outputs):
+                raise StaleSchedule
+
         try:
-            scheduled.token_bitmask = self._grammar_masks(scheduled.rows)
-            record = self.runner.dispatch(self._step_ids, scheduled)
+            record = self.runner.dispatch(self._step_ids, scheduled, before_device)
+        except StaleSchedule:  # its requests failed with the cache
+            return None
         except Exception as err:  # noqa: BLE001 - whatever broke, the engine must go on
             outputs += self._recover(scheduled, err)
-            return
+            return None
         self.scheduler.on_dispatch(self._step_ids, scheduled)
         self._in_flight.append(record)
+        if record.awaits_masks:
+            self._awaiting = record
         now = time.monotonic()
         for item in scheduled.rows:
-            metrics = self.requests[item.seq.request_id].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            request = self.requests.get(item.seq.request_id)  # (one the step before failed has ended)
+            if request is not None and request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        return record
+
+    def _complete_awaiting(self, outputs: list) -> bool:
+        """Queue the second part of the masked step that awaits its masks, if any (and if
+        no failure dropped it), with its rows' grammar masks. False when it failed and
+        took the cache with it: every running request failed, and a step scheduled since
+        must not run."""
+        record, self._awaiting = self._awaiting, None
+        if record is None or not any(item is record for item in self._in_flight):
+            return True
+        try:
+            self.runner.complete(record, self._grammar_masks(record, outputs))
+        except Exception as err:  # noqa: BLE001
+            self._in_flight.remove(record)
+            lost = self.runner.cache_is_lost
+            outputs += self._recover(record.scheduled, err)
+            return not lost
+        return True
 
     def _postprocess(self, record: InFlightStep) -> list[RequestOutput | None]:
         """Read a dispatched step back and apply it to its sequences."""
@@ -320,6 +353,8 @@ class LLMEngine:
             try:
                 if self.output_processor.append(seq, result, i):
                     self.scheduler.finish(seq)
+                elif seq.grammar is not None and id(seq) in following:  # it verifies the device's drafts next
+                    seq.grammar.prefetch(drafts)
                 elif seq.grammar is not None:
                     seq.drafts = seq.grammar.propose(seq.drafts, self.config.num_speculative_tokens)
             except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
@@ -354,22 +389,22 @@ class LLMEngine:
             self.allocator.reset()
         return [self._end_request(self.requests[rid], "error", err) for rid in failed if rid in self.requests]
 
-    def _grammar_masks(self, rows) -> np.ndarray | None:
-        """SchedulerOutput.token_bitmask of rows: verify row j of a constrained request
-        gets its grammar's mask after the drafts before j (prefetched, or computed now)."""
-        if not any(item.seq.grammar is not None for item in rows):
-            return None
-        k = self.config.num_speculative_tokens
-        masks = np.full((len(rows), k + 1, self.runner.mask_width), -1, np.int32)
-        fill_row_masks([(item.seq.grammar, i * (k + 1), item.token_ids[1:] if item.num_drafts else [])
-                        for i, item in enumerate(rows) if item.seq.grammar is not None and item.has_output],
-                       masks.reshape(-1, masks.shape[-1]))
+    def _grammar_masks(self, record: InFlightStep, outputs: list) -> np.ndarray:
+        """The bitmasks of a masked step's rows (structured_outputs.step_bitmask), for the
+        constrained requests that neither ended nor were preempted since dispatch (the
+        others' outputs are dropped). A request whose masks fail fails alone."""
+        rows = record.scheduled.rows
+        wanted = [(i, item.seq.grammar, item.token_ids[1:] if item.num_drafts else []) for i, item in enumerate(rows)
+                  if item.seq.grammar is not None and item.has_output and not item.seq.finished
+                  and item.seq.num_preemptions == record.preemptions[i]]
+        masks, failed = step_bitmask(len(rows), wanted, self.config.num_speculative_tokens, self.runner.mask_width)
+        outputs += [self._end_request(self.requests[rows[i].seq.request_id], "error", err) for i, err in failed]
         return masks
 
     def _builds(self, item) -> bool:
         """Whether one request's rows make a batch on their own."""
         try:
-            self.runner.host_batch([item], self.runner.shape_for([item]), self._grammar_masks([item]))
+            self.runner.host_batch([item], self.runner.shape_for([item]))
             return True
         except Exception:  # noqa: BLE001
             return False

@@ -17,7 +17,7 @@ from jaxmtp.engine.sequence import Sequence
 from jaxmtp.engine.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
-    from jaxmtp.worker.runner import StepResult
+    from jaxmtp.worker.step_records import StepResult
 
 TEXT_CONTEXT = 4  # tokens before a logprob's token decoded with it, for its leading space
 

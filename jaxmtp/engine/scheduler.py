@@ -16,8 +16,6 @@ import dataclasses
 from collections import deque
 from typing import Callable
 
-import numpy as np
-
 from jaxmtp.engine.allocator import PageAllocator
 from jaxmtp.engine.prefix_cache import PrefixCache
 from jaxmtp.engine.sequence import InFlightRows, Sequence, Status
@@ -48,10 +46,6 @@ class SchedulerOutput:
     rows: list[ScheduledRows]
     page_copies: list[tuple[int, int]]
     num_preempted: int = 0  # requests preempted while scheduling this step
-    # [rows, k+1, W] int32: row i's grammar masks of its verify rows, set by the engine
-    # after scheduling (-1: every token, for rows without a constraint); None: no row
-    # has a constraint
-    token_bitmask: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -220,8 +214,6 @@ class Scheduler:
     def _rows_for(self, seq: Sequence, budget: int) -> ScheduledRows | None:
         tokens = seq.token_ids
         if seq.in_flight is not None:  # continue a step not yet read: rows come from its carry
-            if seq.grammar is not None:  # its masks need that step's tokens and drafts
-                return None
             num_rows = self.config.num_speculative_tokens + 1
             # a request that may reach max_tokens in flight waits for its result instead
             if len(seq.output_token_ids) + seq.in_flight.max_tokens >= seq.params.max_tokens or num_rows > budget:

@@ -8,13 +8,17 @@ all the rows' masks in one call). A draft the grammar forbids is then rejected a
 row as any mismatch is, and the output is token for token what plain decoding under
 the grammar gives (the sampler's keyed draw makes speculation change nothing).
 
-Drafts are also chosen inside the grammar: where the grammar forces the next tokens
-(JSON punctuation, a property name) those are the drafts, and otherwise the MTP
-module's drafts up to the first one the grammar forbids.
+A request that continues the step in flight (the usual case, async scheduling)
+verifies the device's drafts as they are: the step's first part runs before the host
+has read them. Only rows up to the first draft the grammar refuses get masks
+(GrammarMatcher.row_drafts). A request whose next step is built from its read output
+(after its prefill, without async scheduling) gets drafts chosen inside the grammar:
+where the grammar forces the next tokens (JSON punctuation, a property name) those are
+the drafts, and otherwise the MTP module's drafts up to the first one it forbids.
 
 A request's next masks start computing on a worker thread as soon as its drafts are
-chosen (llguidance releases the GIL), so they are computed while the host goes on with
-the other requests' tokens, the schedule and the batch; the batch then copies them in."""
+known (llguidance releases the GIL), so they are computed while the host goes on with
+the other requests' tokens; the engine then copies them into the step's bitmask."""
 
 from __future__ import annotations
 
@@ -189,22 +193,30 @@ class GrammarMatcher:
 
     def prefetch(self, drafts: list[int]) -> None:
         """Start computing, on a worker thread, the masks of the rows that follow each
-        prefix of drafts from the current state (the next step's rows)."""
-        self._settled()
-        masks = np.empty((len(drafts) + 1, self._compiler.mask_words), np.int32)  # _fill writes every row
-        work = functools.partial(_fill, self._compiler.executor, [(self._matcher, 0, list(drafts))], masks)
+        prefix of drafts from the current state (the next step's rows), up to the row of
+        the first draft the grammar refuses (row_drafts)."""
+        matcher = self._settled()
+        valid = self.row_drafts(drafts)
+        masks = np.empty((len(valid) + 1, self._compiler.mask_words), np.int32)  # _fill writes every row
+        work = functools.partial(_fill, self._compiler.executor, [(matcher, 0, valid)], masks)
         self._prefetched = (list(drafts), masks, self._compiler.workers.submit(work))
 
+    def row_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts whose rows get masks: those before the first one the grammar refuses
+        from the current state. That draft's row masks it out, so the verify rejects it
+        there and nothing after it is emitted: its later rows may allow any token."""
+        return list(drafts[: self._settled().validate_tokens(drafts)]) if drafts else []
+
     def prefetched(self, drafts: list[int]) -> np.ndarray | None:
-        """The masks of the rows after each prefix of drafts, [len(drafts) + 1, W], if a
-        prefetch from the current state covered them (drafts a prefix of its drafts)."""
+        """The masks of the rows after each prefix of row_drafts(drafts), if a prefetch
+        from the current state covered them (drafts a prefix of its drafts)."""
         if self._prefetched is None:
             return None
         have, masks, future = self._prefetched
         if have[: len(drafts)] != list(drafts):
             return None
         future.result()  # raises what the computing raised
-        return masks[: len(drafts) + 1]
+        return masks[: min(len(drafts), len(masks) - 1) + 1]
 
 
 def _fill(executor, rows: list[tuple[object, int, list[int]]], masks: np.ndarray) -> None:
@@ -219,14 +231,36 @@ def _fill(executor, rows: list[tuple[object, int, list[int]]], masks: np.ndarray
 
 def fill_row_masks(rows: list[tuple[GrammarMatcher, int, list[int]]], masks: np.ndarray) -> None:
     """masks [N, W] int32: for each (matcher, first mask row, drafts), the masks of rows
-    first..first+len(drafts), row j's after drafts[:j]: prefetched, or computed now.
-    Other rows are left as they are."""
+    first..first+len(row_drafts(drafts)), row j's after drafts[:j]: prefetched, or
+    computed now. Other rows are left as they are."""
     left = []
     for matcher, first, drafts in rows:
         ready = matcher.prefetched(drafts)
         if ready is not None:
             masks[first : first + len(ready)] = ready
         else:
-            left.append((matcher._settled(), first, drafts))
+            left.append((matcher._settled(), first, matcher.row_drafts(drafts)))
     if left:
         _fill(rows[0][0]._compiler.executor, left, masks)
+
+
+def step_bitmask(num_rows: int, wanted: list[tuple[int, GrammarMatcher, list[int]]], k: int,
+                 width: int) -> tuple[np.ndarray, list[tuple[int, Exception]]]:
+    """The token bitmasks [num_rows, k+1, W] of a masked step: for each (row, matcher,
+    drafts) in wanted, the row's verify masks (fill_row_masks); every other mask allows
+    every token. A matcher whose masks cannot be computed leaves its row allowing every
+    token and is returned with its error: (masks, [(row, error)])."""
+    masks = np.full((num_rows, k + 1, width), -1, np.int32)
+    flat = masks.reshape(-1, width)
+    try:
+        fill_row_masks([(matcher, row * (k + 1), drafts) for row, matcher, drafts in wanted], flat)
+        return masks, []
+    except Exception:  # noqa: BLE001 - find the matchers that fail, one at a time
+        failed = []
+        for row, matcher, drafts in wanted:
+            try:
+                fill_row_masks([(matcher, row * (k + 1), drafts)], flat)
+            except Exception as err:  # noqa: BLE001
+                flat[row * (k + 1) : (row + 1) * (k + 1)] = -1
+                failed.append((row, err))
+        return masks, failed

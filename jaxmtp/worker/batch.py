@@ -44,9 +44,6 @@ class Batch:
     repetition_penalty: jax.Array  # [B] float32
     frequency_penalty: jax.Array  # [B] float32
     presence_penalty: jax.Array  # [B] float32
-    # structured outputs: per verify row the allowed tokens, bit v % 32 of word v // 32
-    # (all set for unconstrained requests); [B, k+1, 0] in steps with no constraint
-    token_bitmask: jax.Array  # [B, k+1, W] int32
     # [B] int32: the request's row in the previous step's carry, or -1. A carried
     # request was still in flight on the device when this batch was built: its input
     # ids are placeholders and its positions assume no draft was accepted; the step
@@ -59,7 +56,7 @@ class Batch:
 INT_FIELDS = (
     "input_ids", "positions", "slot_mapping", "query_start", "kv_len", "page_table", "sample_index",
     "num_drafts", "has_output", "next_chunk_token", "top_k", "seed", "output_index", "num_logprobs",
-    "state_slot", "min_tokens", "token_bitmask", "carry_index",
+    "state_slot", "min_tokens", "carry_index",
 )
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -75,23 +72,30 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int, words: int = 0) -> dict[str, tuple[int, ...]]:
-    """words: W, the token bitmask's width (0 in a step with no constraint)."""
+def padded_bitmask(masks: np.ndarray, num_seqs: int) -> np.ndarray:
+    """Host side: the token bitmasks [n, k+1, W] of a masked step's requests (per verify
+    row the allowed tokens, bit v % 32 of word v // 32), padded to the shape's B requests;
+    padding requests allow every token."""
+    padded = np.full((num_seqs,) + masks.shape[1:], -1, np.int32)
+    padded[: len(masks)] = masks
+    return padded
+
+
+def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int) -> dict[str, tuple[int, ...]]:
     per_request = {
         "query_start": (b + 1,), "page_table": (b, pages_per_seq), "sample_index": (b, k + 1), "next_chunk_token": (b, m),
-        "token_bitmask": (b, k + 1, words),
     }
     per_row = ("input_ids", "positions", "slot_mapping")
     return {f: per_request.get(f, (t,) if f in per_row else (b,)) for f in INT_FIELDS + FLOAT_FIELDS}
 
 
-def unprocessed(num_seqs: int, k: int) -> dict[str, np.ndarray]:
+def unprocessed(num_seqs: int) -> dict[str, np.ndarray]:
     """The logits-processing fields of requests that ask for none (no state slot, no
-    penalties, no bitmask), for batches built by hand (training, benchmarks)."""
+    penalties), for batches built by hand (training, benchmarks)."""
     return dict(
         state_slot=np.full(num_seqs, -1, np.int32), min_tokens=np.zeros(num_seqs, np.int32),
         repetition_penalty=np.ones(num_seqs, np.float32), frequency_penalty=np.zeros(num_seqs, np.float32),
-        presence_penalty=np.zeros(num_seqs, np.float32), token_bitmask=np.zeros((num_seqs, k + 1, 0), np.int32),
+        presence_penalty=np.zeros(num_seqs, np.float32),
     )
 
 
@@ -181,10 +185,10 @@ def pack_batch(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def unpack_batch(ints: jax.Array, floats: jax.Array, shape: BatchShape, k: int, m: int, words: int) -> Batch:
+def unpack_batch(ints: jax.Array, floats: jax.Array, shape: BatchShape, k: int, m: int) -> Batch:
     """Device side (inside the jitted step): the fields back from the two buffers, for a
-    batch of this (static) shape; k drafts, M MTP modules drafting, W bitmask words."""
-    sizes = field_shapes(shape.num_tokens, shape.num_seqs, shape.pages_per_seq, k, m, words if shape.masked else 0)
+    batch of this (static) shape; k drafts, M MTP modules drafting."""
+    sizes = field_shapes(shape.num_tokens, shape.num_seqs, shape.pages_per_seq, k, m)
     fields, offsets = {}, {"int": 0, "float": 0}
     for name, field_shape in sizes.items():
         kind, buffer = ("int", ints) if name in INT_FIELDS else ("float", floats)
@@ -211,7 +215,8 @@ class BatchShape:
     # some request asks for prompt logprobs: every row's logits are computed
     # (jaxmtp/worker/prompt_logprobs.py); compiled on first use
     prompt_logprobs: bool = False
-    # some request is constrained (structured outputs): the batch carries token bitmasks
+    # some request is constrained (structured outputs): the step runs as two programs,
+    # the second taking the verify rows' token bitmasks (jaxmtp/worker/step.py)
     masked: bool = False
 
     def holds(self, other: BatchShape) -> bool:
@@ -221,7 +226,7 @@ class BatchShape:
         program may round differently, as when batch composition changes the bucket)."""
         return (self.num_tokens >= other.num_tokens and self.num_seqs >= other.num_seqs
                 and self.pages_per_seq >= other.pages_per_seq and (other.greedy or not self.greedy)
-                # the batch's fields differ with these (bitmasks) or the outputs do (prompt logprobs)
+                # the programs differ with these (a masked step is two) or the outputs do (prompt logprobs)
                 and self.masked == other.masked and self.prompt_logprobs == other.prompt_logprobs)
 
 
@@ -296,14 +301,10 @@ class BucketPlan:
 
 def build_batch(
     scheduled, shape: BatchShape, max_pages_per_seq: int, page_size: int, num_slots: int, k: int, m: int = 1,
-    words: int = 0, token_bitmask: np.ndarray | None = None,
 ) -> Batch:
     """Numpy arrays for one step, vectorised over requests and rows; `scheduled` is a list
     of scheduler.ScheduledRows; num_slots: the cache's slots (padding rows write past
-    them, dropped); m: MTP modules the draft pass runs (next_chunk_token's width); words:
-    the token bitmask's width in a masked shape; token_bitmask [n, k+1, words]: the rows'
-    grammar masks from the host (SchedulerOutput.token_bitmask; padding rows allow every
-    token)."""
+    them, dropped); m: MTP modules the draft pass runs (next_chunk_token's width)."""
     t, b, n = shape.num_tokens, shape.num_seqs, len(scheduled)
     seqs = [item.seq for item in scheduled]
     lengths = np.fromiter((len(item.token_ids) for item in scheduled), np.int32, n)
@@ -334,9 +335,6 @@ def build_batch(
     sample_index = np.zeros((b, k + 1), np.int32)
     sample_index[:n] = np.minimum((last_row - num_drafts)[:, None] + np.arange(k + 1), last_row[:, None])
     params = [seq.params for seq in seqs]
-    bitmask = np.full((b, k + 1, words if shape.masked else 0), -1, np.int32)
-    if token_bitmask is not None:
-        bitmask[:n] = token_bitmask
     return Batch(
         input_ids=input_ids,
         positions=positions,
@@ -360,6 +358,5 @@ def build_batch(
         repetition_penalty=per_request([p.repetition_penalty for p in params], np.float32, 1.0),
         frequency_penalty=per_request([p.frequency_penalty for p in params], np.float32),
         presence_penalty=per_request([p.presence_penalty for p in params], np.float32),
-        token_bitmask=bitmask,
         carry_index=per_request([item.carry_index for item in scheduled], np.int32, -1),
     )

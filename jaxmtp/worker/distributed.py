@@ -4,9 +4,10 @@ Every process calls jax.distributed.initialize before anything else uses JAX; th
 then spans every process's devices, and each jitted step runs on all of them at once
 (SPMD), so every process must run the same device work in the same order. Rank 0 runs
 the engine (scheduler, tokenizer, HTTP server) and builds each step's device work on
-the host (runner.StepInputs); its runner's Leader sends that to the other processes
-through the distributed runtime's key-value store, one key per message, and each of
-them runs it on its own runner in follow(). Tokens are read back on rank 0 only.
+the host (runner.StepInputs, and a masked step's bitmasks after them); its runner's
+Leader sends that to the other processes through the distributed runtime's key-value
+store, one key per message, and each of them runs it on its own runner in follow().
+Tokens are read back on rank 0 only.
 
 Failures end every process: JAX's coordination service ends the others when one stops
 sending heartbeats (node_timeout) or when rank 0, which hosts it, exits; a step that
@@ -30,7 +31,8 @@ from jaxmtp.engine.engine_config import EngineConfig
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.model import check_backend
 from jaxmtp.worker.batch import BatchShape
-from jaxmtp.worker.runner import ModelRunner, StepInputs
+from jaxmtp.worker.runner import ModelRunner
+from jaxmtp.worker.step_records import StepInputs
 
 log = logging.getLogger("jaxmtp.worker.distributed")
 
@@ -171,6 +173,7 @@ class ChannelStats:
     bytes: int = 0  # payloads, as handed to the key-value store (it compresses them on the wire)
     step_messages: int = 0
     step_bytes: int = 0
+    mask_messages: int = 0  # a masked step's second message: its bitmasks
 
 
 class Leader:
@@ -194,6 +197,11 @@ class Leader:
         self.send(payload)
         self.stats.step_messages += 1
         self.stats.step_bytes += len(payload)
+
+    def send_masks(self, token_bitmask: np.ndarray) -> None:
+        """A masked step's token bitmasks: its second program (ModelRunner.apply_masks)."""
+        self.send(encode("masks", arrays={"token_bitmask": token_bitmask}))
+        self.stats.mask_messages += 1
 
     def send_oracle_tokens(self, table: np.ndarray | None) -> None:
         self.send(encode("oracle_tokens", arrays={} if table is None else {"table": table}))
@@ -244,6 +252,8 @@ def follow(runner: ModelRunner, client, num_nodes: int) -> None:
         kind, meta, arrays = decode(_receive(client, key))
         if kind == "step":
             runner.apply(step_inputs(meta, arrays))
+        elif kind == "masks":
+            runner.apply_masks(arrays["token_bitmask"])
         elif kind == "oracle_tokens":
             runner.oracle_tokens = arrays.get("table")
         elif kind == "warmup":

@@ -61,7 +61,9 @@ def run_cost(shape: BatchShape) -> tuple:
 
 
 class StepPrograms:
-    """lower(shape) -> jax.stages.Lowered: the step lowered for a full BatchShape."""
+    """lower(shape) -> tuple of jax.stages.Lowered: the programs of a full BatchShape's
+    step, in the order they run (ModelRunner.lower_programs); program(shape) gives them
+    compiled."""
 
     def __init__(self, lower: Callable):
         self._lower = lower
@@ -84,8 +86,8 @@ class StepPrograms:
     def compiling(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def compile(self, shape: BatchShape):
-        program = self._lower(shape).compile()
+    def compile(self, shape: BatchShape) -> tuple:
+        program = tuple(lowered.compile() for lowered in self._lower(shape))
         with self._lock:
             self._compiled[shape] = program
             self._deferred.discard(shape)
@@ -104,8 +106,8 @@ class StepPrograms:
             holders = [have for have in self._compiled if have.holds(shape)]
         return min(holders, key=run_cost, default=shape)
 
-    def program(self, shape: BatchShape):
-        """The executable of a shape shape_to_run chose; compiled now if it is not yet."""
+    def program(self, shape: BatchShape) -> tuple:
+        """The executables of a shape shape_to_run chose; compiled now if they are not yet."""
         program = self._compiled.get(shape)
         if program is None:
             self.num_compiled_on_demand += 1

@@ -6,13 +6,15 @@ The engine never touches a device array.
 
 A step's device work is built on the host first, as StepInputs, then run (apply): on a
 mesh over several processes, rank 0's runner sends it to the others' runners, which run
-the same (self.peers; jaxmtp/worker/distributed.py)."""
+the same (self.peers; jaxmtp/worker/distributed.py). The records that cross to the
+engine and the other processes: jaxmtp/worker/step_records.py."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import numpy as np
@@ -24,57 +26,15 @@ from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.linear import dense_kernels_for, fp8_matmul_for, with_fp8_matmul
 from jaxmtp.models.params import with_merged_qkv
 from jaxmtp.worker.batch import (
-    OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch,
+    OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch, padded_bitmask,
 )
 from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.worker.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.worker.memory import plan_kv_pool
 from jaxmtp.worker.programs import StepPrograms
 from jaxmtp.worker.sharding import check_divisible, make_mesh, param_shardings, put_replicated, replicated
-from jaxmtp.worker.step import STEP_STATE, StepConfig, StepOutput, jitted_step
-
-
-@dataclasses.dataclass
-class InFlightStep:
-    """A dispatched step whose output has not been read yet."""
-
-    step_id: int
-    scheduled: SchedulerOutput
-    preemptions: list[int]  # each sequence's num_preemptions at dispatch
-    output: StepOutput  # on the device
-    args: tuple  # the step's arguments after params and cache, for replays
-
-
-@dataclasses.dataclass
-class StepInputs:
-    """A step's device work as host arrays, run in this order: page copies, the
-    LogitsState rows of newly admitted requests, the step (no shape: its batch could not
-    be built). What rank 0 sends the other processes each step."""
-
-    page_copies: list[tuple[np.ndarray, np.ndarray]]  # (src, dst), PAGE_COPY_BATCH each (cache.page_copy_arrays)
-    state_slots: np.ndarray | None = None  # [N]: the rows' slots (N a power of two; padding: past the last)
-    state_rows: dict[str, np.ndarray] | None = None  # LogitsState field -> [N, ...]
-    ints: np.ndarray | None = None  # the packed batch (batch.pack_batch)
-    floats: np.ndarray | None = None
-    shape: BatchShape | None = None
-
-
-@dataclasses.dataclass
-class StepResult:
-    """A step's output on the host: what postprocessing reads, nothing more."""
-
-    tokens: np.ndarray  # [B, k+1]; request b emitted tokens[b, :num_accepted[b] + 1]
-    num_accepted: np.ndarray  # [B]
-    drafts: np.ndarray  # [B, k]
-    boundary_token: np.ndarray  # [B]
-    logprobs: np.ndarray | None  # [B, k+1], when a request asked for logprobs
-    ranks: np.ndarray | None  # [B, k+1] each token's rank in the model's distribution (1: its top)
-    top_logprobs: np.ndarray | None  # [B, k+1, n]
-    top_token_ids: np.ndarray | None
-    prompt_logprobs: np.ndarray | None  # [T] per row, the token after it (BatchShape.prompt_logprobs)
-    prompt_ranks: np.ndarray | None  # [T]
-    prompt_top_logprobs: np.ndarray | None  # [T, n]
-    prompt_top_token_ids: np.ndarray | None
+from jaxmtp.worker.step import STEP_STATE, StepConfig, StepOutput, jitted_finish, jitted_forward, jitted_step
+from jaxmtp.worker.step_records import InFlightStep, StepInputs, StepResult
 
 
 class ModelRunner:
@@ -122,6 +82,7 @@ class ModelRunner:
             mesh=self.mesh,
         )
         self._oracle_tokens = None
+        self._pending = None  # a masked step's second program, its arguments and hidden rows, until apply_masks
         # the compiled steps, by the oracle table's shape (None: no oracle, as serving runs)
         self._programs: dict[tuple | None, StepPrograms] = {}
         self._place_state([name for name in STEP_STATE if name != "logits_state"])  # that one is placed above
@@ -136,6 +97,7 @@ class ModelRunner:
         request still running after the failure needs."""
         if self.peers is not None:
             self.peers.cache_lost()  # the other processes' caches cannot be brought back in step
+        self._pending = None
         self._place_state(STEP_STATE)
 
     def _place_state(self, names) -> None:
@@ -193,20 +155,20 @@ class ModelRunner:
         prompt = any(item.seq.wants_prompt_logprobs for item in rows)
         return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages, prompt, masked)
 
-    def host_batch(self, rows: list[ScheduledRows], shape: BatchShape,
-                   token_bitmask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """The packed batch (ints, floats) of rows padded to shape, with the rows' grammar
-        masks (SchedulerOutput.token_bitmask)."""
+    def host_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple[np.ndarray, np.ndarray]:
+        """The packed batch (ints, floats) of rows padded to shape."""
         batch = build_batch(rows, shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size,
-                            self.config.num_speculative_tokens, lookahead_width(self.num_draft_modules), self.mask_width,
-                            token_bitmask)
+                            self.config.num_speculative_tokens, lookahead_width(self.num_draft_modules))
         return pack_batch(batch)
 
-    def dispatch(self, step_id: int, scheduled: SchedulerOutput) -> InFlightStep:
+    def dispatch(self, step_id: int, scheduled: SchedulerOutput,
+                 before_device: Callable[[], None] = lambda: None) -> InFlightStep:
         """Queue the page copies, the new LogitsState rows and the step on the device;
         returns before it runs. The copies and rows go first, also when the batch then
         cannot be built: the sequences they serve already count the copied rows as computed.
-        The batch is padded to a compiled shape (StepPrograms.shape_to_run)."""
+        The batch is padded to a compiled shape (StepPrograms.shape_to_run). A masked
+        shape's step runs its first program only: complete() gives it the masks.
+        before_device: run once the host has built the step, before any of it is queued."""
         new = [item.seq for item in scheduled.rows if item.seq.params.processes_logits and not item.seq.state_written]
         groups = range(0, len(scheduled.page_copies), PAGE_COPY_BATCH)
         inputs = StepInputs([page_copy_arrays(scheduled.page_copies[i : i + PAGE_COPY_BATCH], self.num_pages)
@@ -214,8 +176,9 @@ class ModelRunner:
         try:
             inputs.state_slots, inputs.state_rows = self.state_rows(new)
             shape = self.programs.shape_to_run(self.shape_for(scheduled.rows))
-            (inputs.ints, inputs.floats), inputs.shape = self.host_batch(scheduled.rows, shape, scheduled.token_bitmask), shape
+            (inputs.ints, inputs.floats), inputs.shape = self.host_batch(scheduled.rows, shape), shape
         finally:  # what was built runs, also when the rest raised
+            before_device()
             args, output = self.apply(inputs)
             for seq in new if inputs.state_slots is not None else ():
                 seq.state_written = True
@@ -236,7 +199,8 @@ class ModelRunner:
 
     def apply(self, inputs: StepInputs) -> tuple[tuple | None, StepOutput | None]:
         """Run a step's device work; returns the step's arguments after params, cache and
-        carry (placed, for replays) and its output, or (None, None) without a batch."""
+        carry (placed, for replays) and its output, or (None, None) without a batch, or
+        (args, None) for a masked shape, whose second program waits for apply_masks."""
         if self.peers is not None:
             self.peers.send_step(inputs)
         for src, dst in inputs.page_copies:
@@ -248,10 +212,39 @@ class ModelRunner:
         args = (*put_replicated((inputs.ints, inputs.floats), self.mesh), self.oracle_tokens, inputs.shape)
         return args, self._run(args)
 
-    def _run(self, args: tuple) -> StepOutput:
+    def apply_masks(self, token_bitmask: np.ndarray) -> StepOutput:
+        """Run the second program of the masked step apply() began, with its requests'
+        token bitmasks [B, k+1, W] (batch.padded_bitmask)."""
+        if self.peers is not None:
+            self.peers.send_masks(token_bitmask)
+        return self._finish(put_replicated(token_bitmask, self.mesh))
+
+    def complete(self, record: InFlightStep, masks: np.ndarray) -> None:
+        """Queue a masked step's second program with its rows' grammar masks [rows, k+1, W]
+        (-1: every token)."""
+        record.token_bitmask = padded_bitmask(masks, record.args[-1].num_seqs)
+        record.output = self.apply_masks(record.token_bitmask)
+
+    def _run(self, args: tuple, token_bitmask: jax.Array | None = None) -> StepOutput | None:
+        """Run a step's programs: an unmasked shape's one; a masked shape's first, and its
+        second when token_bitmask is given (else that waits for apply_masks)."""
         ints, floats, oracle, shape = args
-        program = self._programs_for(oracle).program(shape)
-        self.cache, self.logits_state, output = program(self.params, *self.step_state(), ints, floats, oracle)
+        programs = self._programs_for(oracle).program(shape)
+        if not shape.masked:
+            self.cache, self.logits_state, output = programs[0](self.params, *self.step_state(), ints, floats, oracle)
+            self.carry = output.carry
+            return output
+        self.cache, hidden = programs[0](self.params, self.cache, self.carry, ints, floats)
+        self._pending = (programs[1], args, hidden)
+        return None if token_bitmask is None else self._finish(token_bitmask)
+
+    def _finish(self, token_bitmask: jax.Array) -> StepOutput:
+        if self._pending is None:
+            raise RuntimeError("no masked step waits for its masks")
+        program, (ints, floats, oracle, _), hidden = self._pending
+        self._pending = None
+        self.cache, self.logits_state, output = program(
+            self.params, *self.step_state(), ints, floats, hidden, token_bitmask, oracle)
         self.carry = output.carry
         return output
 
@@ -271,7 +264,8 @@ class ModelRunner:
         """Run a step's batch again, on the cache as it is now (benchmarks time it alone)."""
         if self.peers is not None:
             raise ValueError("replay runs a step on one process; with num_nodes > 1 every process must run it")
-        return self._run(record.args)
+        masks = None if record.token_bitmask is None else put_replicated(record.token_bitmask, self.mesh)
+        return self._run(record.args, masks)
 
     # ----- compilation ------------------------------------------------------------------
 
@@ -284,7 +278,7 @@ class ModelRunner:
         key = None if oracle is None else oracle.shape
         if key not in self._programs:
             spec = None if oracle is None else array_spec(oracle)
-            self._programs[key] = StepPrograms(lambda shape: self.lower_step(shape, spec))
+            self._programs[key] = StepPrograms(lambda shape: self.lower_programs(shape, spec))
         return self._programs[key]
 
     def warmup(self, num_threads: int = 1, with_page_copies: bool = False, background: bool = False) -> int:
@@ -328,15 +322,30 @@ class ModelRunner:
         return dataclasses.replace(shape, pages_per_seq=shape.pages_per_seq or self.max_pages_per_seq)
 
     def lower_step(self, shape: BatchShape, oracle: jax.ShapeDtypeStruct | None = None):
-        """The step lowered for one bucket shape (compile it to run or inspect), for
-        arguments placed as dispatch places them; oracle: the oracle table's spec."""
+        """An unmasked shape's step lowered (compile it to run or inspect)."""
+        return self.lower_programs(shape, oracle)[0]
+
+    def lower_programs(self, shape: BatchShape, oracle: jax.ShapeDtypeStruct | None = None) -> tuple:
+        """The programs of one bucket shape lowered, in the order they run: the step, or a
+        masked shape's forward and finish (jaxmtp/worker/step.py); for arguments placed as
+        dispatch places them; oracle: the oracle table's spec."""
         shape = self.full_shape(shape)
-        k = self.config.num_speculative_tokens
-        batch = build_batch([], shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size, k,
-                            lookahead_width(self.num_draft_modules), self.mask_width)
+        batch = build_batch([], shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size,
+                            self.config.num_speculative_tokens, lookahead_width(self.num_draft_modules))
         ints, floats = (array_spec(x, replicated(self.mesh)) for x in pack_batch(batch))
+        params, cache, logits_state, carry = self._state_specs
+        static = (shape, self.step_config)
         with matmul_precision(self.model_config.dtype):
-            return jitted_step.lower(*self._state_specs, ints, floats, oracle, shape, self.step_config)
+            if not shape.masked:
+                return (jitted_step.lower(params, cache, logits_state, carry, ints, floats, oracle, *static),)
+            forward = jitted_forward.lower(params, cache, carry, ints, floats, *static)
+            hidden = jax.ShapeDtypeStruct(forward.out_info[1].shape, forward.out_info[1].dtype,
+                                          sharding=replicated(self.mesh))
+            bitmask = jax.ShapeDtypeStruct((shape.num_seqs, self.config.num_speculative_tokens + 1, self.mask_width),
+                                           np.int32, sharding=replicated(self.mesh))
+            finish = jitted_finish.lower(params, cache, logits_state, carry, ints, floats, hidden, bitmask, oracle,
+                                         *static)
+        return forward, finish
 
     def cache_copies(self, shape: BatchShape) -> list[str]:
         """Lines of the compiled step's optimised HLO that copy a KV page array, for

@@ -1,10 +1,14 @@
-"""The one jitted engine step: main forward over a mixed batch of prefill chunks and
+"""The jitted engine step: main forward over a mixed batch of prefill chunks and
 decode/verify rows, sampling or verification, and the MTP draft pass. The KV cache
 goes in and comes out donated; the host reads back only tokens and counts.
 
 The carry lets the host dispatch step N+1 before it has read step N: requests whose
 step N emits tokens are scheduled with placeholder rows, which this step fills from
-step N's carry on the device (batch.apply_carry)."""
+step N's carry on the device (batch.apply_carry).
+
+A step with constrained requests (a masked shape) runs as two programs, forward and
+finish, so that the part that needs no grammar mask, nearly all of the step's time,
+runs while the host reads step N and computes step N+1's masks from its tokens."""
 
 from __future__ import annotations
 
@@ -19,12 +23,12 @@ from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.linear import dense_kernels, dense_kernels_for
 from jaxmtp.models.params import Params, pytree_dataclass
 from jaxmtp.worker import mtp
-from jaxmtp.worker.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, mask_words, unpack_batch
+from jaxmtp.worker.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, unpack_batch
 from jaxmtp.worker.cache import KVCache
 from jaxmtp.worker.logits_processors import LogitsState, process_logits, record_emitted
 from jaxmtp.worker.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxmtp.worker.sampling import accept_drafts, chosen_logprobs, verify_and_sample
-from jaxmtp.worker.sharding import argmax_vocab, gather_vocab
+from jaxmtp.worker.sharding import argmax_vocab, gather_vocab, replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,37 +71,73 @@ def step(
     shape: BatchShape,
     config: StepConfig,
 ) -> tuple[KVCache, LogitsState, StepOutput]:
-    """logits_state: what logits processing reads across steps, donated as the cache is;
-    carry: the previous step's StepOutput.carry; ints/floats: the batch packed by
-    batch.pack_batch; oracle_tokens: None, or a benchmark's table whose tokens replace
-    the MTP drafts (oracle_drafts); shape (static): how to unpack the batch, and whether
-    no row samples, asks for top logprobs or for logits processing (BatchShape.greedy)."""
+    """The step of an unmasked shape, one program. logits_state: what logits processing
+    reads across steps, donated as the cache is; carry: the previous step's
+    StepOutput.carry; ints/floats: the batch packed by batch.pack_batch; oracle_tokens:
+    None, or a benchmark's table whose tokens replace the MTP drafts (oracle_drafts);
+    shape (static): how to unpack the batch, and whether no row samples, asks for top
+    logprobs or for logits processing (BatchShape.greedy)."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
-        return _step(params, cache, logits_state, carry, ints, floats, oracle_tokens, shape, config)
+        batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
+        cache, hidden = _main_forward(params, cache, batch, config)
+        return _sample_and_draft(params, cache, logits_state, carry, batch, hidden, None, oracle_tokens, shape, config)
 
 
-def _step(params, cache, logits_state, carry, ints, floats, oracle_tokens, shape, config):
-    k = config.num_speculative_tokens
-    words = mask_words(config.model.vocab_size)
+def forward(params: Params, cache: KVCache, carry: Carry, ints: jax.Array, floats: jax.Array, shape: BatchShape,
+            config: StepConfig) -> tuple[KVCache, jax.Array]:
+    """A masked shape's first program: the main forward, the cache donated; returns the
+    hidden rows [T, H]. It needs no grammar mask, so the host dispatches it before it
+    has read the previous step, whose tokens the masks depend on, and computes the masks
+    while it runs."""
+    with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
+        return _main_forward(params, cache, _batch_in(ints, floats, carry, shape, config, cache.page_size), config)
+
+
+def finish(params: Params, cache: KVCache, logits_state: LogitsState, carry: Carry, ints: jax.Array,
+           floats: jax.Array, hidden: jax.Array, token_bitmask: jax.Array, oracle_tokens: jax.Array | None,
+           shape: BatchShape, config: StepConfig) -> tuple[KVCache, LogitsState, StepOutput]:
+    """A masked shape's second program, on forward's hidden rows and the same batch and
+    carry: verification and sampling under token_bitmask [B, k+1, W] (per verify row the
+    tokens its grammar allows, batch.padded_bitmask), the draft pass and the carry."""
+    with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
+        batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
+        return _sample_and_draft(params, cache, logits_state, carry, batch, hidden, token_bitmask, oracle_tokens, shape,
+                                 config)
+
+
+def _batch_in(ints, floats, carry, shape: BatchShape, config: StepConfig, page_size: int) -> Batch:
     # Named scopes label the step's parts in the compiled program's metadata, so that
     # benchmarks/profile_step.py can sum device time per part (STEP_PARTS).
     with jax.named_scope("batch_in"):
-        batch = unpack_batch(ints, floats, shape, k, lookahead_width(config.num_draft_modules), words)
-        batch = apply_carry(batch, carry, cache.page_size)
-    cfg = config.model
+        batch = unpack_batch(ints, floats, shape, config.num_speculative_tokens, lookahead_width(config.num_draft_modules))
+        return apply_carry(batch, carry, page_size)
+
+
+def _layer_ops(config: StepConfig):
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
-    ops = model.layer_ops(cfg, config.attention_backend, config.mesh, decode_rows=k + 1)
+    return model.layer_ops(config.model, config.attention_backend, config.mesh, decode_rows=config.num_speculative_tokens + 1)
+
+
+def _main_forward(params, cache, batch, config: StepConfig):
     with jax.named_scope("main_forward"):
-        hidden, cache = model.forward(params, cfg, batch, cache, ops)
+        hidden, cache = model.forward(params, config.model, batch, cache, _layer_ops(config))
+    if config.mesh is not None:  # as finish's compiled program takes it (ModelRunner.lower_programs)
+        hidden = jax.lax.with_sharding_constraint(hidden, replicated(config.mesh))
+    return cache, hidden
+
+
+def _sample_and_draft(params, cache, logits_state, carry, batch, hidden, token_bitmask, oracle_tokens, shape, config):
+    k, cfg = config.num_speculative_tokens, config.model
     prompt = prompt_logprobs(params, cfg, hidden, batch, config.num_top_logprobs, config.mesh) if shape.prompt_logprobs else None
     with jax.named_scope("verify"):
         tokens, num_accepted, logits_state, logprobs, ranks, top_values, top_ids = _verify(
-            params, hidden, batch, logits_state, shape, config)
+            params, hidden, batch, logits_state, token_bitmask, shape, config)
     b = batch.kv_len.shape[0]
     with jax.named_scope("draft"):
         if k:
             drafts, cache, boundary = mtp.propose(
-                params, cfg, hidden, batch, tokens, num_accepted, cache, ops, k, config.mtp_boundary, config.mesh
+                params, cfg, hidden, batch, tokens, num_accepted, cache, _layer_ops(config), k, config.mtp_boundary,
+                config.mesh,
             )
             if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
                 drafts = oracle_drafts(oracle_tokens, batch, num_accepted, drafts)
@@ -117,10 +157,11 @@ def _step(params, cache, logits_state, carry, ints, floats, oracle_tokens, shape
 STEP_PARTS = ("batch_in", "main_forward", "verify", "draft", "carry_out")
 
 
-def _verify(params: Params, hidden: jax.Array, batch: Batch, logits_state: LogitsState, shape: BatchShape,
-            config: StepConfig):
-    """The LM head at the verify rows, logits processing, and acceptance or sampling:
-    (tokens [B, k+1], num_accepted [B], logits_state, logprobs, ranks, top values, top ids)."""
+def _verify(params: Params, hidden: jax.Array, batch: Batch, logits_state: LogitsState, token_bitmask: jax.Array | None,
+            shape: BatchShape, config: StepConfig):
+    """The LM head at the verify rows, the grammar masks (a masked shape's token_bitmask),
+    logits processing, and acceptance or sampling: (tokens [B, k+1], num_accepted [B],
+    logits_state, logprobs, ranks, top values, top ids)."""
     k, cfg = config.num_speculative_tokens, config.model
     logits = model.logits(params.head(), params.final_norm, cfg, hidden[batch.sample_index])  # [B, k+1, V]
     # the draft checked at verify row j is the input id of row j+1
@@ -134,7 +175,7 @@ def _verify(params: Params, hidden: jax.Array, batch: Batch, logits_state: Logit
         logits = gather_vocab(logits, config.mesh)
     raw_logits = logits
     if shape.masked:
-        logits = apply_token_bitmask(logits, batch.token_bitmask)
+        logits = apply_token_bitmask(logits, token_bitmask)
     logits = process_logits(logits, logits_state, batch, drafts_in)
     tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
     logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
@@ -174,3 +215,5 @@ def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, draft
 STEP_STATE = ("cache", "logits_state", "carry")
 DONATED_STATE = ("cache", "logits_state")
 jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
+jitted_forward = jax.jit(forward, static_argnames=("config", "shape"), donate_argnames=("cache",))
+jitted_finish = jax.jit(finish, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
