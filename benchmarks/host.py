@@ -10,11 +10,17 @@ stories260K tokenizer, so detokenisation and stop strings are part of the work:
   stream: one request streamed for 7000 tokens; the mean time per token of the last
         500 against that of tokens 100-600 (flat when host work per token is O(1)).
 
+--mtp-k K runs the step measurements with MTP speculative decoding instead (the model
+gets a random MTP module) and oracle drafts: the tokens of a plain greedy run of the same
+requests replace the module's drafts on the device (engine.oracle_tokens), so every draft
+is accepted and each request emits K + 1 tokens a step (the host's heaviest decode step).
+
 --repo PATH runs the same workload on another checkout of jaxmtp (an older commit, as
 the peer of the same run); it then measures the step's wall time only.
 
     python benchmarks/host.py                      # writes docs/benchmarks/host.{json,md}
     python benchmarks/host.py --repo /tmp/old --tag _before
+    python benchmarks/host.py --batch 128 --mtp-k 1 --tag _mtp
 """
 
 from __future__ import annotations
@@ -43,29 +49,57 @@ TINY_LLAMA = {
 }
 
 
-def model_folder(tmp: Path) -> Path:
+def model_folder(tmp: Path, with_mtp: bool = False) -> Path:
+    """The tiny model's folder; with_mtp: its config declares one MTP module (dummy
+    weights give it a random one)."""
     folder = tmp / "tiny-llama"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    (folder / "config.json").write_text(json.dumps({**TINY_LLAMA, "num_nextn_predict_layers": 1} if with_mtp else TINY_LLAMA))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ROOT / "checkpoints" / "stories260K" / name, folder / name)
     return folder
 
 
-def measure_steps(llm, sampling_params, num_requests: int, num_steps: int, split_wait: bool) -> dict:
+def prompt(i: int) -> list[int]:
+    return [1, 10 + i, 20 + i]
+
+
+def request_params(sampling_params, i: int):
+    """Request i's SamplingParams: its seed names its row of the oracle table
+    (step.oracle_drafts; greedy decoding ignores the seed otherwise)."""
+    return dataclasses.replace(sampling_params, seed=i)
+
+
+def oracle_table(llm, sampling_params, num_requests: int) -> list[list[int]]:
+    """Each request's greedy output, row i request i's: the oracle drafts."""
+    outs = llm.generate([prompt(i) for i in range(num_requests)],
+                        [request_params(sampling_params, i) for i in range(num_requests)], use_tqdm=False)
+    return [out.outputs[0].token_ids for out in outs]
+
+
+def measure_steps(llm, sampling_params, num_requests: int, num_steps: int, split_wait: bool, oracle=None) -> dict:
+    """oracle: the table of oracle drafts (an MTP engine), or None."""
     engine = llm.engine
+    engine.oracle_tokens = oracle
     for i in range(num_requests):
-        engine.add_request(f"s{i}", [1, 10 + i, 20 + i], sampling_params)
+        engine.add_request(f"s{i}", prompt(i), request_params(sampling_params, i))
     for _ in range(20):  # prefill and the first decode steps (they may compile)
         engine.step()
-    start = time.perf_counter()
+    tokens_before = engine.stats.generation_tokens
+    start, start_cpu = time.perf_counter(), time.thread_time()
     with runner_phases(engine) if split_wait else contextlib.nullcontext() as spent:
         for _ in range(num_steps):
             engine.step()
     wall = (time.perf_counter() - start) / num_steps
+    cpu = (time.thread_time() - start_cpu) / num_steps
+    tokens = engine.stats.generation_tokens - tokens_before  # read (postprocessed) in the timed steps
     while engine.has_unfinished_requests():
         engine.step()
-    result = {"step_ms": wall * 1e3}
+    # tokens each request emitted a step (k + 1 with every oracle draft accepted)
+    result = {"step_ms": wall * 1e3, "tokens_per_request_step": tokens / (num_steps * num_requests),
+              # the CPU time of the engine's thread: the host's own work, less what the device's
+              # threads, sharing the CPU with it, slow it down (what wall time minus waiting counts)
+              "host_cpu_ms": cpu * 1e3}
     if split_wait:  # the read-back is mostly waiting for the device; the rest is the host's
         wait = spent["read"] / num_steps
         result["device_wait_ms"] = wait * 1e3
@@ -93,6 +127,7 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=7000)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=8, help="requests decoding together in the step measurements")
+    parser.add_argument("--mtp-k", type=int, default=0, help="MTP draft tokens a step, oracle drafts (0: plain decoding)")
     args = parser.parse_args()
     repo = Path(args.repo).resolve() if args.repo else ROOT
     sys.path.insert(0, str(repo))
@@ -100,23 +135,34 @@ def main() -> None:
 
     from jaxmtp import LLM, SamplingParams
 
+    k = args.mtp_k
     with tempfile.TemporaryDirectory() as tmp:
-        folder = model_folder(Path(tmp))
-        context = args.stream_tokens + 16
+        folder = model_folder(Path(tmp), with_mtp=k > 0)
+        # room for the step measurements' outputs, k + 1 tokens a step
+        context = max(args.stream_tokens, (k + 1) * (args.steps + 30) + k) + 16
 
-        def engine():
+        def engine(num_speculative_tokens=0):
             # one engine per measurement: pages a measurement touched first are faster
             # to read again (the host's memory), which would favour the stream's start
-            return LLM(folder, load_format="dummy", max_num_seqs=args.batch, max_num_batched_tokens=max(64, args.batch),
-                       max_model_len=context, num_pages=args.batch * context // 16 + 64)
+            # every request's k + 1 rows in each step
+            return LLM(folder, load_format="dummy", max_num_seqs=args.batch,
+                       max_num_batched_tokens=max(64, (num_speculative_tokens + 1) * args.batch),
+                       max_model_len=context, num_pages=args.batch * context // 16 + 64,
+                       num_speculative_tokens=num_speculative_tokens)
 
-        decode = SamplingParams(max_tokens=args.steps + 30, temperature=0.0, ignore_eos=True, stop=["Once upon a midnight"])
-        steps = measure_steps(engine(), decode, args.batch, args.steps, split_wait=args.repo is None)
+        # k + 1 tokens a step: the requests decode through the timed steps and 30 more
+        decode = SamplingParams(max_tokens=(k + 1) * (args.steps + 30), temperature=0.0, ignore_eos=True,
+                                stop=["Once upon a midnight"])
+        # the oracle: k tokens further than the measured requests, so that their last drafts lie in it
+        oracle = oracle_table(engine(k), dataclasses.replace(decode, max_tokens=decode.max_tokens + k),
+                              args.batch) if k else None
+        steps = measure_steps(engine(k), decode, args.batch, args.steps, split_wait=args.repo is None, oracle=oracle)
         if args.repo is None:  # one output when a request finishes (LLM.generate's kind), the same steps
             from jaxmtp.engine.sampling_params import RequestOutputKind
 
             final_only = dataclasses.replace(decode, output_kind=RequestOutputKind.FINAL_ONLY)
-            steps["final_only"] = measure_steps(engine(), final_only, args.batch, args.steps, split_wait=True)
+            steps["final_only"] = measure_steps(engine(k), final_only, args.batch, args.steps, split_wait=True,
+                                                oracle=oracle)
         stream_params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True,
                                        stop=["Once upon a midnight"])
         delta = args.repo is None  # older checkouts stream cumulative outputs only
@@ -125,23 +171,26 @@ def main() -> None:
         stream = measure_stream(engine(), stream_params, delta)
     results = {
         "date": datetime.date.today().isoformat(), "jax": jax.__version__, "device": platform.processor() or "cpu",
-        "backend": jax.default_backend(), "repo": str(repo), "step": steps, "stream": stream,
+        "backend": jax.default_backend(), "repo": str(repo), "mtp_k": k, "step": steps, "stream": stream,
         "targets": {"host_ms": "<= 2", "late_over_early": "<= 1.2"},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    decoding = f" with MTP k={k}, oracle drafts ({steps['tokens_per_request_step']:.2f} tokens a step each)" if k else ""
     (out / f"host{args.tag}.json").write_text(json.dumps(results, indent=2))
     lines = [
         f"# Host work per step and per token ({results['date']}, {results['backend']}, jax {results['jax']})",
-        "", f"Checkout: {repo.name}; `python benchmarks/host.py{' --repo ' + args.repo if args.repo else ''}`", "",
+        "", f"Checkout: {repo.name}; `python benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`", "",
         "| measure | value | target |", "|---|---|---|",
-        f"| step wall time, {args.batch} requests decoding, a cumulative output each step | {steps['step_ms']:.2f} ms | |",
+        f"| step wall time, {args.batch} requests decoding{decoding}, a cumulative output each step | "
+        f"{steps['step_ms']:.2f} ms | |",
     ]
     if "host_ms" in steps:
         lines.append(f"| of which host (wall minus waiting for the device) | {steps['host_ms']:.2f} ms | <= 2 ms |")
+        lines.append(f"| the engine thread's CPU time | {steps['host_cpu_ms']:.2f} ms | |")
         final_only = steps["final_only"]
-        lines.append(f"| the same, one output when a request finishes (LLM.generate's): step, of which host | "
-                     f"{final_only['step_ms']:.2f} ms, {final_only['host_ms']:.2f} ms | |")
+        lines.append(f"| the same, one output when a request finishes (LLM.generate's): step, of which host; CPU | "
+                     f"{final_only['step_ms']:.2f} ms, {final_only['host_ms']:.2f} ms; {final_only['host_cpu_ms']:.2f} ms | |")
     lines += [
         f"| stream, ms per token at tokens 100-600 | {stream['early_ms']:.3f} | |",
         f"| stream, ms per token over the last 500 of {stream['tokens']} | {stream['late_ms']:.3f} | |",

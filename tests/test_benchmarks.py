@@ -103,5 +103,15 @@ def test_host_measures_both_output_kinds_and_the_stream(tmp_path):
     run_script("host.py", "--steps", "5", "--stream-tokens", "700", "--batch", "2", "--out", str(tmp_path))
     results = json.loads((tmp_path / "host.json").read_text())
     for step in (results["step"], results["step"]["final_only"]):
-        assert 0 < step["host_ms"] <= step["step_ms"] and step["device_wait_ms"] >= 0
+        assert 0 < step["host_ms"] <= step["step_ms"] and step["device_wait_ms"] >= 0 and step["host_cpu_ms"] > 0
+        assert step["tokens_per_request_step"] == 1
     assert results["stream"]["tokens"] == 700 and results["stream"]["late_over_early"] > 0
+
+
+def test_host_measures_mtp_steps_with_every_oracle_draft_accepted(tmp_path):
+    """--mtp-k 1: the same step measurements with MTP and oracle drafts, 2 tokens a step."""
+    run_script("host.py", "--steps", "5", "--stream-tokens", "700", "--batch", "2", "--mtp-k", "1", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "host.json").read_text())
+    assert results["mtp_k"] == 1
+    for step in (results["step"], results["step"]["final_only"]):
+        assert 0 < step["host_ms"] <= step["step_ms"] and step["tokens_per_request_step"] == 2

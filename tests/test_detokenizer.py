@@ -238,3 +238,21 @@ def test_stop_strings_refuse_empty():
     with pytest.raises(ValueError, match="non-empty"):
         StopStringMatcher(["ok", ""])
     assert StopStringMatcher([]).feed("anything") is None
+
+
+def test_byte_piece_in_an_open_run_is_held_without_decoding(stories):
+    """A byte piece leaves the window unfinished whatever it decodes to: within
+    MAX_HELD_TOKENS it is held back without a decode call; the run's text comes once
+    a token closes it (here an ASCII byte run, valid all along)."""
+    calls: list[int] = []
+    tok = Tokenizer(STORIES)
+    decode = tok.decode
+    tok.decode = lambda ids, skip_special_tokens=True: calls.append(len(ids)) or decode(ids, skip_special_tokens)
+    detok = IncrementalDetokenizer(tok, [1])
+    before = len(calls)
+    byte_a = sorted(stories.byte_piece_ids)[ord("A")]
+    pieces = [detok.add(byte_a) for _ in range(detokenizer.MAX_HELD_TOKENS)]
+    assert pieces == [""] * detokenizer.MAX_HELD_TOKENS and len(calls) == before
+    the = stories.encode(" the", add_special_tokens=False)[-1]
+    run = [byte_a] * detokenizer.MAX_HELD_TOKENS
+    assert detok.add(the) == full_text(stories, [1], run + [the], True) and detok.text.startswith("A" * len(run))

@@ -290,6 +290,14 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(plain, rng):
     cut = full.index(stop) + 1
     out = llm.generate([prompt], greedy(60, stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == full[:cut] and out.finish_reason == "stop"
+    # stop strings ending mid-step, kept or cut, held back by min_tokens or not: as without MTP
+    text = plain.generate([prompt], greedy(60), use_tqdm=False)[0].outputs[0].text
+    for start, include, min_tokens in ((len(text) // 3, False, 0), (len(text) // 2, True, 0), (5, False, 20)):
+        params = greedy(60, stop=[text[start : start + 3]], include_stop_str_in_output=include, min_tokens=min_tokens)
+        want, got = (x.generate([prompt], params, use_tqdm=False)[0].outputs[0] for x in (plain, llm))
+        assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+            want.token_ids, want.text, want.finish_reason, want.stop_reason)
+        assert want.finish_reason == "stop" or min_tokens  # (a held-back match may not come again)
     assert_no_leaks(llm)
 
 

@@ -51,7 +51,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # tokens a context cannot start with: byte pieces, and special tokens the decoder skips
-        self._no_context_ids = tokenizer.byte_piece_ids | (tokenizer.special_token_ids if skip_special_tokens else frozenset())
+        skipped = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._no_context_ids = tokenizer.byte_piece_ids | skipped
+        # byte pieces the decoder sees: each leaves the window unfinished, whatever its text
+        self._run_ids = tokenizer.byte_piece_ids - skipped
         # the window: `_ids[:_emitted_ids]` is context whose text was emitted (or is the
         # prompt's), and decodes to `_emitted_chars` characters; the rest is held
         context = list(prompt_ids[self._context_start(prompt_ids) :])
@@ -72,6 +75,8 @@ class IncrementalDetokenizer:
         """The text token_id adds after the tokens before it, or "" while held back."""
         ids = self._ids
         ids.append(token_id)
+        if token_id in self._run_ids and len(ids) - self._emitted_ids <= MAX_HELD_TOKENS:
+            return ""  # held (_unfinished is true of a window ending in one), no need to decode it
         window_text = self._decode(ids)
         if token_id not in self._no_context_ids and not window_text.endswith("\ufffd"):
             # the usual case, _emit's work inlined: the text is final, and the token alone

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +26,7 @@ from jaxmtp.engine.model_options import (check_model_options, log_start, max_mod
 from jaxmtp.engine.output_processor import OutputProcessor, Request
 from jaxmtp.engine.outputs import RequestMetrics, RequestOutput
 from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
-from jaxmtp.engine.sampling_params import SamplingParams
+from jaxmtp.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxmtp.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxmtp.engine.sequence import SpecStats
 from jaxmtp.engine.structured_outputs import step_bitmask
@@ -325,6 +325,9 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         first_row = 0
         now = time.monotonic()  # when this step's tokens reached the host
+        # as lists, converted once: indexing the arrays row by row costs more than the rest
+        num_accepted, tokens, drafts = result.num_accepted.tolist(), result.tokens.tolist(), result.drafts.tolist()
+        spec_steps = Counter()  # (drafts, accepted) -> requests, for the engine's SpecStats
         for i, item in enumerate(record.scheduled.rows):
             seq = item.seq
             first_row += len(item.token_ids)
@@ -338,20 +341,18 @@ class LLMEngine:
                 self.output_processor.append_prompt_logprobs(seq, item.start, first_row - rows, rows, result)
             if not item.has_output:
                 continue
-            accepted = int(result.num_accepted[i])
-            drafts = result.drafts[i].tolist()
-            self.scheduler.on_step_output(
-                record.step_id, item, accepted, int(result.tokens[i, accepted]), drafts, following.get(id(seq))
-            )
+            accepted = num_accepted[i]
+            emitted = tokens[i][: accepted + 1]
+            self.scheduler.on_step_output(record.step_id, item, accepted, emitted[-1], drafts[i], following.get(id(seq)))
             if item.num_drafts:
                 seq.spec_stats.record(item.num_drafts, accepted)
-                self.stats.spec.record(item.num_drafts, accepted)
+                spec_steps[item.num_drafts, accepted] += 1
             request = self.requests[seq.request_id]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.last_token_time = now
             try:
-                if self.output_processor.append(seq, result, i):
+                if self.output_processor.append(seq, emitted, result, i):
                     self.scheduler.finish(seq)
                 elif seq.grammar is not None and id(seq) in following:  # it verifies the device's drafts next
                     seq.grammar.prefetch(drafts)
@@ -359,10 +360,11 @@ class LLMEngine:
                     seq.drafts = seq.grammar.propose(seq.drafts, self.config.num_speculative_tokens)
             except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
                 self._fail_request(request, err)
-            touched[seq.request_id] = request
-        for item in record.scheduled.rows:
-            if not item.seq.finished:  # (a finished one registered its pages on release)
-                self.scheduler.register_cached(item.seq)
+            if seq.finished or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY:  # (else no output yet)
+                touched[seq.request_id] = request
+        for (num_drafts, accepted), times in spec_steps.items():
+            self.stats.spec.record(num_drafts, accepted, times)
+        self.scheduler.register_cached_rows(record.scheduled.rows)
         return [self._finish(r) if r.finished else self.output_processor.output(r) for r in touched.values()]
 
     # ----- failures and endings -------------------------------------------------------

@@ -32,7 +32,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for seq in self.seqs:  # (a loop: all() of a generator costs more, once per request a step)
+            if not seq.finished:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -49,11 +52,13 @@ class OutputProcessor:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
             seq.stop_matcher = StopStringMatcher(seq.params.stop) if seq.params.stop else None
 
-    def append(self, seq: Sequence, result: StepResult, i: int) -> bool:
-        """Append request i's emitted tokens to seq; True when seq finished."""
+    def append(self, seq: Sequence, tokens: list[int], result: StepResult, i: int) -> bool:
+        """Append the tokens request i emitted (row i of result, which holds their
+        logprobs) to seq; True when seq finished."""
+        if self._only_text_can_end(seq, tokens):
+            return self._append_plain(seq, tokens)
         params = seq.params
-        for j in range(int(result.num_accepted[i]) + 1):
-            token = int(result.tokens[i, j])
+        for j, token in enumerate(tokens):
             seq.append_token(token)
             self.stats.generation_tokens += 1
             if params.logprobs is not None:
@@ -78,6 +83,33 @@ class OutputProcessor:
                 seq.finish_reason = "length"
                 self._flush_text(seq)
                 return True
+        return False
+
+    @staticmethod
+    def _only_text_can_end(seq: Sequence, tokens: list[int]) -> bool:
+        """append's usual case: no logprobs to keep, no grammar, no stop token among the
+        tokens and max_tokens not reached with them; only a stop string in their text
+        can end seq then."""
+        params = seq.params
+        return (params.logprobs is None and seq.grammar is None and seq.stop_token_ids.isdisjoint(tokens)
+                and len(seq.output_token_ids) + len(tokens) < params.max_tokens)
+
+    def _append_plain(self, seq: Sequence, tokens: list[int]) -> bool:
+        """append in its usual case (_only_text_can_end), without the per-token checks
+        that cannot fire."""
+        detokenizer = seq.detokenizer
+        if detokenizer is None:
+            seq.token_ids += tokens
+            seq.output_token_ids += tokens
+            self.stats.generation_tokens += len(tokens)
+            return False
+        for n, token in enumerate(tokens, 1):
+            seq.append_token(token)  # one at a time: a stop string's min_tokens check counts them
+            if self._append_text(seq, detokenizer.add(token)):
+                seq.finish_reason = "stop"
+                self.stats.generation_tokens += n
+                return True
+        self.stats.generation_tokens += len(tokens)
         return False
 
     def append_prompt_logprobs(self, seq: Sequence, start: int, first_row: int, num_rows: int, result: StepResult) -> None:

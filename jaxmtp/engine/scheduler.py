@@ -13,6 +13,7 @@ drafts is accepted until on_step_output applies the accepted count."""
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections import deque
 from typing import Callable
 
@@ -63,6 +64,9 @@ class SchedulerConfig:
     num_draft_modules: int = 0  # M: MTP modules the draft pass runs, min(k, modules in the checkpoint)
 
 
+ARRIVAL = operator.attrgetter("arrival")  # a sequence's admission order
+
+
 def any_sequence(seq: Sequence) -> bool:
     return True
 
@@ -98,18 +102,20 @@ class Scheduler:
         scheduled: list[ScheduledRows] = []
         in_step: set[int] = set()  # ids of the sequences scheduled so far
         preemptions_before = self.num_preemptions
-        # Running requests in admission order: decodes first, then unfinished prefills.
-        by_arrival = sorted(self.running, key=lambda s: s.arrival)
-        for phase_decode in (True, False):
-            for seq in by_arrival:
-                if seq.status is not Status.RUNNING or seq.in_prefill == phase_decode or id(seq) in in_step:
-                    continue
-                rows = self._rows_for(seq, budget)
-                if rows is None or not self._reserve(seq, len(rows.token_ids), in_step):
-                    continue
-                scheduled.append(rows)
-                in_step.add(id(seq))
-                budget -= len(rows.token_ids)
+        # Running requests in admission order: decodes first, then unfinished prefills
+        # (scheduling changes no running sequence's phase; a preempted one waits).
+        decoding, prefilling = [], []
+        for seq in sorted(self.running, key=ARRIVAL):
+            (prefilling if seq.in_prefill else decoding).append(seq)
+        for seq in decoding + prefilling:
+            if seq.status is not Status.RUNNING:  # preempted for an older request this step
+                continue
+            rows = self._rows_for(seq, budget)
+            if rows is None or not self._reserve(seq, len(rows.token_ids), in_step):
+                continue
+            scheduled.append(rows)
+            in_step.add(id(seq))
+            budget -= len(rows.token_ids)
         # Admit waiting requests while there is room, but not in a step that had to
         # preempt: the pages just freed would readmit the victim at once, and requests
         # would take turns preempting each other without finishing.
@@ -242,12 +248,14 @@ class Scheduler:
         while the older one waits for an in-flight step that finishes it, and two
         recomputing requests could take turns preempting each other forever."""
         need = self.pages_needed(seq, num_rows)
+        if not need:  # the usual decode step: its pages have room
+            return True
         while need > self.allocator.num_free:
             victims = [s for s in self.running if s.arrival > seq.arrival and id(s) not in in_step]
             if not victims:
                 self.preempt(seq)
                 return False
-            self.preempt(max(victims, key=lambda s: s.arrival))
+            self.preempt(max(victims, key=ARRIVAL))
         seq.pages += self.allocator.allocate(need)
         return True
 
@@ -274,6 +282,14 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def register_cached_rows(self, rows: list[ScheduledRows]) -> None:
+        """register_cached for the sequences of a step just read that still run (a
+        finished one registered its pages on release)."""
+        if self.prefix_cache:
+            for item in rows:
+                if not item.seq.finished:
+                    self.register_cached(item.seq)
 
     def register_cached(self, seq: Sequence) -> None:
         """Index seq's pages whose KV is final (a dispatched step's KV is final for every

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from jaxmtp.engine.sampling_params import SamplingParams
 
@@ -31,14 +31,15 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.accepted / self.num_steps if self.num_steps else 0.0
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, times: int = 1) -> None:
+        """times verify steps, each with num_drafts drafts of which num_accepted were accepted."""
         if len(self.accepted_per_position) < num_drafts:
             self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
-        self.num_steps += 1
-        self.drafted += num_drafts
-        self.accepted += num_accepted
+        self.num_steps += times
+        self.drafted += num_drafts * times
+        self.accepted += num_accepted * times
         for j in range(num_accepted):
-            self.accepted_per_position[j] += 1
+            self.accepted_per_position[j] += times
 
     def as_dict(self) -> dict:
         return {
@@ -50,8 +51,7 @@ class SpecStats:
         }
 
 
-@dataclasses.dataclass(frozen=True)
-class InFlightRows:
+class InFlightRows(NamedTuple):  # a tuple: every step makes one per request, cheaply
     """A sequence's rows in a dispatched step that emits tokens and was not read yet."""
 
     step_id: int

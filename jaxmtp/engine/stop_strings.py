@@ -27,6 +27,7 @@ class StopStringMatcher:
         self.stops = tuple(stops)
         self._window = max(map(len, self.stops), default=1) - 1
         self._proper_prefixes = frozenset(stop[:k] for stop in self.stops for k in range(1, len(stop)))
+        self._last_chars = frozenset(stop[-1] for stop in self.stops)  # a match ending in a piece ends in one
         self._tail = ""  # the text's last `_window` characters
         self._length = 0  # characters fed so far
 
@@ -36,7 +37,7 @@ class StopStringMatcher:
         no stop string, as earlier feeds found none."""
         searched = self._tail + piece
         best: tuple[int, str] | None = None
-        for stop in self.stops:
+        for stop in self.stops if not self._last_chars.isdisjoint(piece) else ():
             at = searched.find(stop, max(0, len(self._tail) - len(stop) + 1))
             if at >= 0 and (best is None or at < best[0]):
                 best = (at, stop)
