@@ -9,7 +9,7 @@ import pytest
 
 from conftest import STORIES
 from jaxmtp.engine.intake import RequestIntake
-from jaxmtp.engine.llm_engine import EngineStats
+from jaxmtp.engine.outputs import EngineStats
 from jaxmtp.engine.output_processor import OutputProcessor
 from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.loading.tokenizer import Tokenizer

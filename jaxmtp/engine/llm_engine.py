@@ -8,7 +8,6 @@ safe to call from other threads (the server's event loop); step() runs on one th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -16,19 +15,16 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from jaxmtp.engine.allocator import PageAllocator, pages_for
 from jaxmtp.engine.engine_config import EngineConfig
 from jaxmtp.engine.intake import RequestIntake
 from jaxmtp.engine.model_options import (check_model_options, log_start, max_model_len, sampling_defaults,
                                          tokenizer_folder)
 from jaxmtp.engine.output_processor import OutputProcessor, Request
-from jaxmtp.engine.outputs import RequestMetrics, RequestOutput
+from jaxmtp.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
 from jaxmtp.engine.sampling_params import RequestOutputKind, SamplingParams
 from jaxmtp.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jaxmtp.engine.sequence import SpecStats
 from jaxmtp.engine.structured_outputs import step_bitmask
 from jaxmtp.loading.hub import resolve_model
 from jaxmtp.loading.tokenizer import Tokenizer
@@ -45,18 +41,6 @@ class StaleSchedule(Exception):
     """A step was scheduled on a cache that the failure of the step before it lost."""
 
 
-@dataclasses.dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens of admitted requests
-    computed_tokens: int = 0  # rows run through the main model (prefill and verify)
-    spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # all requests' drafts together
-    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
-    requests_finished: int = 0
-    failed_steps: int = 0
-    generation_tokens: int = 0
-
-
 class LLMEngine:
     def __init__(self, model: str | Path, **kwargs):
         self.config = config = EngineConfig(**kwargs)
@@ -67,21 +51,8 @@ class LLMEngine:
         self.generation_defaults: dict = sampling_defaults(config, model_dir)
         tokenizer_dir = tokenizer_folder(config, model_dir)
         k = config.num_speculative_tokens
-        if k and not cfg.num_mtp_modules:
-            raise ValueError(
-                f"num_speculative_tokens={k} needs MTP weights, and {model_dir!s} has none "
-                "(no num_nextn_predict_layers in config.json)"
-            )
         # M: the MTP modules the draft pass runs (module j drafts at depth j; past M, module M chains)
         self.num_draft_modules = m = min(k, cfg.num_mtp_modules)
-        if config.enable_prefix_caching and m > 1 and (config.page_size < m or config.prefix_cache_boundary != "exact"):
-            # the rows a step rewrites before its first (up to M-1) must lie in the private
-            # copy-on-write page a cache hit ends with (docs/prefix-cache.md)
-            raise ValueError(
-                f"prefix caching with {m} MTP modules drafting needs page_size >= {m} and "
-                f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
-                f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
-            )
         self.max_model_len = max_model_len(config, cfg)
         log_start(config, model, cfg, self.max_model_len, self.generation_defaults)
         self.page_size = config.page_size
@@ -297,14 +268,17 @@ class LLMEngine:
 
     def _complete_awaiting(self, outputs: list) -> bool:
         """Queue the second part of the masked step that awaits its masks, if any (and if
-        no failure dropped it), with its rows' grammar masks. False when it failed and
-        took the cache with it: every running request failed, and a step scheduled since
-        must not run."""
+        no failure dropped it), with its rows' grammar masks; a request whose masks fail
+        fails alone. False when the step failed and took the cache with it: every running
+        request failed, and a step scheduled since must not run."""
         record, self._awaiting = self._awaiting, None
         if record is None or not any(item is record for item in self._in_flight):
             return True
         try:
-            self.runner.complete(record, self._grammar_masks(record, outputs))
+            masks, failed = step_bitmask(record.scheduled.rows, record.preemptions, self.config.num_speculative_tokens,
+                                         self.runner.mask_width)
+            outputs += [self._end_request(self.requests[seq.request_id], "error", err) for seq, err in failed]
+            self.runner.complete(record, masks)
         except Exception as err:  # noqa: BLE001
             self._in_flight.remove(record)
             lost = self.runner.cache_is_lost
@@ -355,7 +329,7 @@ class LLMEngine:
                 if self.output_processor.append(seq, emitted, result, i):
                     self.scheduler.finish(seq)
                 elif seq.grammar is not None and id(seq) in following:  # it verifies the device's drafts next
-                    seq.grammar.prefetch(drafts)
+                    seq.grammar.prefetch(drafts[i])
                 elif seq.grammar is not None:
                     seq.drafts = seq.grammar.propose(seq.drafts, self.config.num_speculative_tokens)
             except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
@@ -390,18 +364,6 @@ class LLMEngine:
             failed |= {seq.request_id for seq in self.scheduler.reset()}
             self.allocator.reset()
         return [self._end_request(self.requests[rid], "error", err) for rid in failed if rid in self.requests]
-
-    def _grammar_masks(self, record: InFlightStep, outputs: list) -> np.ndarray:
-        """The bitmasks of a masked step's rows (structured_outputs.step_bitmask), for the
-        constrained requests that neither ended nor were preempted since dispatch (the
-        others' outputs are dropped). A request whose masks fail fails alone."""
-        rows = record.scheduled.rows
-        wanted = [(i, item.seq.grammar, item.token_ids[1:] if item.num_drafts else []) for i, item in enumerate(rows)
-                  if item.seq.grammar is not None and item.has_output and not item.seq.finished
-                  and item.seq.num_preemptions == record.preemptions[i]]
-        masks, failed = step_bitmask(len(rows), wanted, self.config.num_speculative_tokens, self.runner.mask_width)
-        outputs += [self._end_request(self.requests[rows[i].seq.request_id], "error", err) for i, err in failed]
-        return masks
 
     def _builds(self, item) -> bool:
         """Whether one request's rows make a batch on their own."""

@@ -54,6 +54,21 @@ def check_model_options(config: EngineConfig, model: str | Path, model_dir: Path
             f"speculative_config model {draft!r} is not supported: MTP drafts with the served model's own MTP "
             "layers, so model may only name the served model (or be left out)"
         )
+    k = config.num_speculative_tokens
+    if k and not cfg.num_mtp_modules:
+        raise ValueError(
+            f"num_speculative_tokens={k} needs MTP weights, and {model_dir!s} has none "
+            "(no num_nextn_predict_layers in config.json)"
+        )
+    m = min(k, cfg.num_mtp_modules)  # the MTP modules drafting
+    if config.enable_prefix_caching and m > 1 and (config.page_size < m or config.prefix_cache_boundary != "exact"):
+        # the rows a step rewrites before its first (up to M-1) must lie in the private
+        # copy-on-write page a cache hit ends with (docs/prefix-cache.md)
+        raise ValueError(
+            f"prefix caching with {m} MTP modules drafting needs page_size >= {m} and "
+            f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
+            f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
+        )
 
 
 def sampling_defaults(config: EngineConfig, model_dir: Path) -> dict:

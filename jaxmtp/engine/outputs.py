@@ -1,8 +1,12 @@
-"""What generate() and the streaming API return, in the shape vLLM users know."""
+"""What generate() and the streaming API return, in the shape vLLM users know, and the
+engine's counters (EngineStats) that the server's metrics read."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from jaxmtp.engine.prefix_cache import PrefixCacheStats
+from jaxmtp.engine.sequence import SpecStats
 
 
 @dataclasses.dataclass
@@ -82,3 +86,15 @@ class RequestOutput:
     # prompt's token first, then the top n; None for the first token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: RequestMetrics | None = None  # a copy of the request's timings as of this output
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    computed_tokens: int = 0  # rows run through the main model (prefill and verify)
+    spec: SpecStats = dataclasses.field(default_factory=SpecStats)  # all requests' drafts together
+    prefix_cache: PrefixCacheStats = dataclasses.field(default_factory=PrefixCacheStats)
+    requests_finished: int = 0
+    failed_steps: int = 0
+    generation_tokens: int = 0

@@ -28,9 +28,15 @@ import functools
 import json
 import os
 
+from typing import TYPE_CHECKING
+
 import llguidance
 import llguidance.numpy as llnp
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxmtp.engine.scheduler import ScheduledRows
+    from jaxmtp.engine.sequence import Sequence
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # llguidance's parser holds at most 2000 items in an Earley row, and a choice's strings
@@ -244,23 +250,27 @@ def fill_row_masks(rows: list[tuple[GrammarMatcher, int, list[int]]], masks: np.
         _fill(rows[0][0]._compiler.executor, left, masks)
 
 
-def step_bitmask(num_rows: int, wanted: list[tuple[int, GrammarMatcher, list[int]]], k: int,
-                 width: int) -> tuple[np.ndarray, list[tuple[int, Exception]]]:
-    """The token bitmasks [num_rows, k+1, W] of a masked step: for each (row, matcher,
-    drafts) in wanted, the row's verify masks (fill_row_masks); every other mask allows
-    every token. A matcher whose masks cannot be computed leaves its row allowing every
-    token and is returned with its error: (masks, [(row, error)])."""
-    masks = np.full((num_rows, k + 1, width), -1, np.int32)
+def step_bitmask(rows: list[ScheduledRows], preemptions: list[int], k: int,
+                 width: int) -> tuple[np.ndarray, list[tuple[Sequence, Exception]]]:
+    """The token bitmasks [rows, k+1, W] of a masked step: each constrained request's
+    verify masks (fill_row_masks) where it has output and has neither ended nor been
+    preempted since dispatch (preemptions: each one's count then; its output is dropped
+    otherwise); every other mask allows every token. A sequence whose masks cannot be
+    computed leaves its rows allowing every token and is returned with its error."""
+    masks = np.full((len(rows), k + 1, width), -1, np.int32)
     flat = masks.reshape(-1, width)
+    wanted = [(item.seq, i * (k + 1), item.token_ids[1:] if item.num_drafts else []) for i, item in enumerate(rows)
+              if item.seq.grammar is not None and item.has_output and not item.seq.finished
+              and item.seq.num_preemptions == preemptions[i]]
     try:
-        fill_row_masks([(matcher, row * (k + 1), drafts) for row, matcher, drafts in wanted], flat)
+        fill_row_masks([(seq.grammar, first, drafts) for seq, first, drafts in wanted], flat)
         return masks, []
-    except Exception:  # noqa: BLE001 - find the matchers that fail, one at a time
+    except Exception:  # noqa: BLE001 - find the sequences whose grammar fails, one at a time
         failed = []
-        for row, matcher, drafts in wanted:
+        for seq, first, drafts in wanted:
             try:
-                fill_row_masks([(matcher, row * (k + 1), drafts)], flat)
+                fill_row_masks([(seq.grammar, first, drafts)], flat)
             except Exception as err:  # noqa: BLE001
-                flat[row * (k + 1) : (row + 1) * (k + 1)] = -1
-                failed.append((row, err))
+                flat[first : first + k + 1] = -1
+                failed.append((seq, err))
         return masks, failed
