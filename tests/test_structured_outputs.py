@@ -262,49 +262,11 @@ def test_masks_that_leave_no_token_are_refused(plain, extra, message):
     assert not plain.engine.has_unfinished_requests()
 
 
-def test_prefetched_masks_equal_masks_computed_when_the_batch_is_built(spec, rng):
-    """A matcher's next masks, computed on a worker thread once its drafts are chosen,
-    are the masks of its state now: the same as computing them while building the
-    batch, for the drafts chosen or any prefix of them; other drafts are computed then."""
-    import numpy as np
-
-    from jaxmtp.engine.structured_outputs import fill_row_masks
-
-    grammars = spec.engine.intake.grammars
-    seed = int(rng.integers(1 << 30))
-    walk = np.random.default_rng(seed)
-    matcher = grammars.matcher(StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT}))
-    reference = grammars.matcher(StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT}))
-    words = grammars.mask_words
-
-    def allowed(mask_row):
-        return np.flatnonzero(np.unpackbits(mask_row.view(np.uint8), bitorder="little")[: grammars.vocab_size])
-
-    for _ in range(12):  # a random walk inside the grammar, k = 2
-        first = np.full((3, words), -1, np.int32)
-        fill_row_masks([(reference, 0, [])], first)
-        token = int(walk.choice(allowed(first[0])))
-        if matcher.accept(token) or reference.accept(token):
-            break
-        drafts = matcher.propose([int(t) for t in walk.integers(3, grammars.vocab_size, size=2)], 2)
-        reference.propose(drafts, 2)
-        reference._settled()
-        reference._prefetched = None  # the reference computes every mask while "the batch is built"
-        others = [[drafts[0] ^ 1]] if drafts else []  # not a prefix: computed when the batch is built
-        for prefix in [drafts, drafts[:1], [], *others]:
-            got, want = (np.full((3, words), -1, np.int32) for _ in range(2))
-            fill_row_masks([(matcher, 0, prefix)], got)
-            fill_row_masks([(reference, 0, prefix)], want)
-            np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} drafts={prefix}")
-        assert matcher.prefetched(drafts) is not None
-        assert matcher.prefetched(drafts + [5]) is None  # more than it computed
-
-
 def test_rows_after_a_refused_draft_allow_every_token(spec, rng):
     """A request continuing its step verifies the device's drafts as they are, which may
     leave the grammar: its rows up to the first refused draft get the grammar's masks
     (that row's mask refuses the draft, so the verify rejects it there) and the rows
-    after it every token, prefetched or computed when the step's masks are filled."""
+    after it every token."""
     import numpy as np
 
     from jaxmtp.engine.structured_outputs import fill_row_masks
@@ -329,14 +291,10 @@ def test_rows_after_a_refused_draft_allow_every_token(spec, rng):
     valid = allowed(first, 1)
     second = masks_after([valid])
     for drafts, rows in (([allowed(first, 0), valid], [first]), ([valid, allowed(second, 0)], [first, second])):
-        for prefetch in (True, False):
-            matcher = grammars.matcher(params)
-            if prefetch:
-                matcher.prefetch(drafts)
-            got = np.full((3, grammars.mask_words), -1, np.int32)  # as the engine's step bitmask starts
-            fill_row_masks([(matcher, 0, drafts)], got)
-            want = np.stack(rows + [np.full(grammars.mask_words, -1, np.int32)] * (3 - len(rows)))
-            np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} drafts={drafts} prefetch={prefetch}")
+        got = np.full((3, grammars.mask_words), -1, np.int32)  # as the engine's step bitmask starts
+        fill_row_masks([(grammars.matcher(params), 0, drafts)], got)
+        want = np.stack(rows + [np.full(grammars.mask_words, -1, np.int32)] * (3 - len(rows)))
+        np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} drafts={drafts}")
 
 
 def test_a_request_whose_masks_fail_fails_alone(spec):
@@ -356,7 +314,7 @@ def test_a_request_whose_masks_fail_fails_alone(spec):
     def fail(*args):
         raise RuntimeError("llguidance fell over")
 
-    broken.prefetched, broken.row_drafts = fail, fail
+    broken.row_drafts = fail
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
@@ -364,35 +322,6 @@ def test_a_request_whose_masks_fail_fails_alone(spec):
     got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
            for o in (outputs["masks1"], outputs["masks2"])]
     assert got == want[1:]
-
-
-def test_a_matcher_waits_for_the_prefetch_computing_on_its_state(spec):
-    """While its masks compute on a worker thread, the sequence's own thread does not
-    touch the llguidance matcher (which would raise 'Already borrowed' or advance the
-    state under the masks): accept waits. The workers are held busy to make it so."""
-    import threading
-
-    import numpy as np
-
-    from jaxmtp.engine.structured_outputs import fill_row_masks
-
-    grammars = spec.engine.intake.grammars
-    params = StructuredOutputsParams(json={**SCHEMAS["nested"], **COMPACT})
-    reference = grammars.matcher(params)
-    first = np.full((1, grammars.mask_words), -1, np.int32)
-    fill_row_masks([(reference, 0, [])], first)
-    token = int(np.flatnonzero(np.unpackbits(first[0].view(np.uint8), bitorder="little"))[0])
-    gate, accepted = threading.Event(), threading.Event()
-    blockers = [grammars.workers.submit(gate.wait) for _ in range(64)]  # more than the pool's threads
-    try:
-        matcher = grammars.matcher(params)  # its first prefetch waits behind the blockers
-        worker = threading.Thread(target=lambda: (matcher.accept(token), accepted.set()))
-        worker.start()
-        assert not accepted.wait(0.5)
-    finally:
-        gate.set()
-    worker.join(30)
-    assert accepted.is_set() and all(b.done() for b in blockers)
 
 
 def test_constrained_sampling_follows_the_masked_distribution_with_mtp(spec, rng):

@@ -328,9 +328,7 @@ class LLMEngine:
             try:
                 if self.output_processor.append(seq, emitted, result, i):
                     self.scheduler.finish(seq)
-                elif seq.grammar is not None and id(seq) in following:  # it verifies the device's drafts next
-                    seq.grammar.prefetch(drafts[i])
-                elif seq.grammar is not None:
+                elif seq.grammar is not None and id(seq) not in following:  # (else it verifies the device's drafts)
                     seq.drafts = seq.grammar.propose(seq.drafts, self.config.num_speculative_tokens)
             except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
                 self._fail_request(request, err)
