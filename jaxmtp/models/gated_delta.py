@@ -1,0 +1,290 @@
+"""Gated DeltaNet, the linear attention of Qwen3-Next / Qwen3.5, in plain jnp over the
+engine's flattened ragged batch: the reference a kernel is checked against, and the
+math as transformers' modeling_qwen3_next.py computes it.
+
+The batch: T rows, the tokens of B requests back to back (padded); request b owns rows
+query_start[b]:query_start[b+1] (a padding request owns none; rows at and past
+query_start[B] are padding). Each request keeps two states in tables indexed by its
+slot: the conv state [N, K-1, C] (its last K-1 conv inputs, oldest first) and the
+recurrent state [N, Hv, dk, dv]. A fresh request (its first chunk) starts from zeros;
+any other continues from its table rows. Nothing here writes a table for a request
+without rows, so a padding request's slot may be any valid row.
+
+Per row of a request and per value head h, with S the [dk, dv] state:
+    S <- exp(g) S;  delta = beta (v - k^T S);  S <- S + k delta^T;  o = q^T S
+with q and k l2-normalised, q scaled by 1/sqrt(dk), and value head h reading key head
+h // (Hv // Hk). Everything is computed in float32 (inputs may be bfloat16), matrix
+products at full float32 precision (no TF32)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+L2NORM_EPS = 1e-6  # transformers' l2norm (as the FLA library's)
+
+
+def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST)
+
+
+def _row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
+    """The request each row belongs to (padding rows: clamped to the last request).
+    Empty requests own no row (jaxmtp.worker.batch.row_owner, which models/ may not
+    import)."""
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    return jnp.minimum(jnp.searchsorted(query_start[1:], rows, side="right"), query_start.shape[0] - 2)
+
+
+def _has_rows(query_start: jax.Array) -> jax.Array:
+    return query_start[1:] > query_start[:-1]
+
+
+def _stored(table: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
+    """Each request's starting state [B, ...] in float32: its table row, or zeros when
+    fresh (whatever the table holds there, NaN included)."""
+    start = table[slots].astype(F32)
+    return jnp.where(fresh.reshape((-1,) + (1,) * (start.ndim - 1)), 0.0, start)
+
+
+def _write_back(table: jax.Array, values: jax.Array, slots: jax.Array, has_rows: jax.Array) -> jax.Array:
+    """table with row slots[b] set to values[b] for each request with rows; the others
+    write nothing (their index is past the table and dropped)."""
+    index = jnp.where(has_rows, slots, table.shape[0])
+    return table.at[index].set(values.astype(table.dtype), mode="drop")
+
+
+# --- the short causal conv over q|k|v ------------------------------------------------
+
+
+def _conv_inputs(x, conv_state, query_start, slots, fresh, owner, last, width):
+    """For each (owner, last) pair: the `width` conv inputs [n, width, C] (oldest first)
+    of request `owner` ending at its row `last` (counted from its first row in this batch;
+    -1: before it). Inputs before the request's first row come from its stored window
+    (zeros when fresh): position p < 0 is the window's entry K-1+p."""
+    history = conv_state.shape[1]
+    pos = last[:, None] - (width - 1) + jnp.arange(width)  # [n, width]
+    rows = jnp.clip(query_start[owner][:, None] + pos, 0, x.shape[0] - 1)
+    stored = _stored(conv_state, slots, fresh)[owner[:, None], jnp.clip(history + pos, 0, history - 1)]
+    return jnp.where((pos >= 0)[..., None], x[rows].astype(F32), stored)
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array, query_start: jax.Array,
+                  slots: jax.Array, fresh: jax.Array) -> jax.Array:
+    """The depthwise causal conv then SiLU, as Qwen3NextGatedDeltaNet applies it to the
+    concatenated q|k|v channels: y[t, c] = silu(sum_j weight[c, j] x[t - (K-1) + j, c]),
+    where inputs before a request's first row in this batch come from its conv state.
+
+    x [T, C] the rows' conv inputs; weight [C, K] (conv1d.weight squeezed: tap K-1 meets
+    the current row); conv_state [N, K-1, C] each slot's last K-1 inputs, oldest first;
+    query_start [B+1], slots [B], fresh [B] as the module docstring says.
+    Returns y [T, C] float32, zeros on padding rows. The table is not written:
+    conv_state_after does that, for the rows the caller commits."""
+    num_rows = x.shape[0]
+    rows = jnp.arange(num_rows)
+    owner = _row_owner(query_start, num_rows)
+    window = _conv_inputs(x, conv_state, query_start, slots, fresh, owner, rows - query_start[owner], weight.shape[1])
+    y = jax.nn.silu(_einsum("tjc,cj->tc", window, weight.astype(F32)))
+    return jnp.where((rows < query_start[-1])[:, None], y, 0.0)
+
+
+def conv_state_after(x: jax.Array, conv_state: jax.Array, query_start: jax.Array, slots: jax.Array,
+                     fresh: jax.Array, commit_len: jax.Array) -> jax.Array:
+    """The conv state table once each request with rows has committed its first
+    commit_len[b] rows (0 <= commit_len[b] <= its row count): its slot holds the K-1
+    inputs ending at row query_start[b] + commit_len[b] - 1, earlier ones from its old
+    window. commit_len 0 keeps the old window (zeros when fresh). A prefill chunk commits
+    all its rows; MTP verification commits only the accepted ones."""
+    num_requests = slots.shape[0]
+    window = _conv_inputs(x, conv_state, query_start, slots, fresh, jnp.arange(num_requests), commit_len - 1,
+                          conv_state.shape[1])
+    return _write_back(conv_state, window, slots, _has_rows(query_start))
+
+
+# --- the gated delta rule -------------------------------------------------------------
+
+
+def gates(a: jax.Array, b: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row and value head, from in_proj_ba's a and b [T, Hv]: the log-decay
+    g = -exp(A_log) softplus(a + dt_bias) (float32) and the write strength
+    beta = sigmoid(b), computed in b's dtype as transformers does, then float32."""
+    g = -jnp.exp(A_log.astype(F32)) * jax.nn.softplus(a.astype(F32) + dt_bias.astype(F32))
+    return g, jax.nn.sigmoid(b).astype(F32)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def _prepare(q, k, v, g, beta):
+    """float32 inputs per value head: q and k l2-normalised (use_qk_l2norm_in_kernel),
+    q scaled by 1/sqrt(dk), key heads repeated to the value heads (repeat_interleave:
+    value head h reads key head h // (Hv // Hk))."""
+    repeats = v.shape[1] // q.shape[1]
+    q = _l2norm(q.astype(F32)) * q.shape[-1] ** -0.5
+    k = _l2norm(k.astype(F32))
+    q, k = jnp.repeat(q, repeats, axis=1), jnp.repeat(k, repeats, axis=1)
+    return q, k, v.astype(F32), g.astype(F32), beta.astype(F32)
+
+
+def _delta_step(state, q, k, v, g, beta):
+    """One row for every value head: state [Hv, dk, dv]; q, k [Hv, dk]; v [Hv, dv];
+    g, beta [Hv]. Returns the state after the row and the row's output [Hv, dv]."""
+    state = state * jnp.exp(g)[:, None, None]
+    delta = (v - _einsum("hk,hkv->hv", k, state)) * beta[:, None]
+    state = state + k[:, :, None] * delta[:, None, :]
+    return state, _einsum("hk,hkv->hv", q, state)
+
+
+def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+                          query_start: jax.Array, slots: jax.Array, fresh: jax.Array, keep: int
+                          ) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule one row at a time (a scan over the T rows): for decode and
+    MTP verification, whose few rows per request may each be the last one committed.
+
+    q, k [T, Hk, dk] and v [T, Hv, dv] the conv's outputs split into heads (q and k not
+    yet normalised); g, beta [T, Hv] from gates(); state [N, Hv, dk, dv] the recurrent
+    table; query_start, slots, fresh as the module docstring says; keep (static) how many
+    of each request's last states to return.
+    Returns o [T, Hv, dv] float32 (zeros on padding rows) and tail [B, keep, Hv, dk, dv]:
+    tail[b, i] is request b's state after its row query_start[b+1] - keep + i, or where
+    that row precedes its first, its starting state (stored, or zeros when fresh).
+    commit_state writes the one the caller keeps."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    num_rows, num_requests = v.shape[0], slots.shape[0]
+    start = _stored(state, slots, fresh)
+    rows = jnp.arange(num_rows)
+    owner = _row_owner(query_start, num_rows)
+    valid = rows < query_start[-1]
+    first = valid & (rows == query_start[owner])
+    tail_index = keep - (query_start[owner + 1] - rows)  # < 0: a row before the last `keep`
+
+    def row(carry, xs):
+        current, tail = carry
+        q_t, k_t, v_t, g_t, beta_t, b, is_valid, is_first, i = xs
+        before = jnp.where(is_first, start[b], current)
+        # padding rows come after every request's: the state they leave is never read
+        after, o = _delta_step(before, q_t, k_t, v_t, g_t, beta_t)
+        at = jnp.maximum(i, 0)
+        tail = tail.at[b, at].set(jnp.where(is_valid & (i >= 0), after, tail[b, at]))
+        return (after, tail), jnp.where(is_valid, o, 0.0)
+
+    tail = jnp.broadcast_to(start[:, None], (num_requests, keep) + start.shape[1:])
+    (_, tail), o = jax.lax.scan(row, (jnp.zeros_like(start[0]), tail),
+                                (q, k, v, g, beta, owner, valid, first, tail_index))
+    return o, tail
+
+
+def commit_state(state: jax.Array, tail: jax.Array, slots: jax.Array, num_rejected: jax.Array,
+                 has_rows: jax.Array) -> jax.Array:
+    """The recurrent table once request b (with has_rows[b]) keeps all but its last
+    num_rejected[b] rows (0 <= num_rejected[b] < keep): slot slots[b] gets
+    tail[b, keep - 1 - num_rejected[b]]. A prefill chunk commits gated_delta_chunked's
+    final state as commit_state(state, final[:, None], slots, zeros, has_rows)."""
+    chosen = tail[jnp.arange(tail.shape[0]), tail.shape[1] - 1 - num_rejected]
+    return _write_back(state, chosen, slots, has_rows)
+
+
+def _chunk_layout(query_start: jax.Array, num_rows: int, chunk: int):
+    """Each request's rows cut into chunks of `chunk` from its own first row (its last
+    chunk padded), all requests' chunks back to back. Returns: num_chunks (static, the
+    most B requests of T rows can need), dest [T] each row's place in the flat
+    [num_chunks * chunk] layout (padding rows: past it), and per chunk its request,
+    whether it holds rows and whether it is its request's first (the chunks past the
+    last that holds rows belong to the last request, and may count as its first: they
+    hold zero rows and write nothing)."""
+    num_requests = query_start.shape[0] - 1
+    num_chunks = (num_rows + min(num_requests, num_rows) * (chunk - 1)) // chunk
+    per_request = (query_start[1:] - query_start[:-1] + chunk - 1) // chunk
+    ends = jnp.cumsum(per_request)
+    starts = ends - per_request
+    rows = jnp.arange(num_rows)
+    owner = _row_owner(query_start, num_rows)
+    dest = jnp.where(rows < query_start[-1], starts[owner] * chunk + rows - query_start[owner], num_chunks * chunk)
+    chunks = jnp.arange(num_chunks)
+    chunk_owner = jnp.minimum(jnp.searchsorted(ends, chunks, side="right"), num_requests - 1)
+    return num_chunks, dest, chunk_owner, chunks < ends[-1], chunks == starts[chunk_owner]
+
+
+def _to_chunks(x: jax.Array, dest: jax.Array, num_chunks: int, chunk: int) -> jax.Array:
+    """Rows [T, H, ...] into chunks [num_chunks, H, chunk, ...], zeros where no row
+    lands: a zero row (k = v = 0, beta = 0, g = 0) leaves the state as it is."""
+    flat = jnp.zeros((num_chunks * chunk,) + x.shape[1:], x.dtype).at[dest].set(x, mode="drop")
+    return jnp.moveaxis(flat.reshape((num_chunks, chunk) + x.shape[1:]), 1, 2)
+
+
+def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
+    """(I + lower)^-1 for strictly lower-triangular lower [..., C, C], by forward
+    substitution a row at a time (transformers' export path): with r = -lower[i], row i
+    of the inverse's strict lower part is r + r @ (that part's rows before i). Not
+    lax.linalg.triangular_solve: on CPU, jaxlib's batched LAPACK call splits its batch
+    over the thread pool and waits for it, and two such calls running at once (XLA runs
+    independent ones concurrently) were seen to deadlock on 2 cores."""
+    size = lower.shape[-1]
+
+    def row(i, strict):
+        r = strict[..., i, :]
+        return strict.at[..., i, :].set(r + _einsum("...m,...mj->...j", r, strict))
+
+    return jax.lax.fori_loop(1, size, row, -lower) + jnp.eye(size)
+
+
+def _intra_chunk(q, k, v, g, beta):
+    """The first phase of torch_chunk_gated_delta_rule, for every chunk at once (inputs
+    [n, Hv, C, ...]). Within a chunk, with cum the cumulative log-decay and
+    D[i, j] = exp(cum_i - cum_j) for j <= i, the UT transform (I + strictly_lower(beta_i
+    k_i.k_j D[i, j]))^-1 turns the C delta updates into u (the new values, to which the
+    old state's read is still to be added) and w (the keys that read the old state).
+    Returns what the scan over chunks reads: u, w, the decayed queries, the intra-chunk
+    attention, the keys decayed to the chunk's end and the chunk's total decay."""
+    size = g.shape[-1]
+    cum = jnp.cumsum(g, axis=-1)
+    causal = jnp.tril(jnp.ones((size, size), bool))
+    decay = jnp.exp(jnp.where(causal, cum[..., :, None] - cum[..., None, :], -jnp.inf))
+    k_beta = k * beta[..., None]
+    strictly_lower = jnp.tril(jnp.ones((size, size), bool), -1)
+    ut = _unit_lower_inverse(jnp.where(strictly_lower, _einsum("nhid,nhjd->nhij", k_beta, k) * decay, 0.0))
+    u = _einsum("nhij,nhjv->nhiv", ut, v * beta[..., None])
+    w = _einsum("nhij,nhjk->nhik", ut, k_beta * jnp.exp(cum)[..., None])
+    attn = _einsum("nhid,nhjd->nhij", q, k) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    return u, w, q_decayed, attn, k_to_end, jnp.exp(cum[..., -1])
+
+
+def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+                        query_start: jax.Array, slots: jax.Array, fresh: jax.Array, chunk: int = 64
+                        ) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule in chunks (the WY / UT-transform form of
+    torch_chunk_gated_delta_rule), for prefill: the same result as gated_delta_recurrent
+    within float32 rounding, with matrix products in place of one step per row. Each
+    request's rows are cut into chunks from its own first row (_chunk_layout); a scan over
+    the chunks carries the state, restarting at each request's first chunk.
+
+    Arguments as gated_delta_recurrent's; chunk (static) the chunk length.
+    Returns o [T, Hv, dv] float32 (zeros on padding rows) and final [B, Hv, dk, dv]: each
+    request's state after its last row (its starting state if it has none)."""
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    num_rows = v.shape[0]
+    start = _stored(state, slots, fresh)
+    num_chunks, dest, chunk_owner, real, first = _chunk_layout(query_start, num_rows, chunk)
+    q, k, v, g, beta = (_to_chunks(x, dest, num_chunks, chunk) for x in (q, k, v, g, beta))
+    u, w, q_decayed, attn, k_to_end, chunk_decay = _intra_chunk(q, k, v, g, beta)
+
+    def one_chunk(carry, xs):
+        current, final = carry
+        u_c, w_c, q_c, attn_c, k_c, decay_c, b, is_real, is_first = xs
+        current = jnp.where(is_first, start[b], current)
+        v_new = u_c - _einsum("hck,hkv->hcv", w_c, current)
+        o = _einsum("hck,hkv->hcv", q_c, current) + _einsum("hij,hjv->hiv", attn_c, v_new)
+        current = current * decay_c[:, None, None] + _einsum("hck,hcv->hkv", k_c, v_new)
+        final = final.at[b].set(jnp.where(is_real, current, final[b]))
+        return (current, final), o
+
+    (_, final), o = jax.lax.scan(one_chunk, (jnp.zeros_like(start[0]), start),
+                                 (u, w, q_decayed, attn, k_to_end, chunk_decay, chunk_owner, real, first))
+    o = jnp.moveaxis(o, 2, 1)  # [chunks, C, Hv, dv]
+    o = o.reshape((num_chunks * chunk,) + o.shape[2:])
+    rows_valid = jnp.arange(num_rows) < query_start[-1]
+    return jnp.where(rows_valid[:, None, None], o[jnp.minimum(dest, num_chunks * chunk - 1)], 0.0), final
