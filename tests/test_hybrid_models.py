@@ -101,7 +101,8 @@ def test_published_configs_parse(tmp_path, hf, heads, value_heads, experts, para
     assert [cfg.layer_is_linear(i) for i in range(n + 1)] == [(i + 1) % 4 != 0 for i in range(n)] + [False]
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (*heads, 256, 64)
     assert (cfg.hybrid.linear_num_key_heads, cfg.hybrid.linear_num_value_heads) == (16, value_heads)
-    assert (cfg.hybrid.linear_key_head_dim, cfg.hybrid.linear_value_head_dim, cfg.hybrid.linear_conv_kernel_dim) == (128, 128, 4)
+    la = cfg.hybrid
+    assert (la.linear_key_head_dim, la.linear_value_head_dim, la.linear_conv_kernel_dim) == (128, 128, 4)
     assert (cfg.num_mtp_modules, cfg.mtp_layout, cfg.zero_centred_norm, cfg.qk_norm) == (1, "qwen3_next", True, True)
     assert cfg.rope_theta == 1e7 and cfg.rope_scaling in ((), (("rope_type", "default"),)) and cfg.dtype == "bfloat16"
     if experts is None:
@@ -255,7 +256,8 @@ def expected_linear_attention(t, cfg) -> dict:
 
 def expected_gated_attention(t, cfg) -> dict:
     packed = t("self_attn.q_proj.weight").T.reshape(cfg.hidden_size, cfg.num_heads, 2, cfg.head_dim)
-    return {"q_proj": packed[:, :, 0].reshape(cfg.hidden_size, -1), "attn_gate": packed[:, :, 1].reshape(cfg.hidden_size, -1),
+    h = cfg.hidden_size
+    return {"q_proj": packed[:, :, 0].reshape(h, -1), "attn_gate": packed[:, :, 1].reshape(h, -1),
             "k_proj": t("self_attn.k_proj.weight").T, "v_proj": t("self_attn.v_proj.weight").T,
             "o_proj": t("self_attn.o_proj.weight").T, "q_norm": 1 + t("self_attn.q_norm.weight"),
             "k_norm": 1 + t("self_attn.k_norm.weight")}

@@ -132,7 +132,8 @@ def _moe_refs(src: TensorSource, mlp: str, cfg: ModelConfig) -> MoEParams:
     experts_gate_up, experts_down = _expert_refs(src, mlp, cfg)
     return MoEParams(
         router=src.ref(f"{mlp}.gate.weight", transpose=True, dtype="float32"),
-        router_bias=src.ref(f"{mlp}.gate.e_score_correction_bias", dtype="float32") if moe.routing == "noaux_tc" else None,
+        router_bias=src.ref(f"{mlp}.gate.e_score_correction_bias", dtype="float32")
+        if moe.routing == "noaux_tc" else None,
         experts_gate_up=experts_gate_up,
         experts_down=experts_down,
         shared_gate_up=_gate_up_ref(src, shared, cfg) if has_shared else None,
@@ -208,8 +209,9 @@ def load_hf_params(model_dir: Path, cfg: ModelConfig, shardings: Shardings, num_
     src = TensorSource(model_dir)
     # Qwen3.5's ...ForConditionalGeneration keeps its text model under model.language_model
     model = "model.language_model" if "model.language_model.embed_tokens.weight" in src else "model"
-    for i in range(cfg.num_layers if cfg.hybrid is not None else 0):
-        check_layer_kind(src, f"{model}.layers.{i}", cfg, i)
+    if cfg.hybrid is not None:
+        for i in range(cfg.num_layers):
+            check_layer_kind(src, f"{model}.layers.{i}", cfg, i)
     refs = Params(
         embed=src.ref(f"{model}.embed_tokens.weight"),
         layers=[_block_refs(src, f"{model}.layers.{i}", cfg, i) for i in range(cfg.num_layers)],

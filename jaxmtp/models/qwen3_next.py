@@ -45,6 +45,8 @@ def _refuse(model_type: str, checks: dict) -> None:
 
 
 def _hybrid(cfg: ModelConfig, hf: dict, moe: MoEConfig | None) -> ModelConfig:
+    """What the three families share: the layer pattern, the linear attention's heads, the
+    MTP layer; moe is the family's experts (None: dense MLPs)."""
     _refuse(cfg.model_type, {
         "attention_bias": (bool(hf.get("attention_bias", False)), (False,)),
         "attn_output_gate": (hf.get("attn_output_gate", True), (True,)),
@@ -69,7 +71,7 @@ def _hybrid(cfg: ModelConfig, hf: dict, moe: MoEConfig | None) -> ModelConfig:
                          f"linear_num_key_heads={hybrid.linear_num_key_heads}")
     num_mtp = _num_mtp_modules(hf)
     return dataclasses.replace(
-        cfg, hybrid=hybrid, moe=moe, qk_norm=True, zero_centred_norm=True,
+        cfg, hybrid=hybrid, moe=moe, zero_centred_norm=True,
         rope_scaling=tuple(item for item in cfg.rope_scaling if item[0] not in TEXT_ONLY_ROPE_KEYS),
         num_mtp_modules=num_mtp, mtp_layout=(cfg.mtp_layout or "qwen3_next") if num_mtp else None,
     )
@@ -82,7 +84,7 @@ def _layer_types(hf: dict, num_layers: int) -> tuple[str, ...]:
         interval = hf.get("full_attention_interval", 4)
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"full_attention_interval={interval!r} cannot place the layers (supported: an integer >= 1)")
-        return tuple(LAYER_KINDS[(i + 1) % interval == 0] for i in range(num_layers))
+        return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
     types = tuple(hf["layer_types"])
     unknown = sorted(set(types) - set(LAYER_KINDS))
     if unknown or len(types) != num_layers:
