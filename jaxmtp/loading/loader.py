@@ -15,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxmtp.loading.tensor_source import StackedRef, TensorSource, stack_refs
+from jaxmtp.loading.hybrid import check_layer_kind, gated_query_refs, linear_attention_refs
+from jaxmtp.loading.tensor_source import StackedRef, TensorRef, TensorSource, slice_ref, stack_refs
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.params import (
     BiasedLayerParams,
     ExpertLayerParams,
+    HybridLayerParams,
     LayerParams,
     MLAParams,
     MoEParams,
@@ -49,13 +51,22 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
                 norm_names=("input_layernorm", "post_attention_layernorm")) -> LayerParams:
     """Decoder layer `layer` (MTP layers continue the numbering) stored under prefix."""
     attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
-    gqa, dense = cfg.mla is None, not cfg.layer_is_moe(layer)
+    linear = cfg.layer_is_linear(layer)
+    gqa, dense = cfg.mla is None and not linear, not cfg.layer_is_moe(layer)
 
     def optional(name, enabled, **kwargs):
         return src.ref(name, **kwargs) if enabled else None
 
+    def proj(module, enabled=True):
+        return src.weight_ref(module, cfg.quantization) if enabled else None
+
+    q_proj = proj(f"{attn}.q_proj", gqa)
     kind, extra = layer_params_class(cfg), {}
-    if kind is ExpertLayerParams:
+    if kind is HybridLayerParams:
+        q_proj, attn_gate = gated_query_refs(src, attn, cfg) if gqa else (None, None)
+        extra = dict(moe=None if dense else _moe_refs(src, mlp, cfg), attn_gate=attn_gate,
+                     linear_attention=linear_attention_refs(src, f"{prefix}.linear_attn", cfg) if linear else None)
+    elif kind is ExpertLayerParams:
         extra = dict(mla=None if gqa else _mla_refs(src, attn, cfg), moe=None if dense else _moe_refs(src, mlp, cfg))
     elif kind is BiasedLayerParams:
         extra = dict(
@@ -64,25 +75,28 @@ def _block_refs(src: TensorSource, prefix: str, cfg: ModelConfig, layer: int,
             if cfg.mlp_bias else None,
             down_bias=optional(f"{mlp}.down_proj.bias", cfg.mlp_bias),
         )
-    def proj(module, enabled=True):
-        return src.weight_ref(module, cfg.quantization) if enabled else None
-
     return kind(
         **extra,
-        input_norm=src.ref(f"{prefix}.{norm_names[0]}.weight"),
-        q_proj=proj(f"{attn}.q_proj", gqa),
+        input_norm=_norm_ref(src, f"{prefix}.{norm_names[0]}.weight", cfg),
+        q_proj=q_proj,
         k_proj=proj(f"{attn}.k_proj", gqa),
         v_proj=proj(f"{attn}.v_proj", gqa),
-        o_proj=proj(f"{attn}.o_proj"),
-        post_norm=src.ref(f"{prefix}.{norm_names[1]}.weight"),
+        o_proj=proj(f"{attn}.o_proj", not linear),
+        post_norm=_norm_ref(src, f"{prefix}.{norm_names[1]}.weight", cfg),
         gate_up_proj=_gate_up_ref(src, mlp, cfg) if dense else None,
         down_proj=proj(f"{mlp}.down_proj", dense),
         q_bias=optional(f"{attn}.q_proj.bias", cfg.qkv_bias),
         k_bias=optional(f"{attn}.k_proj.bias", cfg.qkv_bias),
         v_bias=optional(f"{attn}.v_proj.bias", cfg.qkv_bias),
-        q_norm=optional(f"{attn}.q_norm.weight", cfg.qk_norm),
-        k_norm=optional(f"{attn}.k_norm.weight", cfg.qk_norm),
+        q_norm=_norm_ref(src, f"{attn}.q_norm.weight", cfg) if cfg.qk_norm and not linear else None,
+        k_norm=_norm_ref(src, f"{attn}.k_norm.weight", cfg) if cfg.qk_norm and not linear else None,
     )
+
+
+def _norm_ref(src: TensorSource, name: str, cfg: ModelConfig) -> TensorRef:
+    """An RMSNorm's weight; a zero-centred one (ModelConfig.zero_centred_norm) as 1 + w
+    in float32, which is exact: transformers computes 1.0 + w.float() itself."""
+    return src.ref(name, dtype="float32", add=1.0) if cfg.zero_centred_norm else src.ref(name)
 
 
 def _gate_up_ref(src: TensorSource, mlp: str, cfg: ModelConfig):
@@ -108,21 +122,43 @@ def _mla_refs(src: TensorSource, attn: str, cfg: ModelConfig) -> MLAParams:
 
 
 def _moe_refs(src: TensorSource, mlp: str, cfg: ModelConfig) -> MoEParams:
-    """Checkpoints store each expert apart (mlp.experts.E.{gate,up,down}_proj); the
-    engine stacks them into one array per projection, at load time. The router stays
+    """The routed experts stacked into one array per projection (_expert_refs), at load
+    time, and the shared experts: DeepSeek's stored as shared_experts, Qwen's one as
+    shared_expert with its gate shared_expert_gate. The router (and Qwen's gate) stays
     unquantized (float32, as the checkpoints keep it)."""
-    experts = range(cfg.moe.num_experts)
-    shared = cfg.moe.num_shared_experts > 0
+    moe = cfg.moe
+    shared = f"{mlp}.shared_expert" if moe.shared_expert_gate else f"{mlp}.shared_experts"
+    has_shared = moe.num_shared_experts > 0
+    experts_gate_up, experts_down = _expert_refs(src, mlp, cfg)
     return MoEParams(
         router=src.ref(f"{mlp}.gate.weight", transpose=True, dtype="float32"),
-        router_bias=src.ref(f"{mlp}.gate.e_score_correction_bias", dtype="float32"),
-        experts_gate_up=stack_refs(tuple(_gate_up_ref(src, f"{mlp}.experts.{e}", cfg) for e in experts), 0),
-        experts_down=stack_refs(
-            tuple(src.weight_ref(f"{mlp}.experts.{e}.down_proj", cfg.quantization) for e in experts), 0
-        ),
-        shared_gate_up=_gate_up_ref(src, f"{mlp}.shared_experts", cfg) if shared else None,
-        shared_down=src.weight_ref(f"{mlp}.shared_experts.down_proj", cfg.quantization) if shared else None,
+        router_bias=src.ref(f"{mlp}.gate.e_score_correction_bias", dtype="float32")
+        if moe.routing == "noaux_tc" else None,
+        experts_gate_up=experts_gate_up,
+        experts_down=experts_down,
+        shared_gate_up=_gate_up_ref(src, shared, cfg) if has_shared else None,
+        shared_down=src.weight_ref(f"{shared}.down_proj", cfg.quantization) if has_shared else None,
+        shared_gate=src.ref(f"{mlp}.shared_expert_gate.weight", fixed=((0, 0),), dtype="float32")
+        if moe.shared_expert_gate else None,
     )
+
+
+def _expert_refs(src: TensorSource, mlp: str, cfg: ModelConfig) -> tuple:
+    """The routed experts' gate/up [E, H, 2, I] and down [E, I, H], from one tensor per
+    expert and projection (mlp.experts.E.{gate,up,down}_proj), or from one per projection
+    for all experts, as Qwen3.5's release stores its main layers: experts.gate_up_proj
+    [E, 2I, H] (gate, then up) and experts.down_proj [E, H, I]."""
+    experts, q = range(cfg.moe.num_experts), cfg.quantization
+    fused = f"{mlp}.experts.gate_up_proj"
+    if fused not in src:
+        return (stack_refs(tuple(_gate_up_ref(src, f"{mlp}.experts.{e}", cfg) for e in experts), 0),
+                stack_refs(tuple(src.weight_ref(f"{mlp}.experts.{e}.down_proj", q) for e in experts), 0))
+    if q is not None:
+        raise ValueError(f"{fused}: experts fused into one tensor with fp8 block scales are not implemented")
+    i = cfg.moe.moe_intermediate_size
+    gate_up = [src.ref(fused, transpose=True, fixed=((0, e),)) for e in experts]  # [H, 2I] each
+    return (StackedRef(tuple(StackedRef((slice_ref(w, 1, 0, i), slice_ref(w, 1, i, 2 * i)), 1) for w in gate_up), 0),
+            StackedRef(tuple(src.ref(f"{mlp}.experts.down_proj", transpose=True, fixed=((0, e),)) for e in experts), 0))
 
 
 def _mtp_module_refs(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
@@ -132,12 +168,22 @@ def _mtp_module_refs(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
         p = f"model.mtp_layers.{n}"
         proj = f"{p}.input_proj.weight"  # [2H, H] over concat(hidden, embedding)
         return MTPParams(
-            token_norm=src.ref(f"{p}.token_layernorm.weight"),
-            hidden_norm=src.ref(f"{p}.hidden_layernorm.weight"),
+            token_norm=_norm_ref(src, f"{p}.token_layernorm.weight", cfg),
+            hidden_norm=_norm_ref(src, f"{p}.hidden_layernorm.weight", cfg),
             proj_token=src.ref(proj, transpose=True, rows=(h, 2 * h)),
             proj_hidden=src.ref(proj, transpose=True, rows=(0, h)),
             block=_block_refs(src, p, cfg, cfg.num_layers + n),
-            final_norm=src.ref(f"{p}.final_layernorm.weight"),
+            final_norm=_norm_ref(src, f"{p}.final_layernorm.weight", cfg),
+        )
+    if cfg.mtp_layout == "qwen3_next":  # one full-attention layer; the main model's embedding and head
+        proj = "mtp.fc.weight"  # [H, 2H] over concat(embedding, hidden), as vLLM's qwen3_next_mtp.py
+        return MTPParams(
+            token_norm=_norm_ref(src, "mtp.pre_fc_norm_embedding.weight", cfg),
+            hidden_norm=_norm_ref(src, "mtp.pre_fc_norm_hidden.weight", cfg),
+            proj_token=src.ref(proj, transpose=True, rows=(0, h)),
+            proj_hidden=src.ref(proj, transpose=True, rows=(h, 2 * h)),
+            block=_block_refs(src, f"mtp.layers.{n}", cfg, cfg.num_layers + n),
+            final_norm=_norm_ref(src, "mtp.norm.weight", cfg),
         )
     p = f"model.layers.{cfg.num_layers + n}"
     proj = f"{p}.eh_proj.weight"  # [2H, H] over concat(embedding, hidden)
@@ -146,12 +192,12 @@ def _mtp_module_refs(src: TensorSource, cfg: ModelConfig, n: int) -> MTPParams:
     # the layer (embed_tokens, shared_head.head): the module uses the main model's
     own_head = head in src and not FAMILIES[cfg.model_type].mtp_head_is_a_copy
     return MTPParams(
-        token_norm=src.ref(f"{p}.enorm.weight"),
-        hidden_norm=src.ref(f"{p}.hnorm.weight"),
+        token_norm=_norm_ref(src, f"{p}.enorm.weight", cfg),
+        hidden_norm=_norm_ref(src, f"{p}.hnorm.weight", cfg),
         proj_token=src.ref(proj, transpose=True, rows=(0, h)),
         proj_hidden=src.ref(proj, transpose=True, rows=(h, 2 * h)),
         block=_block_refs(src, p, cfg, cfg.num_layers + n),
-        final_norm=src.ref(f"{p}.shared_head.norm.weight"),
+        final_norm=_norm_ref(src, f"{p}.shared_head.norm.weight", cfg),
         lm_head=src.ref(head, transpose=True) if own_head else None,
     )
 
@@ -161,10 +207,15 @@ def load_hf_params(model_dir: Path, cfg: ModelConfig, shardings: Shardings, num_
     host buffer, ever holds the whole model. Only the first num_mtp_modules MTP modules
     are read."""
     src = TensorSource(model_dir)
+    # Qwen3.5's ...ForConditionalGeneration keeps its text model under model.language_model
+    model = "model.language_model" if "model.language_model.embed_tokens.weight" in src else "model"
+    if cfg.hybrid is not None:
+        for i in range(cfg.num_layers):
+            check_layer_kind(src, f"{model}.layers.{i}", cfg, i)
     refs = Params(
-        embed=src.ref("model.embed_tokens.weight"),
-        layers=[_block_refs(src, f"model.layers.{i}", cfg, i) for i in range(cfg.num_layers)],
-        final_norm=src.ref("model.norm.weight"),
+        embed=src.ref(f"{model}.embed_tokens.weight"),
+        layers=[_block_refs(src, f"{model}.layers.{i}", cfg, i) for i in range(cfg.num_layers)],
+        final_norm=_norm_ref(src, f"{model}.norm.weight", cfg),
         lm_head=None if cfg.tie_word_embeddings else src.ref("lm_head.weight", transpose=True),
         mtp=[_mtp_module_refs(src, cfg, n) for n in range(num_mtp_modules)],
     )
@@ -284,8 +335,9 @@ def export_hf_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, 
     concat(embedding, hidden), shared_head.norm), which vLLM and SGLang also read."""
     from safetensors.numpy import save_file
 
-    if cfg.moe is not None:
-        raise ValueError(f"export writes Llama-family models; {cfg.model_type} (experts, MLA) is not implemented")
+    if cfg.moe is not None or cfg.hybrid is not None:
+        raise ValueError(f"export writes Llama-family models; {cfg.model_type} (experts, MLA, hybrid layers) "
+                         "is not implemented")
     if cfg.quantization is not None:
         raise ValueError("export writes unquantized weights; writing fp8 weights with their scales is not implemented")
     if cfg.mtp_layout not in (None, "deepseek"):

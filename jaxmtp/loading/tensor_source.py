@@ -25,14 +25,20 @@ STORED_FP8 = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 class TensorRef:
     """One parameter as a checkpoint stores it, read from disk only when placed.
     shape is the engine's ([in, out] for matrices); Hugging Face stores matrices
-    [out, in] (transpose); row_offset picks a block of the engine-side rows (the MTP
-    input projection is one stored [2H, H] matrix for two parameters)."""
+    [out, in] (transpose: the stored axes reversed); start offsets a block of each
+    engine-side axis (the MTP input projection is one stored [2H, H] matrix for two
+    parameters; a head's columns of a projection that packs several); fixed picks one
+    index of stored axes, which the engine's array leaves out (an expert of a fused
+    [E, out, in] tensor, conv1d's axis of 1); add is added after the cast to the
+    engine's dtype (a zero-centred norm's weight: 1 + w)."""
 
     name: str
     shape: tuple[int, ...]
     transpose: bool = False
-    row_offset: int = 0
+    start: tuple[int, ...] = ()  # per engine axis; missing ones 0
+    fixed: tuple[tuple[int, int], ...] = ()  # (stored axis, index) pairs
     dtype: str | None = None  # None: the model's dtype (the MoE router stays float32)
+    add: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,48 @@ class StackedRef:
     @property
     def dtype(self) -> str | None:
         return self.parts[0].dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class ConcatRef:
+    """Blocks of stored tensors the engine keeps side by side along an existing `axis`
+    (a projection's columns regrouped: Qwen3.5's q, k, v and z of one key head)."""
+
+    parts: tuple[TensorRef | StackedRef | ConcatRef, ...]
+    axis: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        first = self.parts[0].shape
+        return first[: self.axis] + (sum(part.shape[self.axis] for part in self.parts),) + first[self.axis + 1 :]
+
+    @property
+    def dtype(self) -> str | None:
+        return self.parts[0].dtype
+
+
+def slice_ref(ref: TensorRef | Fp8Weight, axis: int, lo: int, hi: int) -> TensorRef | Fp8Weight:
+    """ref's block lo..hi along engine axis `axis`; an fp8 weight's with its scales,
+    where the block is whole scale blocks (else a ValueError naming the tensor)."""
+    if isinstance(ref, Fp8Weight):
+        size = ref.block[axis]
+        if lo % size or (hi % size and hi != ref.shape[axis]):
+            raise ValueError(f"{ref.weight.name}: regrouping its [{lo}, {hi}) along axis {axis} cuts its fp8 scale "
+                             f"blocks of {size} (not implemented)")
+        scale = slice_ref(ref.scale_inv, axis, lo // size, -(-hi // size))
+        return Fp8Weight(slice_ref(ref.weight, axis, lo, hi), scale, ref.block)
+    start = list(ref.start) + [0] * (len(ref.shape) - len(ref.start))
+    start[axis] += lo
+    return dataclasses.replace(ref, shape=ref.shape[:axis] + (hi - lo,) + ref.shape[axis + 1 :], start=tuple(start))
+
+
+def concat_refs(parts: tuple, axis: int) -> ConcatRef | Fp8Weight:
+    """Parts side by side along `axis`; fp8 parts as one fp8 weight whose weights and
+    scales are concatenated alike (slice_ref has cut them at scale blocks)."""
+    if not any(isinstance(p, Fp8Weight) for p in parts):
+        return ConcatRef(parts, axis)
+    return Fp8Weight(ConcatRef(tuple(p.weight for p in parts), axis), ConcatRef(tuple(p.scale_inv for p in parts), axis),
+                     parts[0].block)
 
 
 def stack_refs(parts: tuple, axis: int) -> StackedRef | Fp8Weight:
@@ -99,17 +147,19 @@ class TensorSource:
     def stored_dtype(self, name: str) -> str:
         return self.handles[self.file_of[name]].get_slice(name).get_dtype()
 
-    def ref(self, name: str, transpose: bool = False, rows: tuple[int, int] | None = None, dtype: str | None = None) -> TensorRef:
+    def ref(self, name: str, transpose: bool = False, rows: tuple[int, int] | None = None,
+            fixed: tuple[tuple[int, int], ...] = (), dtype: str | None = None, add: float = 0.0) -> TensorRef:
+        """The tensor `name` (TensorRef says what transpose, fixed and add do); rows,
+        a block of the engine-side rows."""
         if name not in self.file_of:
             raise ValueError(f"checkpoint in {self.model_dir!s} is missing tensor {name!r}")
         if self.stored_dtype(name) == STORED_FP8 and dtype != FP8.dtype.name:
             raise ValueError(f"{name} is stored as float8_e4m3fn where the engine keeps the model's dtype: "
                              "dequantizing it while loading is not implemented")
-        shape = tuple(self.handles[self.file_of[name]].get_slice(name).get_shape())
-        shape = shape[::-1] if transpose else shape
-        if rows is not None:
-            shape = (rows[1] - rows[0],) + shape[1:]
-        return TensorRef(name, shape, transpose, rows[0] if rows else 0, dtype)
+        stored = self.handles[self.file_of[name]].get_slice(name).get_shape()
+        kept = tuple(n for axis, n in enumerate(stored) if axis not in dict(fixed))
+        ref = TensorRef(name, kept[::-1] if transpose else kept, transpose, fixed=fixed, dtype=dtype, add=add)
+        return ref if rows is None else slice_ref(ref, 0, *rows)
 
     def weight_ref(self, module: str, quantization: Fp8BlockConfig | None) -> TensorRef | Fp8Weight:
         """A linear layer's `{module}.weight` as the engine keeps it ([in, out]); in a
@@ -131,20 +181,37 @@ class TensorSource:
                              f"{name}'s {list(weight.shape[::-1])} need {list(blocks[::-1])}")
         return Fp8Weight(weight, scale, block)
 
-    def read(self, ref: TensorRef | StackedRef, index: tuple[slice, ...], dtype) -> np.ndarray:
+    def read(self, ref: TensorRef | StackedRef | ConcatRef, index: tuple[slice, ...], dtype) -> np.ndarray:
         """The block `index` (slices over ref.shape, as jax.make_array_from_callback
         asks for one device's shard) of a tensor, read from disk."""
         if isinstance(ref, StackedRef):
             which, rest = index[ref.axis], index[: ref.axis] + index[ref.axis + 1 :]
-            return np.stack([self.read(part, rest, dtype) for part in ref.parts[which]], axis=ref.axis)
+            return np.stack([self.read(p, rest, dtype) for p in ref.parts[which]], axis=ref.axis)
         bounds = [(s.start or 0, size if s.stop is None else s.stop) for s, size in zip(index, ref.shape)]
-        bounds[0] = (bounds[0][0] + ref.row_offset, bounds[0][1] + ref.row_offset)
+        if isinstance(ref, ConcatRef):
+            return self._read_concat(ref, index, bounds[ref.axis], dtype)
+        bounds = [(lo + offset, hi + offset) for (lo, hi), offset in zip(bounds, ref.start + (0,) * len(bounds))]
         stored = [slice(lo, hi) for lo, hi in (bounds[::-1] if ref.transpose else bounds)]
+        for axis, i in sorted(ref.fixed):
+            stored.insert(axis, slice(i, i + 1))
         if self.stored_dtype(ref.name) == STORED_FP8:
             block = self._fp8_tensor(ref.name)[tuple(stored)]
         else:
             block = self.handles[self.file_of[ref.name]].get_slice(ref.name)[tuple(stored)]
-        return (block.T if ref.transpose else block).astype(dtype)
+        block = np.squeeze(block, axis=tuple(axis for axis, _ in ref.fixed))
+        block = (block.T if ref.transpose else block).astype(dtype)
+        return block + np.asarray(ref.add, dtype) if ref.add else block
+
+    def _read_concat(self, ref: ConcatRef, index: tuple[slice, ...], bounds: tuple[int, int], dtype) -> np.ndarray:
+        """The parts of a ConcatRef that the block lo..hi of its axis overlaps, each read
+        for its own share of it."""
+        blocks, offset = [], 0
+        for p in ref.parts:
+            lo, hi = max(bounds[0] - offset, 0), min(bounds[1] - offset, p.shape[ref.axis])
+            if lo < hi:
+                blocks.append(self.read(p, index[: ref.axis] + (slice(lo, hi),) + index[ref.axis + 1 :], dtype))
+            offset += p.shape[ref.axis]
+        return np.concatenate(blocks, axis=ref.axis)
 
     def _fp8_tensor(self, name: str) -> np.ndarray:
         """A float8_e4m3fn tensor as a read-only view of its file's bytes. A safetensors

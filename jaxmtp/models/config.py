@@ -39,6 +39,9 @@ class MTPLayout:
 MTP_LAYOUTS = {
     "deepseek": MTPLayout("deepseek", hidden_after_final_norm=True),
     "mimo": MTPLayout("mimo", hidden_after_final_norm=False),
+    # Qwen3-Next and Qwen3.5 (mtp.fc over concat(embedding, hidden), as vLLM's
+    # qwen3_next_mtp.py): the main model's output after its final norm, as vLLM passes it
+    "qwen3_next": MTPLayout("qwen3_next", hidden_after_final_norm=True),
 }
 
 
@@ -74,8 +77,10 @@ class MLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeek-V3-style mixture of experts (noaux_tc routing: sigmoid scores, a
-    correction bias for selection only, group-limited top-k)."""
+    """A mixture of experts: routed experts, k of them per token, plus shared experts.
+    Routing is DeepSeek-V3's noaux_tc (sigmoid scores, a correction bias for selection
+    only, group-limited top-k) or Qwen's softmax (Qwen3-Next, Qwen3.5: softmax over
+    every expert, the k best, no bias, no groups); see jaxmtp.models.moe.route."""
 
     num_experts: int  # n_routed_experts
     num_experts_per_tok: int
@@ -86,9 +91,17 @@ class MoEConfig:
     topk_group: int
     routed_scaling_factor: float
     norm_topk_prob: bool
+    routing: str = "noaux_tc"  # or "softmax"
+    # Qwen's one shared expert has a width of its own (shared_expert_intermediate_size);
+    # None: DeepSeek's, moe_intermediate_size per shared expert
+    shared_expert_intermediate_size: int | None = None
+    # Qwen's shared expert output is scaled by sigmoid(x @ shared_expert_gate), a [H] -> 1 gate
+    shared_expert_gate: bool = False
 
     @property
     def shared_intermediate_size(self) -> int:
+        if self.shared_expert_intermediate_size is not None:
+            return self.shared_expert_intermediate_size
         return self.moe_intermediate_size * self.num_shared_experts
 
     @classmethod
@@ -128,6 +141,38 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    """Qwen3-Next's and Qwen3.5's hybrid decoder: most layers mix tokens by gated DeltaNet
+    linear attention, the others by full attention with a sigmoid output gate per head
+    (attn_output_gate; q_norm and k_norm, rope over partial_rotary_factor of each head).
+    The linear layers' heads: Hk key heads (q and k, linear_key_head_dim each) and
+    Hv = r * Hk value heads (linear_value_head_dim each), value heads g*r .. g*r + r - 1
+    reading key head g; their inputs pass a causal depthwise conv of
+    linear_conv_kernel_dim taps. MTP layers are full attention."""
+
+    layer_types: tuple[str, ...]  # per main-model layer: "linear_attention" or "full_attention"
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+
+    @property
+    def value_heads_per_key(self) -> int:
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    @property
+    def conv_group_width(self) -> int:
+        """One key head's conv channels: its q and k, and its value heads' v."""
+        return 2 * self.linear_key_head_dim + self.value_heads_per_key * self.linear_value_head_dim
+
+    @property
+    def qkvz_group_width(self) -> int:
+        """One key head's columns of the input projection: q, k, v, then z (the output gate)."""
+        return self.conv_group_width + self.value_heads_per_key * self.linear_value_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -163,10 +208,28 @@ class ModelConfig:
     hidden_act: str = "silu"  # the gated MLP's activation, one of HIDDEN_ACTIVATIONS
     mlp_bias: bool = False  # biases on gate, up and down (Llama's mlp_bias)
     quantization: Fp8BlockConfig | None = None  # fp8 linear weights with block scales (jaxmtp/models/quantization.py)
+    hybrid: HybridConfig | None = None  # linear-attention layers among the full ones (Qwen3-Next, Qwen3.5)
+    # RMSNorms that scale by 1 + w (Qwen3-Next, Qwen3.5: every RMSNorm but the linear
+    # attention's gated one). The loader folds the 1 in: those weights are 1 + w in
+    # float32, exact as transformers computes it (1.0 + w.float()); a forward in bfloat16
+    # then multiplies the float32 normed rows by them and rounds once, transformers'
+    # order, where the Llama norm rounds the normed rows first (layers.rms_norm)
+    zero_centred_norm: bool = False
 
     def layer_is_moe(self, layer: int) -> bool:
         """Whether decoder layer `layer` (MTP layers continue the numbering) has experts."""
         return self.moe is not None and layer >= self.moe.first_k_dense_replace
+
+    def layer_is_linear(self, layer: int) -> bool:
+        """Whether decoder layer `layer` mixes tokens by linear attention (MTP layers,
+        numbered after the main model's, are full attention)."""
+        return (self.hybrid is not None and layer < self.num_layers
+                and self.hybrid.layer_types[layer] == "linear_attention")
+
+    @property
+    def norm_dtype(self) -> str:
+        """The dtype the RMSNorm weights are kept in: float32 where folded (zero_centred_norm)."""
+        return "float32" if self.zero_centred_norm else self.dtype
 
     @property
     def rotary_dim(self) -> int:

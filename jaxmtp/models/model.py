@@ -30,9 +30,21 @@ class LayerOps:
     experts: ExpertsFn = experts_fn()
 
 
+def check_runnable(cfg: ModelConfig) -> None:
+    """A NotImplementedError for a model whose forward is not built yet: Qwen3-Next's and
+    Qwen3.5's hybrid layers (issue 36), whose config and weights load."""
+    if cfg.hybrid is not None:
+        raise NotImplementedError(
+            f"{cfg.model_type}: the hybrid forward (gated DeltaNet linear attention, gated full attention, "
+            "zero-centred norms) is not built yet (issue 36): its config and weights load, the model cannot run"
+        )
+
+
 def check_backend(cfg: ModelConfig, backend: str) -> None:
     """A ValueError, before anything is loaded, for an attention backend this model
-    cannot run (naming it)."""
+    cannot run (naming it); a NotImplementedError for a model it cannot run at all
+    (check_runnable)."""
+    check_runnable(cfg)
     if cfg.mla is None:
         resolve_backend(backend, cfg.head_dim)
     else:
@@ -102,6 +114,7 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """Main model over the batch's rows. Returns the last hidden state BEFORE the final
     norm ([T, H]) and the cache with this step's K/V written."""
+    check_runnable(cfg)
     x = params.embed[batch.input_ids]
     k_layers, v_layers = list(cache.k), list(cache.v)
     for i, layer in enumerate(params.layers):

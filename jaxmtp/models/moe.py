@@ -1,6 +1,6 @@
-"""Mixture-of-experts FFN (DeepSeek-V3, GLM-4.5): the router on the device, the routed
-experts through one grouped matmul, plus shared experts; under tensor parallelism the
-experts split over the devices (expert parallel)."""
+"""Mixture-of-experts FFN (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5): the router on the
+device, the routed experts through one grouped matmul, plus shared experts; under tensor
+parallelism the experts split over the devices (expert parallel)."""
 
 from __future__ import annotations
 
@@ -25,25 +25,37 @@ class Routing:
     weights: jax.Array  # float32 [T, k]: their weights in the row's output
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array, cfg: MoEConfig) -> Routing:
-    """noaux_tc routing: sigmoid scores; the correction bias is added for the choice
+def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
+    """The k experts of each row and their weights, from float32 router logits x @ router.
+    noaux_tc (DeepSeek-V3): sigmoid scores; the correction bias is added for the choice
     only. Groups are ranked by the sum of their two best biased scores, the best
     topk_group kept, and the k best experts of those chosen; their weights are the
-    unbiased scores, normalised to sum 1 (norm_topk_prob), times routed_scaling_factor.
-    Ties go to the lower index (lax.top_k)."""
-    t = x.shape[0]
-    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST))
-    choice = scores + bias
+    unbiased scores. softmax (Qwen3-Next, Qwen3.5): softmax over every expert, the k best
+    and their probabilities (no bias, no groups). Either way the weights are normalised
+    to sum 1 where norm_topk_prob, then times routed_scaling_factor. Ties go to the lower
+    index (lax.top_k)."""
+    logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+    if cfg.routing == "softmax":
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.num_experts_per_tok)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        experts = _group_limited_top_k(scores + bias, cfg)
+        weights = jnp.take_along_axis(scores, experts, axis=1)
+    if cfg.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return Routing(experts.astype(jnp.int32), weights * cfg.routed_scaling_factor)
+
+
+def _group_limited_top_k(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """noaux_tc's choice [T, k] from the biased scores [T, E]: the k best experts of the
+    topk_group groups whose two best scores sum highest."""
+    t = choice.shape[0]
     per_group = cfg.num_experts // cfg.n_group
     group_scores = jax.lax.top_k(choice.reshape(t, cfg.n_group, per_group), 2)[0].sum(axis=-1)
     _, groups = jax.lax.top_k(group_scores, cfg.topk_group)
     kept = jnp.sum(jax.nn.one_hot(groups, cfg.n_group, dtype=jnp.int32), axis=1) > 0  # [T, G]
     choice = jnp.where(jnp.repeat(kept, per_group, axis=1), choice, -jnp.inf)
-    _, experts = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    weights = jnp.take_along_axis(scores, experts, axis=1)
-    if cfg.norm_topk_prob:
-        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return Routing(experts.astype(jnp.int32), weights * cfg.routed_scaling_factor)
+    return jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
 
 
 def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
@@ -76,10 +88,17 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
 
 
 def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array | int = 0) -> jax.Array:
-    """The routed experts p holds (from first_expert) plus the shared experts, in float32."""
+    """The routed experts p holds (from first_expert) plus the shared experts (Qwen's
+    scaled by sigmoid(h @ shared_gate)), in float32. Under expert parallelism each
+    device's columns of the shared experts are scaled alike, so the sum over devices is
+    the gated whole."""
     out = routed_experts(h, route(h, p.router, p.router_bias, cfg), p.experts_gate_up, p.experts_down, first_expert)
     if p.shared_gate_up is not None:
-        out = out + gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
+        shared = gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
+        if p.shared_gate is not None:
+            gate = jnp.dot(h.astype(jnp.float32), p.shared_gate, precision=jax.lax.Precision.HIGHEST)
+            shared = jax.nn.sigmoid(gate)[:, None] * shared
+        out = out + shared
     return out
 
 

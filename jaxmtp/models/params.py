@@ -57,11 +57,34 @@ class MoEParams:
     checkpoints keep it: its scores pick experts, and rounding would change picks."""
 
     router: jax.Array  # [H, E] float32
-    router_bias: jax.Array  # [E] float32: e_score_correction_bias, for selection only
+    router_bias: jax.Array | None  # [E] float32: e_score_correction_bias, for selection only (noaux_tc)
     experts_gate_up: jax.Array  # [E, H, 2, I]
     experts_down: jax.Array  # [E, I, H]
     shared_gate_up: jax.Array | None = None  # [H, 2, Is]
     shared_down: jax.Array | None = None  # [Is, H]
+    shared_gate: jax.Array | None = None  # [H] float32: Qwen's shared_expert_gate, a Linear(H, 1)'s one row
+
+
+@pytree_dataclass
+class LinearAttentionParams:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5), its heads grouped by key head: Hk groups,
+    group g being key head g's q and k (Dk wide each) and its r = Hv / Hk value heads
+    g*r .. g*r + r - 1 (v and z, Dv wide each; b and a, one value each), in transformers'
+    order after fix_query_key_value_ordering. Within a group in_proj_qkvz's columns are
+    q, k, v, z, and conv1d's channels q, k, v: x @ in_proj_qkvz ([T, Hk, W]) feeds its
+    first conv_group_width columns through the causal depthwise conv and splits every
+    group at the same offsets, with no gather. This is Qwen3-Next's in_proj_qkvz and
+    in_proj_ba as stored (transposed, the out axis split by group); Qwen3.5's separate
+    in_proj_qkv/z/b/a and every conv1d (whose channels are q, k, v of all heads) are
+    regrouped while loading. Under tensor parallelism each device holds whole groups."""
+
+    in_proj_qkvz: jax.Array  # [H, Hk, 2*Dk + 2*r*Dv]
+    in_proj_ba: jax.Array  # [H, Hk, 2*r]: per group b (beta = sigmoid(b)), then a (the decay's input)
+    conv1d: jax.Array  # [Hk, 2*Dk + r*Dv, K]: each channel's taps, the oldest first (conv1d.weight[:, 0])
+    dt_bias: jax.Array  # [Hv] float32
+    a_log: jax.Array  # [Hv] float32: A_log; the decay is g = -exp(A_log) * softplus(a + dt_bias)
+    norm: jax.Array  # [Dv]: the gated RMSNorm's weight, w * norm(o) * silu(z) (not zero-centred)
+    out_proj: jax.Array  # [Hv*Dv, H], rows value head-major
 
 
 @pytree_dataclass
@@ -91,6 +114,8 @@ class LayerParams:
     k_norm: jax.Array | None = None
     mla = None  # class attributes, not fields: see the subclasses
     moe = None
+    linear_attention = None
+    attn_gate = None
     o_bias = None
     gate_up_bias = None
     down_bias = None
@@ -105,6 +130,20 @@ class ExpertLayerParams(LayerParams):
 
 
 @pytree_dataclass
+class HybridLayerParams(LayerParams):
+    """A Qwen3-Next or Qwen3.5 layer (ModelConfig.hybrid set): linear attention
+    (linear_attention; q/k/v/o_proj and the q/k norms None) or full attention with a
+    sigmoid output gate (attn_gate), then experts (moe) or a dense MLP. Its RMSNorm
+    weights are 1 + w, folded in float32 (ModelConfig.zero_centred_norm)."""
+
+    moe: MoEParams | None = None
+    linear_attention: LinearAttentionParams | None = None
+    # [H, Hq*D]: out * sigmoid(x @ attn_gate) before o_proj; transformers' q_proj packs it
+    # per head after the head's query, and q_proj here holds the queries alone
+    attn_gate: jax.Array | None = None
+
+
+@pytree_dataclass
 class BiasedLayerParams(LayerParams):
     """A Llama-family layer with biases beyond q/k/v's (ModelConfig.o_bias or mlp_bias)."""
 
@@ -115,6 +154,8 @@ class BiasedLayerParams(LayerParams):
 
 def layer_params_class(cfg: ModelConfig) -> type[LayerParams]:
     """The decoder layers' pytree class: the fields the config's layers may have."""
+    if cfg.hybrid is not None:
+        return HybridLayerParams
     if cfg.moe is not None:
         return ExpertLayerParams
     return BiasedLayerParams if cfg.o_bias or cfg.mlp_bias else LayerParams
@@ -179,50 +220,73 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
             q_b_proj=proj(lora, q_out) if lora is not None else None,
         )
 
+    def norm(*shape):
+        """An RMSNorm weight, in float32 where zero-centred (ModelConfig.norm_dtype)."""
+        return leaf(*shape, dtype=jnp.dtype(cfg.norm_dtype))
+
     def moe():
         e, mi, shared = cfg.moe.num_experts, cfg.moe.moe_intermediate_size, cfg.moe.shared_intermediate_size
         return MoEParams(
             router=leaf(h, e, dtype=jnp.float32),
-            router_bias=leaf(e, dtype=jnp.float32),
+            router_bias=leaf(e, dtype=jnp.float32) if cfg.moe.routing == "noaux_tc" else None,
             experts_gate_up=proj(e, h, 2, mi, in_axis=1),
             experts_down=proj(e, mi, h, in_axis=1),
             shared_gate_up=proj(h, 2, shared) if shared else None,
             shared_down=proj(shared, h) if shared else None,
+            shared_gate=leaf(h, dtype=jnp.float32) if cfg.moe.shared_expert_gate else None,
+        )
+
+    def linear_attention():
+        la = cfg.hybrid
+        hk, hv = la.linear_num_key_heads, la.linear_num_value_heads
+        return LinearAttentionParams(
+            in_proj_qkvz=proj(h, hk, la.qkvz_group_width),
+            in_proj_ba=leaf(h, hk, 2 * la.value_heads_per_key),
+            conv1d=leaf(hk, la.conv_group_width, la.linear_conv_kernel_dim),
+            dt_bias=leaf(hv, dtype=jnp.float32),
+            a_log=leaf(hv, dtype=jnp.float32),
+            norm=leaf(la.linear_value_head_dim),
+            out_proj=proj(hv * la.linear_value_head_dim, h),
         )
 
     def layer(index):
-        gqa = cfg.mla is None
+        linear = cfg.layer_is_linear(index)
+        gqa = cfg.mla is None and not linear
         dense = not cfg.layer_is_moe(index)
         kind, extra = layer_params_class(cfg), {}
-        if kind is ExpertLayerParams:
+        if kind is HybridLayerParams:
+            extra = dict(moe=None if dense else moe(), linear_attention=linear_attention() if linear else None,
+                         attn_gate=proj(h, cfg.q_size) if gqa else None)
+        elif kind is ExpertLayerParams:
             extra = dict(mla=None if gqa else mla(), moe=None if dense else moe())
         elif kind is BiasedLayerParams:
             extra = dict(o_bias=leaf(h) if cfg.o_bias else None, gate_up_bias=leaf(2, i) if cfg.mlp_bias else None,
                          down_bias=leaf(h) if cfg.mlp_bias else None)
+        attention_out = cfg.q_size if cfg.mla is None else cfg.num_heads * cfg.mla.v_head_dim
         return kind(
             **extra,
-            input_norm=leaf(h),
+            input_norm=norm(h),
             q_proj=proj(h, cfg.q_size) if gqa else None,
             k_proj=proj(h, cfg.kv_size) if gqa else None,
             v_proj=proj(h, cfg.kv_size) if gqa else None,
-            o_proj=proj(cfg.q_size, h) if gqa else proj(cfg.num_heads * cfg.mla.v_head_dim, h),
-            post_norm=leaf(h),
+            o_proj=None if linear else proj(attention_out, h),
+            post_norm=norm(h),
             gate_up_proj=proj(h, 2, i) if dense else None,
             down_proj=proj(i, h) if dense else None,
             q_bias=leaf(cfg.q_size) if cfg.qkv_bias else None,
             k_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
             v_bias=leaf(cfg.kv_size) if cfg.qkv_bias else None,
-            q_norm=leaf(cfg.head_dim) if cfg.qk_norm else None,
-            k_norm=leaf(cfg.head_dim) if cfg.qk_norm else None,
+            q_norm=norm(cfg.head_dim) if cfg.qk_norm and not linear else None,
+            k_norm=norm(cfg.head_dim) if cfg.qk_norm and not linear else None,
         )
 
     n_mtp = cfg.num_mtp_modules if num_mtp_modules is None else num_mtp_modules
     return Params(
         embed=leaf(cfg.vocab_size, h),
         layers=[layer(n) for n in range(cfg.num_layers)],
-        final_norm=leaf(h),
+        final_norm=norm(h),
         lm_head=None if cfg.tie_word_embeddings else leaf(h, cfg.vocab_size),
-        mtp=[MTPParams(leaf(h), leaf(h), leaf(h, h), leaf(h, h), layer(cfg.num_layers + n), leaf(h)) for n in range(n_mtp)],
+        mtp=[MTPParams(norm(h), norm(h), leaf(h, h), leaf(h, h), layer(cfg.num_layers + n), norm(h)) for n in range(n_mtp)],
     )
 
 
@@ -288,7 +352,7 @@ def with_separate_qkv(params: Params, cfg: ModelConfig) -> Params:
     """with_merged_qkv undone: q, k and v (and their biases) apart, as checkpoints hold them."""
 
     def split(layer: LayerParams) -> LayerParams:
-        if layer.mla is not None or layer.k_proj is not None:
+        if layer.q_proj is None or layer.k_proj is not None:  # MLA or linear attention, or apart already
             return layer
         cuts = (cfg.q_size, cfg.q_size + cfg.kv_size)
         q, k, v = jnp.split(layer.q_proj, cuts, axis=1)

@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxmtp.models import deepseek_v3, glm4_moe
+from jaxmtp.models import deepseek_v3, glm4_moe, qwen3_next
 from jaxmtp.models.config import HIDDEN_ACTIVATIONS, MODEL_DTYPES, MTP_LAYOUTS, ModelConfig
 from jaxmtp.models.quantization import quantization_from_hf
 
@@ -37,7 +37,15 @@ class Family:
     # the MTP layer's embed_tokens and shared_head.head are copies of the main model's
     # (DeepSeek-V3, GLM-4.5): the module runs the main model's
     mtp_head_is_a_copy: bool = False
+    # every layer has experts and config.json names no dense intermediate_size (Qwen3.5-MoE)
+    experts_only: bool = False
     configure: Callable[[ModelConfig, dict], ModelConfig] | None = None  # the family's own fields
+
+
+# Qwen3-Next and Qwen3.5: q/k norms, no attention biases, rope over a quarter of each head
+# by default, hybrid layers and the rest in jaxmtp/models/qwen3_next.py
+HYBRID = dict(qk_norm=True, qkv_bias=False, o_bias=False, refuses_sliding_window=True, partial_rotary_factor=0.25,
+              mtp_layout="qwen3_next")
 
 
 FAMILIES = {
@@ -48,6 +56,13 @@ FAMILIES = {
     "mimo": Family(qkv_bias=True, o_bias=False, refuses_sliding_window=True, mtp_layout="mimo"),  # Qwen2 + MTP (MiMo-7B)
     "deepseek_v3": Family(o_bias=False, mtp_head_is_a_copy=True, configure=deepseek_v3.configure),
     "glm4_moe": Family(o_bias=False, partial_rotary_factor=0.5, mtp_head_is_a_copy=True, configure=glm4_moe.configure),
+    "qwen3_next": Family(**HYBRID, configure=qwen3_next.configure_qwen3_next),
+    # Qwen3.5: the ...ForConditionalGeneration config nests the text model's fields
+    # under text_config (its model_type the *_text one, which *ForCausalLM writes)
+    "qwen3_5_moe": Family(**HYBRID, experts_only=True, configure=qwen3_next.configure_qwen3_5_moe),
+    "qwen3_5_moe_text": Family(**HYBRID, experts_only=True, configure=qwen3_next.configure_qwen3_5_moe),
+    "qwen3_5": Family(**HYBRID, configure=qwen3_next.configure_qwen3_5),
+    "qwen3_5_text": Family(**HYBRID, configure=qwen3_next.configure_qwen3_5),
 }
 
 
@@ -57,7 +72,7 @@ def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model folder {model_dir!s} has no config.json")
-    hf = json.loads(path.read_text())
+    hf = _text_model(json.loads(path.read_text()))
     model_type = hf.get("model_type")
     family = FAMILIES.get(model_type)
     if family is None:
@@ -89,7 +104,7 @@ def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
         model_type=model_type,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
+        intermediate_size=0 if family.experts_only else hf["intermediate_size"],
         num_layers=hf["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
@@ -117,6 +132,16 @@ def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
         cfg = family.configure(cfg, hf)
     cfg.rope_inv_freq()  # an unsupported rope type fails here, before any weights load
     return cfg
+
+
+def _text_model(hf: dict) -> dict:
+    """A multimodal config.json's text model (Qwen3.5's text_config) as one flat config:
+    text_config's fields over the top level's (quantization_config, dtype, tie_word_embeddings
+    may sit there), the top level's model_type kept; vision_config is not read."""
+    if not isinstance(hf.get("text_config"), dict):
+        return hf
+    top = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+    return {**top, **hf["text_config"], "model_type": hf.get("model_type")}
 
 
 def _as_tuple(value) -> tuple[int, ...]:

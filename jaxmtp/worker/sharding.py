@@ -48,6 +48,8 @@ LOGICAL_RULES: dict[str, str | None] = {
     "experts": TP,  # routed experts: expert parallel over the same axis
     "router_experts": None,  # the router's scores: every device routes every token
     "moe_ffn": None,  # one expert's intermediate stays whole on its device
+    "linear_group": None,  # one key head's group of linear-attention columns or conv channels
+    "conv_taps": None,
 }
 
 # Parameter fields (of LayerParams, MTPParams and Params; a name means the same thing
@@ -95,6 +97,18 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "experts_down": ("experts", "moe_ffn", "embed"),
     "shared_gate_up": ("embed", "gate_or_up", "ffn"),
     "shared_down": ("ffn", "embed"),
+    "shared_gate": ("embed",),  # every device scales its columns of the shared expert alike
+    # Qwen3-Next / Qwen3.5 (HybridLayerParams, LinearAttentionParams): the gated full
+    # attention's gate splits like q; linear attention by key-head group, each device
+    # whole groups (a key head and its value heads: value heads are key-head major)
+    "attn_gate": ("embed", "heads"),
+    "in_proj_qkvz": ("embed", "heads", "linear_group"),
+    "in_proj_ba": ("embed", "heads", "linear_group"),
+    "conv1d": ("heads", "linear_group", "conv_taps"),
+    "dt_bias": ("heads",),
+    "a_log": ("heads",),
+    "norm": ("head_dim",),
+    "out_proj": ("heads", "embed"),
 }
 
 CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")  # one layer's K or V pages
@@ -133,9 +147,13 @@ def check_divisible(cfg: ModelConfig, tensor_parallel_size: int) -> None:
         ("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads)]
     if cfg.moe is None or cfg.moe.first_k_dense_replace:  # a dense MLP somewhere
         sizes.append(("intermediate_size", cfg.intermediate_size))
+    if cfg.hybrid is not None:
+        sizes.append(("linear_num_key_heads", cfg.hybrid.linear_num_key_heads))
     if cfg.moe is not None:
         sizes.append(("n_routed_experts", cfg.moe.num_experts))
-        if cfg.moe.num_shared_experts:
+        if cfg.moe.shared_expert_intermediate_size is not None:
+            sizes.append(("shared_expert_intermediate_size", cfg.moe.shared_intermediate_size))
+        elif cfg.moe.num_shared_experts:
             sizes.append(("shared experts' intermediate (moe_intermediate_size * n_shared_experts)",
                           cfg.moe.shared_intermediate_size))
     for name, size in sizes:
