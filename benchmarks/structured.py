@@ -71,11 +71,12 @@ def timed_run(llm, prompts, params) -> dict:
     drafting = sum(stats["num_steps"] for stats in spec)
     host_ms = 1e3 * host_work(phases) / steps
     result = {"tokens_per_s": tokens / elapsed, "tokens": tokens, "steps": steps, "mask_ms_per_step": 1e3 * spent[0] / steps,
-              "host_ms_per_step": host_ms,
+              "host_ms_per_step": host_ms, "phases_ms_per_step": {name: 1e3 * v / steps for name, v in phases.items()},
             "acceptance_length": 1 + sum(stats["accepted"] for stats in spec) / drafting if drafting else None,
               "finish": sorted({o.outputs[0].finish_reason for o in outs})}
     if params.structured_outputs is not None:
-        result["grammar_alone_ms_per_step"] = grammar_alone(llm, params, [o.outputs[0].token_ids for o in outs])
+        result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]  # to replay the grammar's work elsewhere
+        result["grammar_alone_ms_per_step"] = grammar_alone(llm, params, result["outputs"])
     return result
 
 
@@ -110,6 +111,7 @@ def main() -> None:
                              "on a CPU (default: off)")
     parser.add_argument("--batch", type=int, default=32, help="requests in the batch (default: 32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    parser.add_argument("--k", default="0,1", help="MTP draft counts, comma-separated (default: 0,1)")
     parser.add_argument("--out", default="docs/benchmarks", help="output folder when $OUT is unset (default: docs/benchmarks)")
     args = parser.parse_args()
     import jax
@@ -123,7 +125,7 @@ def main() -> None:
     prompts = [rng.integers(3, config["vocab_size"] - 2, size=32 if args.tiny else 64 if args.tiny_layers else 512).tolist() for _ in range(batch)]
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "batch": batch, "new_tokens": new, "rows": {}}
-    for k in (0, 1):
+    for k in map(int, args.k.split(",")):
         llm = LLM(folder, load_format="dummy", num_speculative_tokens=k, max_num_seqs=batch,
                   max_num_batched_tokens=512 if args.tiny else 2048,
                   max_model_len=min(2048, config["max_position_embeddings"]), num_pages=None)
@@ -131,9 +133,9 @@ def main() -> None:
             params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, **extra)
             timed_run(llm, prompts, params)  # compiles this configuration's shapes
             results["rows"][f"k={k} {name}"] = timed_run(llm, prompts, params)
-            print(f"k={k} {name}", results["rows"][f"k={k} {name}"], flush=True)
+            print(f"k={k} {name}", {f: v for f, v in results["rows"][f"k={k} {name}"].items() if f != "outputs"}, flush=True)
         del llm
-    for k in (0, 1):
+    for k in map(int, args.k.split(",")):
         rows = results["rows"]
         constrained, free = rows[f"k={k} json_schema"], rows[f"k={k} unconstrained"]
         constrained["vs_unconstrained"] = constrained["tokens_per_s"] / free["tokens_per_s"]
