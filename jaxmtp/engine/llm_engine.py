@@ -209,7 +209,7 @@ class LLMEngine:
         A step with constrained requests goes in two parts: its forward, queued as any
         step; then, once step N's tokens have advanced the grammars, its sampling with
         the masks they give, queued on the next call just before step N+2 (_awaiting).
-        The host's turn (reading step N, the masks on worker threads, scheduling and
+        The host's turn (reading step N, the masks in one llguidance call, scheduling and
         building step N+2) then runs under the forward, and the device runs the second
         part and the next forward back to back."""
         outputs = self._admit_and_abort()
