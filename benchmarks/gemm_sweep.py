@@ -100,6 +100,8 @@ def weight_copies(shape, dtype) -> int:
 
 
 class Sweep:
+    name = "gemm_sweep"  # of the JSON file it writes
+
     def __init__(self, args):
         import jax
         import jax.numpy as jnp
@@ -119,7 +121,7 @@ class Sweep:
         return self.args.budget_s - (time.perf_counter() - self.t0)
 
     def save(self) -> None:
-        (self.out / "gemm_sweep.json").write_text(json.dumps(self.results, indent=1))
+        (self.out / f"{self.name}.json").write_text(json.dumps(self.results, indent=1))
 
     # ----- variants --------------------------------------------------------------------
 
@@ -218,7 +220,7 @@ class Sweep:
     def run(self, label: str, m: int, small: bool) -> None:
         """XLA and the kernel's tilings at M rows of one shape; small: the tilings are
         M = 8's three fastest (the same 16-row tile), else the two-stage search."""
-        from jaxmtp.kernels.fp8_matmul import dense_matmul_reference
+        from jaxmtp.kernels.fp8_matmul import MatmulConfig, dense_matmul_reference
 
         shape, x_all, weights = self.inputs[label]
         entry = self.results["shapes"][label]
@@ -231,7 +233,7 @@ class Sweep:
             rows.extend(measure([None] + fastest(entry["by_m"].get("8", []), 3)))
         else:
             rows.extend(measure([None] + first_stage(m, *shape, self.tiny)))
-            refine = second_stage(fastest(rows, 3), {config_of(r) for r in rows if r["config"]})
+            refine = second_stage(fastest(rows, 3), {MatmulConfig(**r["config"]) for r in rows if r["config"]})
             if refine and self.budget_left() > 60:
                 rows.extend(measure(refine))
         self.save()
@@ -273,16 +275,13 @@ class Sweep:
               f"{tiling}  ({len(kernels)} timed, {failed} failed)", flush=True)
 
 
-def config_of(row: dict):
+def fastest(rows: list[dict], count: int, config_class=None) -> list:
+    """The configs (config_class: the dense kernel's MatmulConfig unless given) of the
+    `count` fastest correct kernel rows."""
     from jaxmtp.kernels.fp8_matmul import MatmulConfig
 
-    return MatmulConfig(**row["config"])
-
-
-def fastest(rows: list[dict], count: int) -> list:
-    """The configs of the `count` fastest correct kernel rows."""
     timed = sorted((r for r in rows if r["config"] and r.get("ok") and r.get("us") is not None), key=lambda r: r["us"])
-    return [config_of(r) for r in timed[:count]]
+    return [(config_class or MatmulConfig)(**r["config"]) for r in timed[:count]]
 
 
 def idle_separated(events: list[dict]) -> list[list[dict]]:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +128,34 @@ def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool 
     if block_m == 64:
         return GroupedMatmulConfig(64, _largest_dividing(n, 128), _largest_dividing(k, 64), 4, 4)
     return GroupedMatmulConfig(128, _largest_dividing(n, 64 if swiglu else 128), _largest_dividing(k, 64), 8, 3)
+
+
+def row_bucket(num_rows: int) -> int:
+    """The measured table's row bucket: the sorted rows (tokens x top_k) rounded up to a
+    power of 2."""
+    return _next_power_of_2(max(1, num_rows))
+
+
+def _load_tilings() -> dict:
+    """grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: per weight, the
+    row buckets where a measured tiling beat the default ([block_m, block_n, block_k,
+    num_warps, num_stages, split_k]) or XLA's ragged_dot beat every tiling ("xla")."""
+    table = json.loads((Path(__file__).parent / "grouped_tilings.json").read_text())
+    return {tuple(int(v) for v in key.split(",")): {int(b): c if c == "xla" else GroupedMatmulConfig(*c)
+                                                     for b, c in buckets.items()}
+            for key, buckets in table.items() if not key.startswith("_")}
+
+
+# (groups, K, N, swiglu) -> {row bucket: tiling or "xla"}; N is the weight's columns
+# (swiglu: gate and up together)
+GROUPED_TILINGS = _load_tilings()
+
+
+def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool) -> GroupedMatmulConfig | str:
+    """The tiling the table measured fastest for these shapes, "xla" where XLA's
+    ragged_dot was faster than every tiling, else default_config's."""
+    measured = GROUPED_TILINGS.get((num_groups, k, n, int(swiglu)), {}).get(row_bucket(num_rows))
+    return measured or default_config(num_rows, num_groups, k, n, swiglu)
 
 
 def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, block_m: int, block_n: int,
@@ -241,19 +271,30 @@ def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.A
 # ----- the model's entry points -----------------------------------------------------------
 
 
-def _use_kernel(rhs: jax.Array) -> bool:
+def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool) -> GroupedMatmulConfig | None:
+    """The kernel's tiling on GPUs where it tiles the shapes and the table does not name
+    XLA for them; None: XLA's ragged_dot (the reference)."""
     num_groups, k = rhs.shape[:2]
-    return jax.default_backend() == "gpu" and supports(num_groups, k, rhs.size // (num_groups * k))
+    n = rhs.size // (num_groups * k)
+    if jax.default_backend() != "gpu" or not supports(num_groups, k, n):
+        return None
+    tiling = grouped_tiling(lhs.shape[0] if rows is None else rows.shape[0], num_groups, k, n, swiglu)
+    return None if tiling == "xla" else tiling
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
-    """The kernel on GPUs where it tiles the shapes, the reference elsewhere."""
-    impl = grouped_matmul_kernel if _use_kernel(rhs) else grouped_matmul_reference
-    return impl(lhs, rhs, group_sizes, rows)
+    """The kernel at its measured tiling, or XLA's ragged_dot where that was faster or the
+    kernel does not tile the shapes (and off GPUs)."""
+    config = _tiling(lhs, rhs, rows, swiglu=False)
+    if config is None:
+        return grouped_matmul_reference(lhs, rhs, group_sizes, rows)
+    return grouped_matmul_kernel(lhs, rhs, group_sizes, rows, config=config)
 
 
 def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
                    rows: jax.Array | None = None) -> jax.Array:
-    """The kernel on GPUs where it tiles the shapes, the reference elsewhere."""
-    impl = grouped_swiglu_kernel if _use_kernel(gate_up) else grouped_swiglu_reference
-    return impl(lhs, gate_up, group_sizes, rows)
+    """As grouped_matmul, for the fused gate/up projection and SiLU-and-multiply."""
+    config = _tiling(lhs, gate_up, rows, swiglu=True)
+    if config is None:
+        return grouped_swiglu_reference(lhs, gate_up, group_sizes, rows)
+    return grouped_swiglu_kernel(lhs, gate_up, group_sizes, rows, config=config)

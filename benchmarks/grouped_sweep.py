@@ -1,0 +1,259 @@
+"""The routed experts' grouped matmuls on one GPU (an H200, one call of a few minutes):
+XLA's ragged_dot against the grouped Pallas kernel (kernels/grouped_matmul.py) over a
+grid of tilings, at the expert shapes of the MoE models that ship MTP layers, per token
+count. Writes the tilings that win into a table in the form of the kernel's
+GROUPED_TILINGS, which the engine reads at trace time.
+
+    python benchmarks/grouped_sweep.py [--models moonlight,glm45_air] [--tokens 1,8,32,...]
+        [--kernels swiglu,down] [--budget-s 540] [--out DIR] [--tiny]
+
+A case is a model's expert layer at T tokens: T x top_k (token, expert) pairs routed
+uniformly at random (seeded by the case) and sorted by expert, as jaxmtp/models/moe.py
+sorts them; the gate/up projection with SiLU-and-multiply (swiglu) and the down
+projection (down) are timed apart. The time, the correctness check (relative Frobenius
+error against the float32 ragged_dot of the same inputs) and the two-stage search are
+benchmarks/gemm_sweep.py's; the weights cycle through enough copies that the experts a
+call touches are never in the L2 cache. The floor of a case is the larger of its touched
+experts' weight bytes over the copy bandwidth measured in the same process and its FLOPs
+over the bf16 matmul rate, also measured here. Writes grouped_sweep.json (every variant)
+and grouped_tilings.json ({kernel key: {row bucket: tiling}}, the measured best where it
+beat both XLA and the kernel's default by 5%); --tiny: a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gemm_sweep import L2_BYTES, NUM_SMS, Sweep, copy_bandwidth, fastest, second_stage  # noqa: E402
+
+# (experts, top_k, hidden, moe_intermediate) from each checkpoint's config.json
+MODELS = {
+    "moonlight": (64, 6, 2048, 1408),  # moonshotai/Moonlight-16B-A3B (DeepSeek-V3 body)
+    "glm45_air": (128, 8, 4096, 1408),  # zai-org/GLM-4.5-Air-FP8
+    "qwen3_next": (512, 10, 2048, 512),  # Qwen/Qwen3-Next-80B-A3B-Instruct
+}
+TINY_MODELS = {"tiny": (8, 2, 64, 32)}
+WIN = 1.05  # a tiling enters the table where it is this much faster than XLA and the default
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One grouped call: group sizes of the sorted rows, the weight [G, K, parts, N]."""
+
+    sizes: tuple
+    k: int
+    parts: int  # 2: gate and up side by side (swiglu), 1: down
+    n: int
+
+    @property
+    def rows(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def touched_bytes(self) -> int:
+        return sum(1 for s in self.sizes if s) * self.k * self.parts * self.n * 2
+
+
+def bucket(rows: int) -> int:
+    """The table's row bucket (kernels/grouped_matmul.py's grouped_tiling)."""
+    from jaxmtp.kernels.grouped_matmul import row_bucket
+
+    return row_bucket(rows)
+
+
+def first_stage(case: Case, tiny: bool) -> list:
+    """block_m around the rows per touched group at 4 warps and the most stages shared
+    memory holds: weight streams (block_m 16) over block_n x block_k x every split of K
+    up to 4 programs a multiprocessor; MMA tiles (64, 128) over block_n x block_k."""
+    from jaxmtp.kernels.grouped_matmul import GroupedMatmulConfig
+
+    per_group = max(1, case.rows // max(1, sum(1 for s in case.sizes if s)))
+    block_ms = [16] if per_group <= 8 else [16, 32] if per_group <= 24 else [32, 64] if per_group <= 64 else [64, 128]
+    configs = []
+    for block_m in block_ms:
+        stream = block_m <= 32
+        for block_n in (16,) if tiny else (32, 64, 128, 256) if stream else (64, 128, 256):
+            for block_k in (16, 32) if tiny else (64, 128, 256) if stream else (32, 64, 128):
+                if case.k % block_k or case.n % block_n:
+                    continue
+                steps = case.k // block_k
+                blocks = sum(-(-s // block_m) for s in case.sizes)
+                stage_bytes = 2 * block_k * (block_m + case.parts * block_n)
+                stages = min(4, (200 << 10) // stage_bytes)
+                if stages < 2:
+                    continue
+                for split in [d for d in range(1, 17) if steps % d == 0] if stream else [1]:
+                    configs.append(GroupedMatmulConfig(block_m, block_n, block_k, 4, stages, split))
+                    if blocks * (case.n // block_n) * split >= 4 * NUM_SMS:
+                        break
+    return configs
+
+
+class GroupedSweep(Sweep):
+    """gemm_sweep's compile, check and trace timing over grouped calls."""
+
+    name = "grouped_sweep"
+
+    def program(self, config, case: Case):
+        from jaxmtp.kernels import grouped_matmul as gm
+
+        jax, jnp = self.jax, self.jnp
+
+        def one(x, w):
+            sizes = jnp.asarray(case.sizes, jnp.int32)
+            if config is None:  # the engine's path off the kernel: XLA's ragged_dot
+                reference = gm.grouped_swiglu_reference if case.parts == 2 else gm.grouped_matmul_reference
+                return reference(x, w, sizes)
+            fn = gm.grouped_swiglu_kernel if case.parts == 2 else gm.grouped_matmul_kernel
+            return fn(x, w, sizes, config=config, interpret=self.tiny)
+
+        return jax.jit(lambda x, *ws: [one(x, w) for w in ws])
+
+    def inputs_of(self, case: Case, seed: int):
+        jax, jnp = self.jax, self.jnp
+        copies = max(1, min(8, -(-2 * L2_BYTES // case.touched_bytes)))
+        keys = jax.random.split(jax.random.key(seed), copies + 1)
+        shape = (len(case.sizes), case.k, case.parts, case.n) if case.parts == 2 else (len(case.sizes), case.k, case.n)
+        weights = [(jax.random.normal(key, shape, jnp.float32) / case.k**0.5).astype(self.dtype) for key in keys[1:]]
+        x = jax.random.normal(keys[0], (case.rows, case.k), jnp.float32).astype(self.dtype)
+        return x, weights
+
+    def reference(self, case: Case, x, weight):
+        """float32 products (swiglu: the activation of them) of the first weight copy."""
+        from jaxmtp.kernels import grouped_matmul as gm
+
+        jnp = self.jnp
+        sizes = jnp.asarray(case.sizes, jnp.int32)
+        if case.parts == 2:
+            return gm.grouped_swiglu_reference(x.astype(jnp.float32), weight.astype(jnp.float32), sizes)
+        return gm.grouped_matmul_reference(x.astype(jnp.float32), weight.astype(jnp.float32), sizes)
+
+    def run_case(self, model: str, kernel: str, tokens: int, case: Case, seed: int) -> None:
+        from jaxmtp.kernels.grouped_matmul import default_config
+
+        x, weights = self.inputs_of(case, seed)
+        reference = self.reference(case, x, weights[0])
+        flops = 2 * case.rows * case.k * case.parts * case.n
+        floor_us = max(case.touched_bytes / self.results["copy_bytes_per_s"],
+                       flops / self.results["matmul_flops_per_s"]) * 1e6
+        default = default_config(case.rows, len(case.sizes), case.k, case.parts * case.n, case.parts == 2)
+        configs = [None, default] + [c for c in first_stage(case, self.tiny) if c != default]
+        rows = self.measure(configs, case, x, weights, reference, floor_us)
+        tried = {c for c in configs if c is not None}
+        refine = second_stage(fastest(rows, 3, type(default)), tried)
+        if refine and self.budget_left() > 60 and not self.tiny:
+            rows.extend(self.measure(refine, case, x, weights, reference, floor_us))
+        rows[1]["default"] = True
+        entry = {"model": model, "kernel": kernel, "tokens": tokens, "rows": case.rows, "groups": len(case.sizes),
+                 "touched": sum(1 for s in case.sizes if s), "k": case.k, "n": case.n, "floor_us": floor_us,
+                 "variants": rows}
+        self.results["cases"].append(entry)
+        self.save()
+        self.print_case(entry)
+
+    def print_case(self, entry: dict) -> None:
+        rows = entry["variants"]
+        ok = [r for r in rows if r.get("ok") and r.get("us")]
+        xla = next((r for r in rows if r["config"] is None and r.get("us")), None)
+        default = next((r for r in rows if r.get("default") and r.get("us")), None)
+        best = min((r for r in ok if r["config"]), key=lambda r: r["us"], default=None)
+
+        def fmt(r):
+            return "-" if r is None else f"{r['us']:7.1f} us ({entry['floor_us'] / r['us']:.2f} of floor)"
+
+        tiling = "" if best is None else " ".join(f"{k}={v}" for k, v in best["config"].items())
+        print(f"[{time.perf_counter() - self.t0:5.0f}s] {entry['model']:10} {entry['kernel']:6} T={entry['tokens']:<5} "
+              f"xla {fmt(xla)}  default {fmt(default)}  best {fmt(best)}  {tiling}", flush=True)
+
+
+def matmul_rate(sweep: Sweep) -> float:
+    """bf16 FLOP/s of XLA's dot at 8192^3, from the kernels' time in a trace."""
+    jax, jnp = sweep.jax, sweep.jnp
+    n = 256 if sweep.tiny else 8192
+    a = jnp.ones((n, n), jnp.bfloat16)
+    program = jax.jit(lambda a: a @ a)
+    jax.block_until_ready(program(a))
+    if sweep.tiny:
+        return 1e12
+    from profile_step import trace_events
+
+    events = trace_events(lambda: program(a), 10)
+    return 2 * n**3 * 10 / (sum(e["us"] for e in events) / 1e6)
+
+
+def routed_sizes(experts: int, top_k: int, tokens: int, seed: int) -> tuple:
+    """Rows per expert of `tokens` tokens each routed to top_k distinct experts at random."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+    return tuple(int(c) for c in np.bincount(chosen.reshape(-1), minlength=experts))
+
+
+def table(results: dict) -> dict:
+    """{"G,K,N,swiglu": {bucket: tiling or "xla"}}: the best tiling where it beat XLA and
+    the default by WIN, "xla" where XLA beat every tiling by WIN (the default elsewhere);
+    a bucket measured more than once keeps its larger token count's choice."""
+    out: dict = {}
+    for case in results["cases"]:
+        rows = [r for r in case["variants"] if r.get("us") and (r["config"] is None or r.get("ok"))]
+        xla = next((r["us"] for r in rows if r["config"] is None), math.inf)
+        default = next((r["us"] for r in rows if r.get("default")), math.inf)
+        best = min((r for r in rows if r["config"]), key=lambda r: r["us"], default=None)
+        swiglu = case["kernel"] == "swiglu"
+        key = f"{case['groups']},{case['k']},{case['n'] * (2 if swiglu else 1)},{int(swiglu)}"
+        buckets = out.setdefault(key, {})
+        if xla * WIN < (math.inf if best is None else best["us"]):
+            buckets[str(bucket(case["rows"]))] = "xla"
+        elif best is not None and not best.get("default") and best["us"] * WIN < min(xla, default):
+            c = best["config"]
+            buckets[str(bucket(case["rows"]))] = [c["block_m"], c["block_n"], c["block_k"], c["num_warps"],
+                                                  c["num_stages"], c["split_k"]]
+    return {key: buckets for key, buckets in out.items() if buckets}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="moonlight,glm45_air", help="of: " + ", ".join(MODELS))
+    parser.add_argument("--tokens", default="1,8,32,128,512,2048,8192", help="token counts, in the order to run them")
+    parser.add_argument("--kernels", default="swiglu,down")
+    parser.add_argument("--budget-s", type=float, default=540)
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, a tiny shape")
+    args = parser.parse_args()
+    sweep = GroupedSweep(args)
+    sweep.results.update(command="python benchmarks/grouped_sweep.py " + " ".join(sys.argv[1:]), cases=[])
+    sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)
+    sweep.results["matmul_flops_per_s"] = matmul_rate(sweep)
+    print(f"copy {sweep.results['copy_bytes_per_s'] / 1e12:.3f} TB/s, bf16 matmul "
+          f"{sweep.results['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    models = TINY_MODELS if args.tiny else {m: MODELS[m] for m in args.models.split(",")}
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        for model, (experts, top_k, hidden, inter) in models.items():
+            sizes = routed_sizes(experts, top_k, tokens, seed=tokens)
+            for kernel in args.kernels.split(","):
+                if sweep.budget_left() < 40:
+                    sweep.results.setdefault("skipped_over_budget", []).append(f"{model} {kernel} T={tokens}")
+                    continue
+                case = Case(sizes, hidden, 2, inter) if kernel == "swiglu" else Case(sizes, inter, 1, hidden)
+                sweep.run_case(model, kernel, tokens, case, seed=tokens)
+    sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
+    sweep.results["table"] = table(sweep.results)
+    sweep.save()
+    (sweep.out / "grouped_tilings.json").write_text(json.dumps(sweep.results["table"], indent=1))
+    print("table", json.dumps(sweep.results["table"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
