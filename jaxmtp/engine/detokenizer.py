@@ -92,6 +92,10 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(window_text)
 
+    def add_all(self, token_ids: list[int]) -> list[str]:
+        """add() of each token in turn: the piece each adds."""
+        return list(map(self.add, token_ids))
+
     def finish(self) -> str:
         """The text still held back, emitted because the sequence ended."""
         if len(self._ids) == self._emitted_ids:
