@@ -204,7 +204,8 @@ class OutputProcessor:
             num_cached_tokens=first.num_cached_tokens,
             error=request.error,
             prompt_logprobs=list(first.prompt_logprobs) if with_prompt_logprobs else None,
-            metrics=dataclasses.replace(request.metrics),
+            # a copy (half the cost of dataclasses.replace's, once per request a step)
+            metrics=RequestMetrics(**vars(request.metrics)),
         )
 
     def _completion(self, index: int, seq: Sequence, kind: RequestOutputKind) -> CompletionOutput:
