@@ -15,8 +15,12 @@ gets a random MTP module) and oracle drafts: the tokens of a plain greedy run of
 requests replace the module's drafts on the device (engine.oracle_tokens), so every draft
 is accepted and each request emits K + 1 tokens a step (the host's heaviest decode step).
 
+Postprocessing: the engine thread's CPU time in LLMEngine._postprocess, less the read-back
+(applying the read steps to their sequences and making the outputs).
+
 --repo PATH runs the same workload on another checkout of jaxmtp (an older commit, as
-the peer of the same run); it then measures the step's wall time only.
+the peer of the same run); a checkout older than jaxmtp/worker/step_records.py is
+measured by its step's wall time and cumulative outputs only.
 
     python benchmarks/host.py                      # writes docs/benchmarks/host.{json,md}
     python benchmarks/host.py --repo /tmp/old --tag _before
@@ -26,6 +30,7 @@ the peer of the same run); it then measures the step's wall time only.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -87,7 +92,8 @@ def measure_steps(llm, sampling_params, num_requests: int, num_steps: int, split
         engine.step()
     tokens_before = engine.stats.generation_tokens
     start, start_cpu = time.perf_counter(), time.thread_time()
-    with runner_phases(engine) if split_wait else contextlib.nullcontext() as spent:
+    with (runner_phases(engine) if split_wait else contextlib.nullcontext()) as spent, \
+            (postprocess_cpu(engine) if split_wait else contextlib.nullcontext()) as cpu_in:
         for _ in range(num_steps):
             engine.step()
     wall = (time.perf_counter() - start) / num_steps
@@ -104,7 +110,40 @@ def measure_steps(llm, sampling_params, num_requests: int, num_steps: int, split
         wait = spent["read"] / num_steps
         result["device_wait_ms"] = wait * 1e3
         result["host_ms"] = (wall - wait) * 1e3
+        # of the CPU time: applying the read steps to their sequences and making the outputs
+        result["postprocess_cpu_ms"] = (cpu_in["_postprocess"] - cpu_in["read"]) / num_steps * 1e3
     return result
+
+
+@contextlib.contextmanager
+def postprocess_cpu(engine):
+    """The engine thread's CPU seconds in LLMEngine._postprocess and, within it, in
+    ModelRunner.read (the read-back) while the block runs."""
+    spent, wrapped = collections.Counter(), []
+
+    def timed(owner, name: str):
+        method = getattr(owner, name)  # (runner_phases' wrapper, when it is active)
+
+        def wrapper(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[name] += time.thread_time() - start
+
+        wrapped.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, wrapper)  # an instance attribute over the method; undone below
+
+    timed(engine, "_postprocess")
+    timed(engine.runner, "read")
+    try:
+        yield spent
+    finally:
+        for owner, name, before in wrapped:
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
 
 
 def measure_stream(llm, sampling_params, delta: bool) -> dict:
@@ -130,6 +169,9 @@ def main() -> None:
     parser.add_argument("--mtp-k", type=int, default=0, help="MTP draft tokens a step, oracle drafts (0: plain decoding)")
     args = parser.parse_args()
     repo = Path(args.repo).resolve() if args.repo else ROOT
+    # a checkout older than the runner's step records (--repo) is measured by its step's wall time
+    # and cumulative outputs only
+    full = (repo / "jaxmtp" / "worker" / "step_records.py").is_file()
     sys.path.insert(0, str(repo))
     import jax
 
@@ -156,8 +198,8 @@ def main() -> None:
         # the oracle: k tokens further than the measured requests, so that their last drafts lie in it
         oracle = oracle_table(engine(k), dataclasses.replace(decode, max_tokens=decode.max_tokens + k),
                               args.batch) if k else None
-        steps = measure_steps(engine(k), decode, args.batch, args.steps, split_wait=args.repo is None, oracle=oracle)
-        if args.repo is None:  # one output when a request finishes (LLM.generate's kind), the same steps
+        steps = measure_steps(engine(k), decode, args.batch, args.steps, split_wait=full, oracle=oracle)
+        if full:  # one output when a request finishes (LLM.generate's kind), the same steps
             from jaxmtp.engine.sampling_params import RequestOutputKind
 
             final_only = dataclasses.replace(decode, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -165,7 +207,7 @@ def main() -> None:
                                                 oracle=oracle)
         stream_params = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True,
                                        stop=["Once upon a midnight"])
-        delta = args.repo is None  # older checkouts stream cumulative outputs only
+        delta = full
         if delta:
             stream_params.output_kind = RequestOutputKind.DELTA
         stream = measure_stream(engine(), stream_params, delta)
@@ -187,10 +229,12 @@ def main() -> None:
     ]
     if "host_ms" in steps:
         lines.append(f"| of which host (wall minus waiting for the device) | {steps['host_ms']:.2f} ms | <= 2 ms |")
-        lines.append(f"| the engine thread's CPU time | {steps['host_cpu_ms']:.2f} ms | |")
+        lines.append(f"| the engine thread's CPU time; of which postprocessing | {steps['host_cpu_ms']:.2f} ms; "
+                     f"{steps['postprocess_cpu_ms']:.2f} ms | |")
         final_only = steps["final_only"]
-        lines.append(f"| the same, one output when a request finishes (LLM.generate's): step, of which host; CPU | "
-                     f"{final_only['step_ms']:.2f} ms, {final_only['host_ms']:.2f} ms; {final_only['host_cpu_ms']:.2f} ms | |")
+        lines.append(f"| the same, one output when a request finishes (LLM.generate's): step, of which host; CPU; "
+                     f"of which postprocessing | {final_only['step_ms']:.2f} ms, {final_only['host_ms']:.2f} ms; "
+                     f"{final_only['host_cpu_ms']:.2f} ms; {final_only['postprocess_cpu_ms']:.2f} ms | |")
     lines += [
         f"| stream, ms per token at tokens 100-600 | {stream['early_ms']:.3f} | |",
         f"| stream, ms per token over the last 500 of {stream['tokens']} | {stream['late_ms']:.3f} | |",

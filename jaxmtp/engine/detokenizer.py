@@ -73,24 +73,35 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """The text token_id adds after the tokens before it, or "" while held back."""
-        ids = self._ids
-        ids.append(token_id)
-        if token_id in self._run_ids and len(ids) - self._emitted_ids <= MAX_HELD_TOKENS:
-            return ""  # held (_unfinished is true of a window ending in one), no need to decode it
-        window_text = self._decode(ids)
-        if token_id not in self._no_context_ids and not window_text.endswith("\ufffd"):
-            # the usual case, _emit's work inlined: the text is final, and the token alone
-            # is the next context
-            piece = window_text[self._emitted_chars :]
-            if piece:
-                self._pieces.append(piece)
-            del ids[:-1]
-            self._emitted_ids = 1
-            self._emitted_chars = self._tokenizer.token_text_length(token_id, self.skip_special_tokens)
-            return piece
-        if self._unfinished(ids, window_text) and len(ids) - self._emitted_ids <= MAX_HELD_TOKENS:
-            return ""
-        return self._emit(window_text)
+        return self.add_all((token_id,))[0]
+
+    def add_all(self, token_ids) -> list[str]:
+        """add() of each token in turn: the piece each adds. One loop with its lookups
+        bound once: the host runs it for every token a step emits."""
+        ids, pieces, skip = self._ids, [], self.skip_special_tokens
+        run_ids, no_context_ids = self._run_ids, self._no_context_ids
+        decode, text_length = self._tokenizer.decode, self._tokenizer.token_text_length
+        for token_id in token_ids:
+            ids.append(token_id)
+            if token_id in run_ids and len(ids) - self._emitted_ids <= MAX_HELD_TOKENS:
+                pieces.append("")  # held (_unfinished is true of a window ending in one), no need to decode it
+                continue
+            window_text = decode(ids, skip_special_tokens=skip)
+            if token_id not in no_context_ids and not window_text.endswith("\ufffd"):
+                # the usual case, _emit's work inlined: the text is final, and the token alone
+                # is the next context
+                piece = window_text[self._emitted_chars :]
+                if piece:
+                    self._pieces.append(piece)
+                del ids[:-1]
+                self._emitted_ids = 1
+                self._emitted_chars = text_length(token_id, skip)
+            elif self._unfinished(ids, window_text) and len(ids) - self._emitted_ids <= MAX_HELD_TOKENS:
+                piece = ""
+            else:
+                piece = self._emit(window_text)
+            pieces.append(piece)
+        return pieces
 
     def finish(self) -> str:
         """The text still held back, emitted because the sequence ended."""

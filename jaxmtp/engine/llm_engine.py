@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,8 +23,9 @@ from jaxmtp.engine.model_options import (check_model_options, log_start, max_mod
 from jaxmtp.engine.output_processor import OutputProcessor, Request
 from jaxmtp.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
-from jaxmtp.engine.sampling_params import RequestOutputKind, SamplingParams
+from jaxmtp.engine.sampling_params import SamplingParams
 from jaxmtp.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from jaxmtp.engine.step_postprocess import StepPostprocessor
 from jaxmtp.engine.structured_outputs import step_bitmask
 from jaxmtp.loading.hub import resolve_model
 from jaxmtp.loading.tokenizer import Tokenizer
@@ -88,6 +89,8 @@ class LLMEngine:
         self.stats = EngineStats(prefix_cache=self.prefix_cache.stats if self.prefix_cache else PrefixCacheStats())
         self.output_processor = OutputProcessor(tokenizer, with_spec_stats=k > 0, stats=self.stats)
         self.requests: dict[str, Request] = {}
+        self.postprocessor = StepPostprocessor(self.scheduler, self.output_processor, self.requests, self.stats, k,
+                                               self._fail_request)
         self._incoming: deque[Request] = deque()
         self._aborts: deque[str] = deque()
         self._lock = threading.Lock()
@@ -296,48 +299,9 @@ class LLMEngine:
         self.stats.steps += 1
         # rows of the next step, already dispatched, that continue this step's output
         following = {id(item.seq): item for item in self._in_flight[0].scheduled.rows} if self._in_flight else {}
-        touched: dict[str, Request] = {}
-        first_row = 0
-        now = time.monotonic()  # when this step's tokens reached the host
-        # as lists, converted once: indexing the arrays row by row costs more than the rest
-        num_accepted, tokens, drafts = result.num_accepted.tolist(), result.tokens.tolist(), result.drafts.tolist()
-        spec_steps = Counter()  # (drafts, accepted) -> requests, for the engine's SpecStats
-        for i, item in enumerate(record.scheduled.rows):
-            seq = item.seq
-            first_row += len(item.token_ids)
-            # finished (aborted, or another sequence of its request failed) or preempted
-            # since dispatch: its recompute will produce these tokens again
-            if seq.finished or seq.num_preemptions != record.preemptions[i]:
-                continue
-            self.stats.computed_tokens += len(item.token_ids)
-            if result.prompt_logprobs is not None and seq.params.prompt_logprobs is not None:
-                rows = len(item.token_ids)
-                self.output_processor.append_prompt_logprobs(seq, item.start, first_row - rows, rows, result)
-            if not item.has_output:
-                continue
-            accepted = num_accepted[i]
-            emitted = tokens[i][: accepted + 1]
-            self.scheduler.on_step_output(record.step_id, item, accepted, emitted[-1], drafts[i], following.get(id(seq)))
-            if item.num_drafts:
-                seq.spec_stats.record(item.num_drafts, accepted)
-                spec_steps[item.num_drafts, accepted] += 1
-            request = self.requests[seq.request_id]
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            request.metrics.last_token_time = now
-            try:
-                if self.output_processor.append(seq, emitted, result, i):
-                    self.scheduler.finish(seq)
-                elif seq.grammar is not None and id(seq) not in following:  # (else it verifies the device's drafts)
-                    seq.drafts = seq.grammar.propose(seq.drafts, self.config.num_speculative_tokens)
-            except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
-                self._fail_request(request, err)
-            if seq.finished or seq.params.output_kind is not RequestOutputKind.FINAL_ONLY:  # (else no output yet)
-                touched[seq.request_id] = request
-        for (num_drafts, accepted), times in spec_steps.items():
-            self.stats.spec.record(num_drafts, accepted, times)
+        touched = self.postprocessor.apply(record, result, following)
         self.scheduler.register_cached_rows(record.scheduled.rows)
-        return [self._finish(r) if r.finished else self.output_processor.output(r) for r in touched.values()]
+        return [self._finish(r) if r.finished else self.output_processor.output(r) for r in touched]
 
     # ----- failures and endings -------------------------------------------------------
 
