@@ -168,19 +168,22 @@ def tiny_model(family: str):
                                                                          layer_types=layer_types))
 
 
-def make_hybrid(folder, family: str, rng):
+def make_hybrid(folder, family: str, rng, adjust=None):
     """A tiny random checkpoint of one family saved by transformers, every norm away from
     its initial value (so that a missed 1 + w shows), plus one MTP layer under mtp.*
     (vLLM's names): random fc and norms, and a full-attention layer. Qwen3.5-MoE's main
     layers get their experts fused into experts.gate_up_proj and experts.down_proj, as
     its release stores them (the MTP layer's stay one tensor per expert, as there).
-    Returns the folder and the torch model."""
+    adjust(name, parameter), where given, may change each parameter in place before the
+    save. Returns the folder and the torch model."""
     torch.manual_seed(int(rng.integers(1 << 30)))
     model = tiny_model(family).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(0.3 * torch.randn_like(p))
+            if adjust is not None:
+                adjust(name, p)
     model.save_pretrained(folder)
     tensors = load_file(str(folder / "model.safetensors"))
     text = "model.language_model" if family == "qwen3_5_moe" else "model"
