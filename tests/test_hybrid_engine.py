@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import conftest
 from conftest import fresh_rng
 from jaxmtp import LLM, SamplingParams
 from test_hybrid_models import FAMILIES, make_hybrid
@@ -44,9 +45,21 @@ def long_memory(name: str, p: torch.Tensor) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """Per family: the folder, transformers' model and a prompt (seeded: the seed is reported)."""
-    rng = fresh_rng()
+def checkpoint_seed() -> int:
+    return int(fresh_rng().bit_generator.seed_seq.entropy)
+
+
+@pytest.fixture(autouse=True)
+def report_checkpoint_seed(checkpoint_seed):
+    """Every test of the module reads the checkpoints made from this seed: a failure names it
+    (JAXMTP_TEST_SEED replays it)."""
+    conftest._SEEDS.append(checkpoint_seed)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, checkpoint_seed):
+    """Per family: the folder, transformers' model and a prompt."""
+    rng = np.random.default_rng(checkpoint_seed)
     made = {}
     for family in FAMILIES:
         folder, model = make_hybrid(tmp_path_factory.mktemp(family), family, rng, adjust=long_memory)
@@ -80,9 +93,9 @@ def set_chunk_size(llm: LLM, size: int) -> None:
 
 
 def assert_no_leaks(llm: LLM) -> None:
-    engine = llm.engine
-    assert engine.allocator.num_free == engine.allocator.num_pages
-    assert sorted(engine.scheduler._free_state_slots) == list(range(engine.config.max_num_seqs))
+    """No page held (conftest.assert_no_leaks) and every state slot free."""
+    conftest.assert_no_leaks(llm)
+    assert sorted(llm.engine.scheduler._free_state_slots) == list(range(llm.engine.config.max_num_seqs))
 
 
 def transformers_greedy(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
@@ -257,3 +270,23 @@ def test_spec_equals_plain_under_chunking_partial_acceptance_and_preemption(chec
         assert stats["accepted_per_position"][0] > (stats["accepted_per_position"][-1] if k > 1 else 0), stats
     assert_no_leaks(llm)
     assert_no_leaks(plain)
+
+
+def test_recurrent_state_takes_its_share_of_the_kv_budget(checkpoints):
+    """KV pages for the full-attention layers (and the MTP layer) only; the recurrent
+    tables (max_num_seqs slots, k + 1 versions, every linear-attention layer) come out of
+    kv_cache_memory_bytes before the pages are counted."""
+    import jax
+
+    from jaxmtp.worker.memory import page_bytes
+
+    llm = LLM(checkpoints["qwen3_next"][0], num_speculative_tokens=2, **ENGINE)
+    runner = llm.engine.runner
+    cfg = runner.model_config
+    assert cfg.num_kv_layers == 2 and len(runner.cache.k) == 3  # layers 1 and 3, and the MTP layer
+    assert [t.shape[:2] for t in runner.recurrent.ssm] == [(ENGINE["max_num_seqs"], 3)] * 2
+    state = sum(x.nbytes for x in jax.tree.leaves(runner.recurrent))
+    per_page = page_bytes(cfg, PAGE, 1)
+    llm = LLM(checkpoints["qwen3_next"][0], num_speculative_tokens=2, kv_cache_memory_bytes=state + 20 * per_page + 1,
+              **ENGINE)
+    assert llm.engine.runner.num_pages == 20
