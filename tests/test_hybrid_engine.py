@@ -33,7 +33,8 @@ def long_memory(name: str, p: torch.Tensor) -> None:
     """Linear attention that matters to the outputs: transformers' initial A_log decays
     the state within a few tokens (exp(A_log) up to 16) and its 0.02-scale projections
     keep it small, so that a state carried wrongly would hardly change a token. Here the
-    state decays by about 1-5% a token and the projections are 5x larger."""
+    state decays by about 1.5-7% a token (exp(A_log) 0.02-0.1 times softplus(a) near 0.7)
+    and the projections are 5x larger."""
     if "linear_attn" not in name or "norm" in name:
         return
     if name.endswith("A_log"):
