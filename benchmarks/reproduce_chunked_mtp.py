@@ -53,7 +53,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     """Greedy decoding of all prompts; per request the tokens, spec stats, first drafts
     and the draft KV at every prompt position (read when the prefill emits)."""
     engine = llm.engine
-    layer = engine.model_config.num_layers
+    layer = engine.model_config.num_kv_layers
     records = {}
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))

@@ -168,19 +168,22 @@ def tiny_model(family: str):
                                                                          layer_types=layer_types))
 
 
-def make_hybrid(folder, family: str, rng):
+def make_hybrid(folder, family: str, rng, adjust=None):
     """A tiny random checkpoint of one family saved by transformers, every norm away from
     its initial value (so that a missed 1 + w shows), plus one MTP layer under mtp.*
     (vLLM's names): random fc and norms, and a full-attention layer. Qwen3.5-MoE's main
     layers get their experts fused into experts.gate_up_proj and experts.down_proj, as
     its release stores them (the MTP layer's stay one tensor per expert, as there).
-    Returns the folder and the torch model."""
+    adjust(name, parameter), where given, may change each parameter in place before the
+    save. Returns the folder and the torch model."""
     torch.manual_seed(int(rng.integers(1 << 30)))
     model = tiny_model(family).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(0.3 * torch.randn_like(p))
+            if adjust is not None:
+                adjust(name, p)
     model.save_pretrained(folder)
     tensors = load_file(str(folder / "model.safetensors"))
     text = "model.language_model" if family == "qwen3_5_moe" else "model"
@@ -407,10 +410,22 @@ def test_a_layer_pattern_the_weights_do_not_have_is_refused(tmp_path, rng):
         load_params(folder, cfg)
 
 
-def test_llm_refuses_to_run_a_hybrid_model(tmp_path, rng):
+def test_what_hybrid_models_do_not_run_with_is_refused_by_name(tmp_path, rng):
+    """Prefix caching (no recurrent-state snapshots at page boundaries) and tensor
+    parallelism (the linear attention runs on one device), before anything loads; the
+    command line's default leaves prefix caching off for them."""
+    from jaxmtp.args import engine_kwargs, add_engine_args
+    import argparse
+
     folder, _ = make_hybrid(tmp_path / "next", "qwen3_next", rng)
-    with pytest.raises(NotImplementedError, match="hybrid forward .* is not built yet"):
-        LLM(folder, max_num_seqs=1, max_num_batched_tokens=16, page_size=4, load_format="dummy")
+    kwargs = dict(max_num_seqs=1, max_num_batched_tokens=16, page_size=4, load_format="dummy")
+    with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported for the hybrid model qwen3_next"):
+        LLM(folder, enable_prefix_caching=True, **kwargs)
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2 is not supported for the hybrid model"):
+        LLM(folder, tensor_parallel_size=2, **kwargs)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args(["--model", str(folder)]))["enable_prefix_caching"] is False
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -54,6 +54,7 @@ def check_model_options(config: EngineConfig, model: str | Path, model_dir: Path
             f"speculative_config model {draft!r} is not supported: MTP drafts with the served model's own MTP "
             "layers, so model may only name the served model (or be left out)"
         )
+    check_hybrid_options(config, cfg)
     k = config.num_speculative_tokens
     if k and not cfg.num_mtp_modules:
         raise ValueError(
@@ -69,6 +70,22 @@ def check_model_options(config: EngineConfig, model: str | Path, model_dir: Path
             f"prefix_cache_boundary='exact', got page_size={config.page_size} and "
             f"prefix_cache_boundary={config.prefix_cache_boundary!r}"
         )
+
+
+def check_hybrid_options(config: EngineConfig, cfg: ModelConfig) -> None:
+    """What a hybrid model (Qwen3-Next, Qwen3.5: linear-attention layers with a recurrent
+    state per sequence) does not run with yet, by name. Prefix caching: a cached prefix
+    would need the recurrent state at its last page's boundary, and no state is
+    snapshotted there (the engine's default leaves prefix caching off). Tensor
+    parallelism: the linear-attention heads and their state are not split over devices."""
+    if cfg.hybrid is None:
+        return
+    if config.enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching=True is not supported for the hybrid model {cfg.model_type}: "
+                         "its linear-attention state is not snapshotted at page boundaries (leave it off)")
+    if config.tensor_parallel_size > 1:
+        raise NotImplementedError(f"tensor_parallel_size={config.tensor_parallel_size} is not supported for the hybrid "
+                                  f"model {cfg.model_type}: its linear-attention layers run on one device")
 
 
 def sampling_defaults(config: EngineConfig, model_dir: Path) -> dict:

@@ -34,6 +34,9 @@ class MTPLayout:
     # Which main-model hidden state feeds the module: DeepSeek-V3 (as vLLM and SGLang
     # run it) takes the state after the final norm, MiMo the state before it.
     hidden_after_final_norm: bool
+    # Which output of a module its next chained draft step reads (k > modules): vLLM's
+    # qwen3_next_mtp returns it after the module's final norm, deepseek_mtp before it
+    chain_after_module_norm: bool = False
 
 
 MTP_LAYOUTS = {
@@ -41,7 +44,7 @@ MTP_LAYOUTS = {
     "mimo": MTPLayout("mimo", hidden_after_final_norm=False),
     # Qwen3-Next and Qwen3.5 (mtp.fc over concat(embedding, hidden), as vLLM's
     # qwen3_next_mtp.py): the main model's output after its final norm, as vLLM passes it
-    "qwen3_next": MTPLayout("qwen3_next", hidden_after_final_norm=True),
+    "qwen3_next": MTPLayout("qwen3_next", hidden_after_final_norm=True, chain_after_module_norm=True),
 }
 
 
@@ -225,6 +228,11 @@ class ModelConfig:
         numbered after the main model's, are full attention)."""
         return (self.hybrid is not None and layer < self.num_layers
                 and self.hybrid.layer_types[layer] == "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The main model's layers with paged KV: all but the linear-attention ones."""
+        return sum(not self.layer_is_linear(i) for i in range(self.num_layers))
 
     @property
     def norm_dtype(self) -> str:

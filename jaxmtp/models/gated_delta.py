@@ -102,6 +102,21 @@ def conv_state_after(x: jax.Array, conv_state: jax.Array, query_start: jax.Array
     return _write_back(conv_state, window, slots, _has_rows(query_start))
 
 
+def conv_tail(x: jax.Array, conv_state: jax.Array, query_start: jax.Array, slots: jax.Array, fresh: jax.Array,
+              keep: int) -> jax.Array:
+    """Each request's conv windows [B, keep, K-1, C] after its last `keep` rows, as
+    gated_delta_recurrent's tail holds its recurrent states: window i is the one
+    conv_state_after commits with commit_len = count - keep + i + 1 (count: the request's
+    rows; at most 0: its stored window, zeros when fresh). commit_state writes the one
+    the caller keeps."""
+    num_requests = slots.shape[0]
+    count = query_start[1:] - query_start[:-1]
+    last = jnp.maximum(count[:, None] - keep + jnp.arange(keep), -1).reshape(-1)
+    owner = jnp.repeat(jnp.arange(num_requests), keep)
+    window = _conv_inputs(x, conv_state, query_start, slots, fresh, owner, last, conv_state.shape[1])
+    return window.reshape((num_requests, keep) + window.shape[1:])
+
+
 # --- the gated delta rule -------------------------------------------------------------
 
 

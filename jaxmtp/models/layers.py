@@ -25,9 +25,13 @@ ACTIVATIONS = {
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    # As Hugging Face does it: normalise in float32, cast back, then scale.
+    """As Hugging Face does it: normalise in float32, cast back, then scale. A float32
+    weight over narrower rows is a folded zero-centred norm (ModelConfig.zero_centred_norm),
+    which transformers scales in float32 and rounds once."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight.dtype == jnp.float32:
+        return (weight * normed).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 

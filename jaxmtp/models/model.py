@@ -1,6 +1,7 @@
 """The decoder-only transformer as pure functions over a flattened ragged batch: the
-Llama family (GQA), GLM-4.5 (GQA with partial rotary, experts) and DeepSeek-V3 (MLA,
-experts)."""
+Llama family (GQA), GLM-4.5 (GQA with partial rotary, experts), DeepSeek-V3 (MLA,
+experts), and the full-attention layers of Qwen3-Next / Qwen3.5 (GQA with an output
+gate; their linear-attention layers and recurrent state: jaxmtp/models/hybrid.py)."""
 
 from __future__ import annotations
 
@@ -30,21 +31,9 @@ class LayerOps:
     experts: ExpertsFn = experts_fn()
 
 
-def check_runnable(cfg: ModelConfig) -> None:
-    """A NotImplementedError for a model whose forward is not built yet: Qwen3-Next's and
-    Qwen3.5's hybrid layers (issue 36), whose config and weights load."""
-    if cfg.hybrid is not None:
-        raise NotImplementedError(
-            f"{cfg.model_type}: the hybrid forward (gated DeltaNet linear attention, gated full attention, "
-            "zero-centred norms) is not built yet (issue 36): its config and weights load, the model cannot run"
-        )
-
-
 def check_backend(cfg: ModelConfig, backend: str) -> None:
     """A ValueError, before anything is loaded, for an attention backend this model
-    cannot run (naming it); a NotImplementedError for a model it cannot run at all
-    (check_runnable)."""
-    check_runnable(cfg)
+    cannot run (naming it)."""
     if cfg.mla is None:
         resolve_backend(backend, cfg.head_dim)
     else:
@@ -82,7 +71,10 @@ def gqa_attention(
         q, k, v, k_pages, v_pages, batch.slot_mapping, batch.kv_len, batch.page_table, batch.query_start,
         sliding_window=cfg.sliding_window,
     )
-    return linear(out.reshape(t, cfg.q_size), p.o_proj, p.o_bias), k_pages, v_pages
+    out = out.reshape(t, cfg.q_size)
+    if p.attn_gate is not None:  # Qwen3-Next's and Qwen3.5's output gate, per head and dim
+        out = out * jax.nn.sigmoid(linear(h, p.attn_gate))
+    return linear(out, p.o_proj, p.o_bias), k_pages, v_pages
 
 
 def decoder_layer(
@@ -101,20 +93,26 @@ def decoder_layer(
     block = gqa_attention if p.mla is None else mla_attention
     out, k_pages, v_pages = block(p, cfg, h, batch, k_pages, v_pages, ops.attention)
     x = x + out
+    return x + feed_forward(p, cfg, x, ops), k_pages, v_pages
+
+
+def feed_forward(p: LayerParams, cfg: ModelConfig, x: jax.Array, ops: LayerOps) -> jax.Array:
+    """The second half of a pre-norm block: its dense MLP or experts over norm(x)."""
     h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)
     if p.moe is None:
-        ffn = gated_mlp(h, p.gate_up_proj, p.down_proj, cfg.hidden_act, p.gate_up_bias, p.down_bias)
-    else:
-        ffn = ops.experts(p.moe, cfg.moe, h)
-    return x + ffn, k_pages, v_pages
+        return gated_mlp(h, p.gate_up_proj, p.down_proj, cfg.hidden_act, p.gate_up_bias, p.down_bias)
+    return ops.experts(p.moe, cfg.moe, h)
 
 
 def forward(
     params: Params, cfg: ModelConfig, batch: Batch, cache: KVCache, ops: LayerOps
 ) -> tuple[jax.Array, KVCache]:
     """Main model over the batch's rows. Returns the last hidden state BEFORE the final
-    norm ([T, H]) and the cache with this step's K/V written."""
-    check_runnable(cfg)
+    norm ([T, H]) and the cache with this step's K/V written. A hybrid model's layers
+    also read and write a recurrent state: jaxmtp.models.hybrid.forward runs them."""
+    if cfg.hybrid is not None:
+        raise ValueError(f"{cfg.model_type} is a hybrid model: jaxmtp.models.hybrid.forward runs it, with its "
+                         "recurrent state")
     x = params.embed[batch.input_ids]
     k_layers, v_layers = list(cache.k), list(cache.v)
     for i, layer in enumerate(params.layers):

@@ -49,6 +49,9 @@ class Batch:
     # ids are placeholders and its positions assume no draft was accepted; the step
     # fills both in from the carry (apply_carry).
     carry_index: jax.Array
+    # [B] int32: the request's slot in a hybrid model's recurrent state tables
+    # (jaxmtp/worker/recurrent.py; Sequence.state_slot); other models ignore it
+    recurrent_slot: jax.Array
 
 
 # The batch crosses to the device as two flat buffers, ints and floats: one transfer
@@ -56,7 +59,7 @@ class Batch:
 INT_FIELDS = (
     "input_ids", "positions", "slot_mapping", "query_start", "kv_len", "page_table", "sample_index",
     "num_drafts", "has_output", "next_chunk_token", "top_k", "seed", "output_index", "num_logprobs",
-    "state_slot", "min_tokens", "carry_index",
+    "state_slot", "min_tokens", "carry_index", "recurrent_slot",
 )
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -90,9 +93,10 @@ def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int) -> dict[str
 
 
 def unprocessed(num_seqs: int) -> dict[str, np.ndarray]:
-    """The logits-processing fields of requests that ask for none (no state slot, no
-    penalties), for batches built by hand (training, benchmarks)."""
-    return dict(
+    """The per-request state fields of requests that use none (no logits processing, no
+    penalties; recurrent slot 0, which only a hybrid model reads), for batches built by
+    hand (training, benchmarks)."""
+    return dict(recurrent_slot=np.zeros(num_seqs, np.int32),
         state_slot=np.full(num_seqs, -1, np.int32), min_tokens=np.zeros(num_seqs, np.int32),
         repetition_penalty=np.ones(num_seqs, np.float32), frequency_penalty=np.zeros(num_seqs, np.float32),
         presence_penalty=np.zeros(num_seqs, np.float32),
@@ -359,4 +363,5 @@ def build_batch(
         frequency_penalty=per_request([p.frequency_penalty for p in params], np.float32),
         presence_penalty=per_request([p.presence_penalty for p in params], np.float32),
         carry_index=per_request([item.carry_index for item in scheduled], np.int32, -1),
+        recurrent_slot=per_request([seq.state_slot or 0 for seq in seqs], np.int32),
     )

@@ -23,7 +23,9 @@ class KVCache:
     [num_pages, page_size, 1, kv_lora_rank] and the shared rope key in v
     [num_pages, page_size, 1, qk_rope_head_dim] (jaxmtp/models/mla.py).
 
-    The main model's layers come first, then one layer per MTP module the draft pass
+    The main model's layers come first (a hybrid model's full-attention ones: its
+    linear-attention layers keep a recurrent state instead, jaxmtp/worker/recurrent.py),
+    then one layer per MTP module the draft pass
     runs: draft KV lives in the same page slots as the main model's, so one page table
     serves both and preemption or prefix caching carry draft KV with no extra bookkeeping.
 
@@ -88,7 +90,7 @@ def allocate_cache(cfg: ModelConfig, num_pages: int, page_size: int, num_mtp_lay
         shape, v_shape = (num_pages, page_size, 1, cfg.mla.kv_lora_rank), (num_pages, page_size, 1, cfg.mla.qk_rope_head_dim)
     hidden_shape = (num_pages, page_size, cfg.hidden_size)
     kv_sharding, hidden_sharding = (None, None) if mesh is None else (cache_sharding(mesh, cfg), hidden_pages_sharding(mesh))
-    n = cfg.num_layers + num_mtp_layers
+    n = cfg.num_kv_layers + num_mtp_layers
     # zeros, not empty: a page read before it is written must hold finite values.
     return KVCache(
         k=[jnp.zeros(shape, cfg.jnp_dtype, device=kv_sharding) for _ in range(n)],

@@ -58,17 +58,19 @@ def activation_bytes(cfg: ModelConfig, max_num_batched_tokens: int, max_num_seqs
 def plan_kv_pool(
     cfg: ModelConfig, *, page_size: int, num_draft_modules: int, max_pages_per_seq: int, max_num_seqs: int,
     max_num_batched_tokens: int, num_speculative_tokens: int, num_pages: int | None,
-    gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, devices: list,
+    gpu_memory_utilization: float, kv_cache_memory_bytes: int | None, devices: list, state_bytes: int = 0,
 ) -> KVPool:
     """devices: the mesh's; each holds its share of a page (page_bytes; the budget is
-    one device's memory: this process's first)."""
+    one device's memory: this process's first). state_bytes: what a hybrid model's
+    recurrent state tables take (jaxmtp/worker/recurrent.py), placed already: a byte
+    budget gives them their share, and an accelerator's memory in use counts them."""
     per_page = page_bytes(cfg, page_size, num_draft_modules)
     device = next(d for d in devices if d.process_index == jax.process_index())
     if num_pages is not None:
         return KVPool(num_pages, per_page, None)
     stats = device.memory_stats() if device.platform != "cpu" else None
     if kv_cache_memory_bytes is not None or not stats:
-        budget = CPU_KV_CACHE_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes
+        budget = (CPU_KV_CACHE_BYTES if kv_cache_memory_bytes is None else kv_cache_memory_bytes) - state_bytes
         what = "kv_cache_memory_bytes"
     else:
         # bytes_limit: what JAX's allocator may hold (by default 75% of the device's

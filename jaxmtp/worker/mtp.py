@@ -128,7 +128,7 @@ def propose(
     k_layers, v_layers, hidden_pages = list(cache.k), list(cache.v), list(cache.hidden)
     drafts = []
     for j in range(1, m + 1):
-        module, layer = params.mtp[j - 1], cfg.num_layers + j - 1  # its cache layer, after the main model's
+        module, layer = params.mtp[j - 1], cfg.num_kv_layers + j - 1  # its cache layer, after the main model's
         if j == 1:
             rows = batch
         else:
@@ -150,11 +150,15 @@ def propose(
 
     # Chained steps reuse module M (module, layer, x and draft are its own from the last
     # pass above) on one row per request, at the next position, feeding its own output
-    # hidden state and its own argmax token.
+    # hidden state (after its final norm where MTPLayout.chain_after_module_norm) and
+    # its own argmax token.
     proposing = active & batch.has_output
     page_size = cache.page_size
     position = last
+    chain_normed = MTP_LAYOUTS[cfg.mtp_layout].chain_after_module_norm
     for _ in range(m, num_drafts):
+        if chain_normed:
+            x = rms_norm(x, module.final_norm, cfg.rms_norm_eps)
         position = position + 1
         chain = dataclasses.replace(
             batch,

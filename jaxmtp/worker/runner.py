@@ -32,6 +32,7 @@ from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, pag
 from jaxmtp.worker.logits_processors import state_rows, write_rows, zero_state
 from jaxmtp.worker.memory import plan_kv_pool
 from jaxmtp.worker.programs import StepPrograms
+from jaxmtp.worker.recurrent import allocate_recurrent, recurrent_bytes
 from jaxmtp.worker.sharding import check_divisible, make_mesh, param_shardings, put_replicated, replicated
 from jaxmtp.worker.step import STEP_STATE, StepConfig, StepOutput, jitted_finish, jitted_forward, jitted_step
 from jaxmtp.worker.step_records import InFlightStep, StepInputs, StepResult
@@ -60,8 +61,9 @@ class ModelRunner:
             # merged shape its measured table names
             self.params = with_merged_qkv(self.params)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
-        # placed before the pool is sized: the pool gets what the weights and this leave
+        # placed before the pool is sized: the pool gets what the weights and these leave
         self.logits_state = self._state_builders()["logits_state"]()
+        self.recurrent = self._state_builders()["recurrent"]()
         # sized after the weights are placed, from the memory they leave
         self.kv_pool = plan_kv_pool(
             model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
@@ -69,6 +71,7 @@ class ModelRunner:
             max_num_batched_tokens=config.max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens,
             num_pages=config.num_pages, gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes, devices=list(self.mesh.devices.flat),
+            state_bytes=recurrent_bytes(model_config, config.max_num_seqs, self._recurrent_versions),
         )
         self.num_pages = self.kv_pool.num_pages
         self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
@@ -85,7 +88,7 @@ class ModelRunner:
         self._pending = None  # a masked step's second program, its arguments and hidden rows, until apply_masks
         # the compiled steps, by the oracle table's shape (None: no oracle, as serving runs)
         self._programs: dict[tuple | None, StepPrograms] = {}
-        self._place_state([name for name in STEP_STATE if name != "logits_state"])  # that one is placed above
+        self._place_state([name for name in STEP_STATE if name not in ("logits_state", "recurrent")])  # placed above
         # what the step is compiled for: the arrays' shapes, dtypes and shardings, which
         # every step keeps (the background compiler reads these, never the donated arrays)
         self._state_specs = jax.tree.map(array_spec, (self.params, *self.step_state()))
@@ -114,11 +117,19 @@ class ModelRunner:
         return {
             "cache": lambda: allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules,
                                             self.mesh),
+            # a slot per running sequence (Sequence.state_slot), k + 1 versions each
+            "recurrent": lambda: put_replicated(allocate_recurrent(self.model_config, self.config.max_num_seqs,
+                                                                   self._recurrent_versions), self.mesh),
             "logits_state": lambda: put_replicated(zero_state(self.config.max_num_seqs, self.model_config.vocab_size),
                                                    self.mesh),
             "carry": lambda: put_replicated(Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens),
                                             self.mesh),
         }
+
+    @property
+    def _recurrent_versions(self) -> int:
+        """The states a recurrent slot keeps: one per row a verification may keep (recurrent.py)."""
+        return self.config.num_speculative_tokens + 1
 
     def step_state(self) -> tuple:
         """The STEP_STATE arrays, in the step's argument order."""
@@ -231,10 +242,11 @@ class ModelRunner:
         ints, floats, oracle, shape = args
         programs = self._programs_for(oracle).program(shape)
         if not shape.masked:
-            self.cache, self.logits_state, output = programs[0](self.params, *self.step_state(), ints, floats, oracle)
+            self.cache, self.recurrent, self.logits_state, output = programs[0](
+                self.params, *self.step_state(), ints, floats, oracle)
             self.carry = output.carry
             return output
-        self.cache, hidden = programs[0](self.params, self.cache, self.carry, ints, floats)
+        self.cache, self.recurrent, hidden = programs[0](self.params, self.cache, self.recurrent, self.carry, ints, floats)
         self._pending = (programs[1], args, hidden)
         return None if token_bitmask is None else self._finish(token_bitmask)
 
@@ -243,7 +255,7 @@ class ModelRunner:
             raise RuntimeError("no masked step waits for its masks")
         program, (ints, floats, oracle, _), hidden = self._pending
         self._pending = None
-        self.cache, self.logits_state, output = program(
+        self.cache, self.recurrent, self.logits_state, output = program(
             self.params, *self.step_state(), ints, floats, hidden, token_bitmask, oracle)
         self.carry = output.carry
         return output
@@ -333,18 +345,18 @@ class ModelRunner:
         batch = build_batch([], shape, self.max_pages_per_seq, self.page_size, self.num_pages * self.page_size,
                             self.config.num_speculative_tokens, lookahead_width(self.num_draft_modules))
         ints, floats = (array_spec(x, replicated(self.mesh)) for x in pack_batch(batch))
-        params, cache, logits_state, carry = self._state_specs
+        params, cache, recurrent, logits_state, carry = self._state_specs
         static = (shape, self.step_config)
         with matmul_precision(self.model_config.dtype):
             if not shape.masked:
-                return (jitted_step.lower(params, cache, logits_state, carry, ints, floats, oracle, *static),)
-            forward = jitted_forward.lower(params, cache, carry, ints, floats, *static)
-            hidden = jax.ShapeDtypeStruct(forward.out_info[1].shape, forward.out_info[1].dtype,
+                return (jitted_step.lower(params, cache, recurrent, logits_state, carry, ints, floats, oracle, *static),)
+            forward = jitted_forward.lower(params, cache, recurrent, carry, ints, floats, *static)
+            hidden = jax.ShapeDtypeStruct(forward.out_info[2].shape, forward.out_info[2].dtype,
                                           sharding=replicated(self.mesh))
             bitmask = jax.ShapeDtypeStruct((shape.num_seqs, self.config.num_speculative_tokens + 1, self.mask_width),
                                            np.int32, sharding=replicated(self.mesh))
-            finish = jitted_finish.lower(params, cache, logits_state, carry, ints, floats, hidden, bitmask, oracle,
-                                         *static)
+            finish = jitted_finish.lower(params, cache, recurrent, logits_state, carry, ints, floats, hidden, bitmask,
+                                         oracle, *static)
         return forward, finish
 
     def cache_copies(self, shape: BatchShape) -> list[str]:

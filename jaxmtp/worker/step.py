@@ -1,6 +1,6 @@
 """The jitted engine step: main forward over a mixed batch of prefill chunks and
 decode/verify rows, sampling or verification, and the MTP draft pass. The KV cache
-goes in and comes out donated; the host reads back only tokens and counts.
+(and a hybrid model's recurrent state) goes in and comes out donated; the host reads back only tokens and counts.
 
 The carry lets the host dispatch step N+1 before it has read step N: requests whose
 step N emits tokens are scheduled with placeholder rows, which this step fills from
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxmtp.models import model
+from jaxmtp.models import hybrid, model
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.linear import dense_kernels, dense_kernels_for
 from jaxmtp.models.params import Params, pytree_dataclass
@@ -27,6 +27,7 @@ from jaxmtp.worker.batch import Batch, BatchShape, Carry, apply_carry, lookahead
 from jaxmtp.worker.cache import KVCache
 from jaxmtp.worker.logits_processors import LogitsState, process_logits, record_emitted
 from jaxmtp.worker.prompt_logprobs import PromptLogprobs, prompt_logprobs
+from jaxmtp.worker.recurrent import RecurrentState, commit
 from jaxmtp.worker.sampling import accept_drafts, chosen_logprobs, verify_and_sample
 from jaxmtp.worker.sharding import argmax_vocab, gather_vocab, replicated
 
@@ -63,6 +64,7 @@ class StepOutput:
 def step(
     params: Params,
     cache: KVCache,
+    recurrent: RecurrentState,
     logits_state: LogitsState,
     carry: Carry,
     ints: jax.Array,
@@ -70,39 +72,44 @@ def step(
     oracle_tokens: jax.Array | None,
     shape: BatchShape,
     config: StepConfig,
-) -> tuple[KVCache, LogitsState, StepOutput]:
-    """The step of an unmasked shape, one program. logits_state: what logits processing
-    reads across steps, donated as the cache is; carry: the previous step's
-    StepOutput.carry; ints/floats: the batch packed by batch.pack_batch; oracle_tokens:
+) -> tuple[KVCache, RecurrentState, LogitsState, StepOutput]:
+    """The step of an unmasked shape, one program. recurrent: a hybrid model's
+    linear-attention states (jaxmtp/worker/recurrent.py; empty for the others) and
+    logits_state: what logits processing reads across steps, both donated as the cache
+    is; carry: the previous step's StepOutput.carry; ints/floats: the batch packed by batch.pack_batch; oracle_tokens:
     None, or a benchmark's table whose tokens replace the MTP drafts (oracle_drafts);
     shape (static): how to unpack the batch, and whether no row samples, asks for top
     logprobs or for logits processing (BatchShape.greedy)."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
         batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
-        cache, hidden = _main_forward(params, cache, batch, config)
-        return _sample_and_draft(params, cache, logits_state, carry, batch, hidden, None, oracle_tokens, shape, config)
+        cache, recurrent, hidden = _main_forward(params, cache, recurrent, batch, config)
+        return _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidden, None, oracle_tokens,
+                                 shape, config)
 
 
-def forward(params: Params, cache: KVCache, carry: Carry, ints: jax.Array, floats: jax.Array, shape: BatchShape,
-            config: StepConfig) -> tuple[KVCache, jax.Array]:
-    """A masked shape's first program: the main forward, the cache donated; returns the
-    hidden rows [T, H]. It needs no grammar mask, so the host dispatches it before it
+def forward(params: Params, cache: KVCache, recurrent: RecurrentState, carry: Carry, ints: jax.Array,
+            floats: jax.Array, shape: BatchShape, config: StepConfig) -> tuple[KVCache, RecurrentState, jax.Array]:
+    """A masked shape's first program: the main forward, the cache and recurrent state
+    donated (the latter holding the verify rows' states until finish commits one);
+    returns the hidden rows [T, H]. It needs no grammar mask, so the host dispatches it before it
     has read the previous step, whose tokens the masks depend on, and computes the masks
     while it runs."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
-        return _main_forward(params, cache, _batch_in(ints, floats, carry, shape, config, cache.page_size), config)
+        batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
+        return _main_forward(params, cache, recurrent, batch, config)
 
 
-def finish(params: Params, cache: KVCache, logits_state: LogitsState, carry: Carry, ints: jax.Array,
-           floats: jax.Array, hidden: jax.Array, token_bitmask: jax.Array, oracle_tokens: jax.Array | None,
-           shape: BatchShape, config: StepConfig) -> tuple[KVCache, LogitsState, StepOutput]:
+def finish(params: Params, cache: KVCache, recurrent: RecurrentState, logits_state: LogitsState, carry: Carry,
+           ints: jax.Array, floats: jax.Array, hidden: jax.Array, token_bitmask: jax.Array,
+           oracle_tokens: jax.Array | None, shape: BatchShape, config: StepConfig
+           ) -> tuple[KVCache, RecurrentState, LogitsState, StepOutput]:
     """A masked shape's second program, on forward's hidden rows and the same batch and
     carry: verification and sampling under token_bitmask [B, k+1, W] (per verify row the
     tokens its grammar allows, batch.padded_bitmask), the draft pass and the carry."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
         batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
-        return _sample_and_draft(params, cache, logits_state, carry, batch, hidden, token_bitmask, oracle_tokens, shape,
-                                 config)
+        return _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidden, token_bitmask,
+                                 oracle_tokens, shape, config)
 
 
 def _batch_in(ints, floats, carry, shape: BatchShape, config: StepConfig, page_size: int) -> Batch:
@@ -118,20 +125,27 @@ def _layer_ops(config: StepConfig):
     return model.layer_ops(config.model, config.attention_backend, config.mesh, decode_rows=config.num_speculative_tokens + 1)
 
 
-def _main_forward(params, cache, batch, config: StepConfig):
+def _main_forward(params, cache, recurrent, batch, config: StepConfig):
     with jax.named_scope("main_forward"):
-        hidden, cache = model.forward(params, config.model, batch, cache, _layer_ops(config))
+        if config.model.hybrid is None:
+            hidden, cache = model.forward(params, config.model, batch, cache, _layer_ops(config))
+        else:
+            hidden, cache, recurrent = hybrid.forward(params, config.model, batch, cache, recurrent, _layer_ops(config))
     if config.mesh is not None:  # as finish's compiled program takes it (ModelRunner.lower_programs)
         hidden = jax.lax.with_sharding_constraint(hidden, replicated(config.mesh))
-    return cache, hidden
+    return cache, recurrent, hidden
 
 
-def _sample_and_draft(params, cache, logits_state, carry, batch, hidden, token_bitmask, oracle_tokens, shape, config):
+def _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidden, token_bitmask, oracle_tokens,
+                      shape, config):
     k, cfg = config.num_speculative_tokens, config.model
     prompt = prompt_logprobs(params, cfg, hidden, batch, config.num_top_logprobs, config.mesh) if shape.prompt_logprobs else None
     with jax.named_scope("verify"):
         tokens, num_accepted, logits_state, logprobs, ranks, top_values, top_ids = _verify(
             params, hidden, batch, logits_state, token_bitmask, shape, config)
+        # the recurrent state after the last kept row (a prefill chunk's rows: all kept)
+        has_rows = batch.query_start[1:] > batch.query_start[:-1]
+        recurrent = commit(recurrent, batch.recurrent_slot, batch.num_drafts - num_accepted, has_rows)
     b = batch.kv_len.shape[0]
     with jax.named_scope("draft"):
         if k:
@@ -148,7 +162,7 @@ def _sample_and_draft(params, cache, logits_state, carry, batch, hidden, token_b
         new_carry = jax.tree.map(
             lambda old, new: jnp.zeros_like(old).at[:b].set(new.astype(old.dtype)), carry, Carry(num_accepted, last, drafts)
         )
-    return cache, logits_state, StepOutput(
+    return cache, recurrent, logits_state, StepOutput(
         tokens, num_accepted, logprobs, ranks, top_values, top_ids, drafts, boundary, new_carry, prompt
     )
 
@@ -210,10 +224,10 @@ def oracle_drafts(table: jax.Array, batch: Batch, num_accepted: jax.Array, draft
 
 
 # The device state the runner holds across steps, as the step's arguments after params
-# name it; the step donates the first two. ModelRunner.reset rebuilds every one of them
+# name it; the step donates the first three. ModelRunner.reset rebuilds every one of them
 # after a failed step, so a state added here is rebuilt too (tests/test_reliability.py).
-STEP_STATE = ("cache", "logits_state", "carry")
-DONATED_STATE = ("cache", "logits_state")
+STEP_STATE = ("cache", "recurrent", "logits_state", "carry")
+DONATED_STATE = ("cache", "recurrent", "logits_state")
 jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
-jitted_forward = jax.jit(forward, static_argnames=("config", "shape"), donate_argnames=("cache",))
+jitted_forward = jax.jit(forward, static_argnames=("config", "shape"), donate_argnames=("cache", "recurrent"))
 jitted_finish = jax.jit(finish, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
