@@ -11,6 +11,7 @@ Writes expert_layer_trace.json. Needs a GPU (the trace's kernels).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -53,9 +54,10 @@ def main() -> None:
         layer = jax.jit(lambda x, routing, gu, dn: routed_experts(x, routing, gu, dn))
         jax.block_until_ready([layer(x, routing, gate_up[i], down[i]) for i in range(copies)])
 
-        def run(index=[0]):  # noqa: B006 - cycles the weight copies across calls
-            index[0] += 1
-            i = index[0] % copies
+        copy = itertools.cycle(range(copies))
+
+        def run():  # each call on the next weight copy
+            i = next(copy)
             return layer(x, routing, gate_up[i], down[i])
 
         table = kernel_table(trace_events(run, CALLS), CALLS)

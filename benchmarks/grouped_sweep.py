@@ -64,13 +64,6 @@ class Case:
         return sum(1 for s in self.sizes if s) * self.k * self.parts * self.n * 2
 
 
-def bucket(rows: int) -> int:
-    """The table's row bucket (kernels/grouped_matmul.py's grouped_tiling)."""
-    from jaxmtp.kernels.grouped_matmul import row_bucket
-
-    return row_bucket(rows)
-
-
 def first_stage(case: Case, tiny: bool) -> list:
     """block_m around the rows per touched group at 4 warps and the most stages shared
     memory holds: weight streams (block_m 16) over block_n x block_k x every split of K
@@ -82,12 +75,12 @@ def first_stage(case: Case, tiny: bool) -> list:
     configs = []
     for block_m in block_ms:
         stream = block_m <= 32
+        blocks = sum(-(-s // block_m) for s in case.sizes)
         for block_n in (16,) if tiny else (32, 64, 128, 256) if stream else (64, 128, 256):
             for block_k in (16, 32) if tiny else (64, 128, 256) if stream else (32, 64, 128):
                 if case.k % block_k or case.n % block_n:
                     continue
                 steps = case.k // block_k
-                blocks = sum(-(-s // block_m) for s in case.sizes)
                 stage_bytes = 2 * block_k * (block_m + case.parts * block_n)
                 stages = min(4, (200 << 10) // stage_bytes)
                 if stages < 2:
@@ -204,6 +197,8 @@ def table(results: dict) -> dict:
     """{"G,K,N,swiglu": {bucket: tiling or "xla"}}: the best tiling where it beat XLA and
     the default by WIN, "xla" where XLA beat every tiling by WIN (the default elsewhere);
     a bucket measured more than once keeps its larger token count's choice."""
+    from jaxmtp.kernels.grouped_matmul import row_bucket
+
     out: dict = {}
     for case in results["cases"]:
         rows = [r for r in case["variants"] if r.get("us") and (r["config"] is None or r.get("ok"))]
@@ -214,10 +209,10 @@ def table(results: dict) -> dict:
         key = f"{case['groups']},{case['k']},{case['n'] * (2 if swiglu else 1)},{int(swiglu)}"
         buckets = out.setdefault(key, {})
         if xla * WIN < (math.inf if best is None else best["us"]):
-            buckets[str(bucket(case["rows"]))] = "xla"
+            buckets[str(row_bucket(case["rows"]))] = "xla"
         elif best is not None and not best.get("default") and best["us"] * WIN < min(xla, default):
             c = best["config"]
-            buckets[str(bucket(case["rows"]))] = [c["block_m"], c["block_n"], c["block_k"], c["num_warps"],
+            buckets[str(row_bucket(case["rows"]))] = [c["block_m"], c["block_n"], c["block_k"], c["num_warps"],
                                                   c["num_stages"], c["split_k"]]
     return {key: buckets for key, buckets in out.items() if buckets}
     return out

@@ -332,14 +332,16 @@ def part_experts(run: Run):
     down = jnp.asarray(0.02 * key_w.standard_normal((s.experts, s.inter, s.hidden)), jnp.bfloat16)
     expert_bytes = 3 * s.hidden * s.inter * 2
 
-    def ours(gu, dn, x, routing):  # the engine's entry points: the measured table's tilings on the GPU
-        if interpret:
-            return routed_experts(x, Routing(*routing), gu, dn, expert_swiglu=kernel(gm.grouped_swiglu_kernel),
-                                  expert_matmul=kernel(gm.grouped_matmul_kernel))
-        return routed_experts(x, Routing(*routing), gu, dn)
+    def kernel(fn):
+        return lambda *a, **kw: fn(*a, **kw, interpret=True)
 
-    def kernel(fn, config=None):
-        return lambda *a, **kw: fn(*a, **kw, interpret=interpret, config=config)
+    # the engine's entry points (the measured table's tilings) on the GPU, the kernels
+    # interpreted on the CPU
+    swiglu, matmul = ((kernel(gm.grouped_swiglu_kernel), kernel(gm.grouped_matmul_kernel)) if interpret
+                      else (gm.grouped_swiglu, gm.grouped_matmul))
+
+    def ours(gu, dn, x, routing):
+        return routed_experts(x, Routing(*routing), gu, dn, expert_swiglu=swiglu, expert_matmul=matmul)
 
     def xla(gu, dn, x, routing):
         return routed_experts(x, Routing(*routing), gu, dn, expert_swiglu=gm.grouped_swiglu_reference,
@@ -371,7 +373,6 @@ def part_experts(run: Run):
         sorted_inputs = [sorted_rows(xi, r, s.experts) for xi, r in zip(x, routing)]
         nbytes = touched * 2 * s.hidden * s.inter * 2
         floor = max(run.bytes_s(nbytes), run.flops_s(2 * tokens * s.top_k * s.hidden * 2 * s.inter))
-        swiglu = kernel(gm.grouped_swiglu_kernel) if interpret else gm.grouped_swiglu  # the engine's tiling
         t_ours = programs_over(lambda gu, xs, sz: swiglu(xs, gu, sz), (gate_up,), sorted_inputs)
         flat = gate_up.reshape(s.experts, s.hidden, 2 * s.inter)
         t_xla = programs_over(lambda w, xs, sz: gm.grouped_matmul_reference(xs, w, sz), (flat,), sorted_inputs)

@@ -10,7 +10,6 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from jaxmtp.engine.sampling_params import RequestOutputKind
-from jaxmtp.engine.sequence import Status
 
 if TYPE_CHECKING:
     from jaxmtp.engine.output_processor import OutputProcessor, Request
@@ -19,7 +18,6 @@ if TYPE_CHECKING:
     from jaxmtp.worker.step_records import InFlightStep, StepResult
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
-FINISHED = Status.FINISHED
 
 
 class StepPostprocessor:
@@ -54,7 +52,7 @@ class StepPostprocessor:
             first_row += num_rows
             # finished (aborted, or another sequence of its request failed) or preempted
             # since dispatch: its recompute will produce these tokens again
-            if seq.status is FINISHED or seq.num_preemptions != preemptions:
+            if seq.finished or seq.num_preemptions != preemptions:
                 continue
             computed += num_rows
             if with_prompt_logprobs and seq.params.prompt_logprobs is not None:
@@ -79,7 +77,7 @@ class StepPostprocessor:
                     seq.drafts = seq.grammar.propose(seq.drafts, k)
             except Exception as err:  # noqa: BLE001 - e.g. detokenising: fail this request, not the step
                 self.fail_request(request, err)
-            if seq.status is FINISHED or seq.params.output_kind is not FINAL_ONLY:  # (else no output yet)
+            if seq.finished or seq.params.output_kind is not FINAL_ONLY:  # (else no output yet)
                 touched[seq.request_id] = request
         stats.computed_tokens += computed
         for index, times in enumerate(spec_steps):
