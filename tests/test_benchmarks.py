@@ -46,6 +46,19 @@ def test_gemm_sweep_checks_and_times_xla_and_the_kernels_tilings(tmp_path):
     assert {row["config"]["split_k"] for row in rows[1:]} > {1}  # split-K tilings among them
 
 
+def test_grouped_sweep_checks_xla_and_the_tilings_and_writes_the_table(tmp_path):
+    """The grouped kernel's sweep on a tiny expert shape (interpret mode): XLA's
+    ragged_dot, the default tiling and the first stage's, each checked against float32,
+    timed, and the table written in the form kernels/grouped_tilings.json takes."""
+    run_script("grouped_sweep.py", "--tiny", "--tokens", "1", "--kernels", "down", "--out", str(tmp_path))
+    (case,) = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]
+    variants = case["variants"]
+    assert variants[0]["config"] is None and variants[1].get("default") and len(variants) > 2
+    assert all(v["ok"] and v["us"] > 0 for v in variants)
+    table = json.loads((tmp_path / "grouped_tilings.json").read_text())
+    assert all(key.count(",") == 3 for key in table)
+
+
 def test_decode_step_times_each_tiling_against_the_default(tmp_path):
     run_script("decode_step.py", "--tiny", "--shapes", "1x48,8x64", "--tilings", "num_splits=1", "--out", str(tmp_path))
     runs = json.loads((tmp_path / "decode_step.json").read_text())["runs"]

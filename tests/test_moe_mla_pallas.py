@@ -107,6 +107,25 @@ def test_routed_experts_through_the_kernels():
     assert_within(got, want, 2 * bound, f"seed={seed}")
 
 
+def test_the_measured_table_picks_the_grouped_tiling_per_row_bucket(monkeypatch):
+    """kernels/grouped_tilings.json as the engine reads it: Moonlight's gate/up at 1 token
+    (6 sorted rows, bucket 8) takes the H200's measured tiling, rows round up to their
+    bucket, an unmeasured shape keeps default_config, and "xla" sends the call to the
+    reference."""
+    gate_up = (64, 2048, 2 * 1408, 1)
+    assert gm.row_bucket(6) == 8 and gm.row_bucket(9) == 16 and gm.row_bucket(0) == 1
+    assert gm.grouped_tiling(6, 64, 2048, 2 * 1408, True) == gm.GROUPED_TILINGS[gate_up][8]
+    assert gm.grouped_tiling(5, 64, 2048, 2 * 1408, True) == gm.GROUPED_TILINGS[gate_up][8]
+    assert gm.GROUPED_TILINGS[gate_up][8] != gm.default_config(6, 64, 2048, 2 * 1408, True)
+    assert gm.grouped_tiling(6, 64, 2048, 2 * 1408, False) == gm.default_config(6, 64, 2048, 2 * 1408, False)
+    monkeypatch.setitem(gm.GROUPED_TILINGS, (2, 16, 32, 1), {8: "xla"})
+    assert gm.grouped_tiling(8, 2, 16, 32, True) == "xla"
+    monkeypatch.setattr(gm.jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
+    lhs, gate_up_2 = jnp.ones((8, 16)), jnp.ones((2, 16, 2, 16))
+    assert gm._tiling(lhs, gate_up_2, None, swiglu=True) is None  # XLA's ragged_dot
+    assert gm._tiling(lhs[:4], gate_up_2, None, swiglu=True) == gm.default_config(4, 2, 16, 32, True)
+
+
 def test_shapes_the_kernels_do_not_tile_are_refused():
     lhs, sizes = jnp.zeros((8, 12)), jnp.zeros(2, jnp.int32)
     with pytest.raises(ValueError, match="K and N multiples of 16, got K=12"):
