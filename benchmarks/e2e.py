@@ -293,14 +293,20 @@ class Bench:
         sizes = TINY_SIZES if args.tiny else Sizes()
         chosen = {k: v for k, v in (("batches", args.batches), ("contexts", args.contexts)) if v}
         self.sizes = dataclasses.replace(sizes, **chosen)
-        self.config = TINY if args.tiny else LLAMA3_8B
-        if args.quantization == "fp8":
-            self.config = {**self.config, "quantization_config": FP8_BLOCK_SCALED}
-        self.folder = self.model_folder(self.config)
         self.rng = np.random.default_rng(0)
         self.out_dir = Path(os.environ.get("OUT", args.out))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.current = {}
+        self.use_quantization("none")
+
+    def use_quantization(self, quantization: str) -> None:
+        """The model of the scenarios that follow: its linear weights in the model's dtype
+        (none) or in DeepSeek's block-scaled fp8 (fp8, whose rows are named "fp8: ...")."""
+        self.quantization = quantization
+        self.config = TINY if self.args.tiny else LLAMA3_8B
+        if quantization == "fp8":
+            self.config = {**self.config, "quantization_config": FP8_BLOCK_SCALED}
+        self.folder = self.model_folder(self.config)
         self.memo = {}  # figures one scenario leaves for another (plain tokens/s, ...)
 
     @staticmethod
@@ -314,6 +320,7 @@ class Bench:
         (self.out_dir / f"e2e{self.args.tag}.json").write_text(json.dumps(self.results, indent=1))
 
     def row(self, name, value, unit, floor=None, peer=None, target="", note=""):
+        name = name if self.quantization == "none" else f"{self.quantization}: {name}"
         self.results["rows"].append({"scenario": name, "value": value, "unit": unit, "floor_ratio": floor,
                                      "peer_ratio": peer, "target": target, "note": note})
         print(f"[{time.perf_counter() - self.t0:6.0f}s] {name}: {value:.4g} {unit} floor={floor} peer={peer} "
@@ -668,8 +675,9 @@ def main() -> None:
                         help="speculative tokens to measure at batch 32")
     parser.add_argument("--mtp32-batches", type=lambda x: [int(b) for b in x.split(",")], default=None,
                         help="batch sizes of the mtp32 scenario (default: 32)")
-    parser.add_argument("--quantization", choices=["none", "fp8"], default="none",
-                        help="fp8: the model's linear weights in DeepSeek's block-scaled fp8 (default: none)")
+    parser.add_argument("--quantization", type=quantizations, default=["none"],
+                        help="comma list of none and fp8 (the model's linear weights in DeepSeek's block-scaled "
+                             "fp8), each running every scenario; both: fp8's speed-up rows too (default: none)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     chosen = [x for x in args.scenarios.split(",") if x]
@@ -694,16 +702,46 @@ def main() -> None:
         gpu_checks(results)
     from jaxmtp.loading.loader import load_params  # noqa: F401  (import before timing)
 
-    probe = bench.engine(max_num_seqs=1, max_num_batched_tokens=8)
-    results["weight_bytes"] = weight_bytes(probe.engine.params)
-    for name in chosen:
-        if name in SCENARIOS and bench.budget_left() > 30:
-            SCENARIOS[name](bench)
-        elif name in SCENARIOS:
-            results.setdefault("skipped_over_budget", []).append(name)
+    for quantization in args.quantization:
+        bench.use_quantization(quantization)
+        probe = bench.engine(max_num_seqs=1, max_num_batched_tokens=8)
+        results["weight_bytes"] = weight_bytes(probe.engine.params)
+        results.setdefault("weight_bytes_by_quantization", {})[quantization] = results["weight_bytes"]
+        for name in chosen:
+            if name in SCENARIOS and bench.budget_left() > 30:
+                SCENARIOS[name](bench)
+            elif name in SCENARIOS:
+                results.setdefault("skipped_over_budget", []).append(f"{name} ({quantization})")
+    bench.quantization = "none"
+    if len(args.quantization) > 1:
+        speedup_rows(bench)
     bench.save()
     (bench.out_dir / f"e2e{args.tag}.md").write_text(markdown(results))
     print_table(results)
+
+
+def quantizations(value: str) -> list[str]:
+    chosen = value.split(",")
+    if not chosen or set(chosen) - {"none", "fp8"} or len(set(chosen)) < len(chosen):
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma list of none and fp8, each once")
+    return chosen
+
+
+# units where a smaller value is faster, and where a larger one is
+TIMES, RATES = {"ms/token", "ms/step", "ms", "s"}, {"tokens/s"}
+
+
+def speedup_rows(bench: Bench) -> None:
+    """fp8's speed-up over the model's dtype on every row the two runs share: the time of
+    the dtype over fp8's, or fp8's rate over the dtype's."""
+    plain = {r["scenario"]: r for r in bench.results["rows"] if not r["scenario"].startswith("fp8: ")}
+    for r in [r for r in bench.results["rows"] if r["scenario"].startswith("fp8: ")]:
+        base = plain.get(r["scenario"][5:])
+        if base is None or base["unit"] != r["unit"] or r["unit"] not in TIMES | RATES or not r["value"]:
+            continue
+        speedup = base["value"] / r["value"] if r["unit"] in TIMES else r["value"] / base["value"]
+        bench.row(f"fp8 speed-up over bf16: {base['scenario']}", speedup, "x",
+                  note=f"bf16 {base['value']:.4g} {base['unit']}, fp8 {r['value']:.4g}")
 
 
 def run_peer(budget_s: float, only: str | None = None) -> dict:

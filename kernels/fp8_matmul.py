@@ -24,6 +24,11 @@ programs for the GPU (narrow projections), `split_k` programs share a column til
 over its own run of K steps, and their float32 partials are summed after the call. Edge
 tiles are masked (rows past M, columns past N, the part of the last K step past K), and
 masks are left out where the shapes divide the tiles, so any shape runs.
+
+On the GPU the engine calls `fp8_matmul_measured`: per weight shape, scale block and
+row bucket, the tiling that benchmarks/fp8_sweep.py measured fastest (kernels/
+fp8_tilings.json), or XLA's dot of the weight dequantized to x's dtype where that beat
+every tiling (`fp8_matmul_dequantized`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jaxmtp.kernels.tiling_table import read_tilings
 
 # `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams` before
 _TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
@@ -88,12 +95,35 @@ DENSE_TILINGS = {
 }
 
 
+def row_bucket(m: int) -> int:
+    """The measured tables' row bucket: m rounded up to a power of 2, 16 at least (the
+    smallest row tile, which 1 to 16 rows share)."""
+    return max(16, _next_power_of_2(m))
+
+
 def dense_tiling(m: int, weight_shape: tuple[int, int, int], dtype) -> MatmulConfig | None:
     """The measured tiling for m rows times a [K, P, N] weight in dtype, or None where
     XLA's dot was as fast (the table holds bfloat16 measurements only)."""
     if jnp.dtype(dtype) != jnp.bfloat16:
         return None
-    return DENSE_TILINGS.get(tuple(weight_shape), {}).get(max(16, _next_power_of_2(m)))
+    return DENSE_TILINGS.get(tuple(weight_shape), {}).get(row_bucket(m))
+
+
+# fp8_tilings.json, as benchmarks/fp8_sweep.py writes it: (K, P, N, block_k, block_n) ->
+# {row bucket: the tiling measured fastest, or "dequantize" where XLA's dot of the
+# dequantized weight beat every tiling}
+FP8_TILINGS = read_tilings("fp8_tilings.json", MatmulConfig)
+
+
+def fp8_tiling(m: int, weight_shape: tuple[int, int, int], block: tuple[int, int]) -> MatmulConfig | str:
+    """For m rows times a [K, P, N] fp8 weight with block_k x block_n scales: the entry of
+    the smallest measured row bucket at or above m's (the largest past them all), or
+    default_config for a weight the table has not measured."""
+    buckets = FP8_TILINGS.get((*weight_shape, *block))
+    if not buckets:
+        return default_config(m, weight_shape[-1])
+    above = [b for b in buckets if b >= row_bucket(m)]
+    return buckets[min(above) if above else max(buckets)]
 
 
 def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, ...]) -> jax.Array:
@@ -105,6 +135,15 @@ def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int,
             scale = jnp.repeat(scale, size, axis=axis)
     scale = scale[tuple(slice(0, n) for n in weight.shape)]
     return weight.astype(jnp.float32) * scale
+
+
+def fp8_matmul_dequantized(x, weight, scale_inv, *, block_k: int, block_n: int, out_dtype=None) -> jax.Array:
+    """XLA's dot of x and the weight dequantized to x's dtype (one rounding of each
+    weight * scale), accumulated in float32: the GPU's path where the table measured it
+    faster than every tiling of the kernel."""
+    w = dequantize_blocks(weight, scale_inv, (block_k, 1, block_n)).astype(x.dtype)
+    out = jnp.einsum("mk,kpn->mpn", x, w, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype or x.dtype)
 
 
 def dense_matmul_reference(x, weight, *, out_dtype=None) -> jax.Array:
@@ -124,6 +163,17 @@ def is_k_step(block_k: int) -> bool:
     return block_k >= 16 and not block_k & (block_k - 1)
 
 
+# bfloat16 activations times an fp8 weight run as float16 x float16 products: e4m3 to
+# float16 is one hardware conversion for two values, e4m3 to bfloat16 a run of integer
+# operations that made the kernel compute-bound at the bf16 kernel's speed (2026-12-03
+# H200 sweep). x enters float16 times 2**-F16_SHIFT (the block scales carry 2**F16_SHIFT
+# back, both exact): every bfloat16 x of magnitude 2**-8 to 2**24 is a float16 value
+# after the shift, so the products are the bfloat16 ones; smaller magnitudes round to
+# float16's subnormal step (2**-24, an absolute error of at most 2**-17 in x), larger
+# ones overflow.
+F16_SHIFT = 8
+
+
 def _outer_mask(rows_ok, cols_ok):
     """rows_ok[:, None] & cols_ok[None, :], where None stands for a mask that is
     statically all true (the shape divides the tile)."""
@@ -136,7 +186,7 @@ def _outer_mask(rows_ok, cols_ok):
     return rows_ok[:, None] & cols_ok[None, :]
 
 
-def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n):
+def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n, f16_shift):
     """One [block_m, block_n] tile of one column group over k_steps K steps (the
     program's run of K); refs are (scale_inv, out) for an fp8 weight, (out,) else.
     out is [split_k, M, P, N]: each run of K writes its own partial."""
@@ -160,11 +210,13 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
         x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=x_mask, other=None if x_mask is None else 0)
         w = plgpu.load(w_ref.at[ks[:, None], part, cols[None, :]], mask=w_mask,
                        other=None if w_mask is None else 0.0)
+        if f16_shift:
+            x = (x.astype(jnp.float32) * 2.0**-f16_shift).astype(jnp.float16)
         product = plgpu.dot(x, w.astype(x.dtype), precision=precision)
         if s_ref is not None:
             scale = plgpu.load(s_ref.at[kb, part, lax.div(cols, scale_block_n)], mask=col_ok,
                                other=None if col_ok is None else 0)
-            product = product * scale[None, :]
+            product = product * (scale * 2.0**f16_shift)[None, :]
         return acc + product
 
     acc = lax.fori_loop(0, k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
@@ -182,8 +234,10 @@ def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype
         raise ValueError(f"split_k={config.split_k} does not divide the {total_steps} K steps of {block_k}")
     k_steps = total_steps // config.split_k
     out_dtype = out_dtype or x.dtype
+    # bfloat16 x times an fp8 weight multiply in float16 (see F16_SHIFT)
+    f16_shift = F16_SHIFT if scale_block_n and x.dtype == jnp.bfloat16 else 0
     kernel = functools.partial(_kernel, block_m=config.block_m, block_n=config.block_n, block_k=block_k,
-                               k_steps=k_steps, scale_block_n=scale_block_n)
+                               k_steps=k_steps, scale_block_n=scale_block_n, f16_shift=f16_shift)
     operands = (x, weight) if scale_inv is None else (x, weight, scale_inv.astype(jnp.float32))
     partial_dtype = out_dtype if config.split_k == 1 else jnp.float32
     out = pl.pallas_call(
@@ -215,6 +269,17 @@ def fp8_matmul(
                          f"(scale_inv should be {expected} for blocks of {block_k} x {block_n})")
     return _streaming_matmul(x, weight, scale_inv, block_k=block_k, scale_block_n=block_n, out_dtype=out_dtype,
                              interpret=interpret, config=config or default_config(m, n), name="fp8_matmul")
+
+
+def fp8_matmul_measured(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *, block_k: int, block_n: int,
+                        out_dtype=None, interpret: bool = False) -> jax.Array:
+    """The engine's fp8 matmul on the GPU: the kernel at fp8_tiling's tiling, or the
+    dequantized dot where the table names it."""
+    tiling = fp8_tiling(x.shape[0], weight.shape, (block_k, block_n))
+    if tiling == "dequantize":
+        return fp8_matmul_dequantized(x, weight, scale_inv, block_k=block_k, block_n=block_n, out_dtype=out_dtype)
+    return fp8_matmul(x, weight, scale_inv, block_k=block_k, block_n=block_n, out_dtype=out_dtype,
+                      interpret=interpret, config=tiling)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))

@@ -35,9 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -45,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.ragged_paged_attention import _cdiv, _next_power_of_2, _TritonCompilerParams
+from jaxmtp.kernels.tiling_table import read_tilings
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -136,19 +134,10 @@ def row_bucket(num_rows: int) -> int:
     return _next_power_of_2(max(1, num_rows))
 
 
-def _load_tilings() -> dict:
-    """grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: per weight, the
-    row buckets where a measured tiling beat the default ([block_m, block_n, block_k,
-    num_warps, num_stages, split_k]) or XLA's ragged_dot beat every tiling ("xla")."""
-    table = json.loads((Path(__file__).parent / "grouped_tilings.json").read_text())
-    return {tuple(int(v) for v in key.split(",")): {int(b): c if c == "xla" else GroupedMatmulConfig(*c)
-                                                     for b, c in buckets.items()}
-            for key, buckets in table.items() if not key.startswith("_")}
-
-
-# (groups, K, N, swiglu) -> {row bucket: tiling or "xla"}; N is the weight's columns
-# (swiglu: gate and up together)
-GROUPED_TILINGS = _load_tilings()
+# grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: (groups, K, N, swiglu)
+# -> {row bucket: the measured best tiling where it beat the default, or "xla" where
+# XLA's ragged_dot beat every tiling}; N is the weight's columns (swiglu: gate and up)
+GROUPED_TILINGS = read_tilings("grouped_tilings.json", GroupedMatmulConfig)
 
 
 def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool) -> GroupedMatmulConfig | str:

@@ -5,6 +5,7 @@ reference against a float64 NumPy product, and the kernel lowered for the GPU
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -12,8 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmtp.kernels import fp8_matmul as kernel_module
 from jaxmtp.kernels.fp8_matmul import (
-    MatmulConfig, dequantize_blocks, fp8_matmul, fp8_matmul_reference,
+    F16_SHIFT, MatmulConfig, default_config, dequantize_blocks, fp8_matmul, fp8_matmul_dequantized,
+    fp8_matmul_measured, fp8_matmul_reference, fp8_tiling,
 )
 
 E4M3_MAX = 448.0
@@ -77,6 +80,40 @@ def test_kernel_in_interpret_mode_matches_the_reference(rng, m, k, parts, n, blo
     assert (np.abs(rounded.astype(np.float64) - got) <= ulp + bound).all()
 
 
+def signed_powers(rng, shape, low, high):
+    """bfloat16 values of random sign with magnitudes 2**uniform(low, high)."""
+    return jnp.asarray(rng.choice([-1.0, 1.0], shape) * 2.0 ** rng.uniform(low, high, shape), jnp.bfloat16)
+
+
+def test_bfloat16_x_keeps_exact_products_over_the_float16_range(rng):
+    """bfloat16 x of magnitudes 2**-9 to 2**24 (the kernel multiplies them in float16
+    after a shift of 2**-F16_SHIFT): every product stays exact, so the result is the
+    float64 product within float32 sums of k terms, as for the reference."""
+    k, n = 256, 64
+    _, q, scale = make_case(rng, 1, k, 1, n, 128, 32, jnp.bfloat16)
+    # one row at each edge of the range (each row's bound scales with its own magnitude), one across it
+    x = jnp.concatenate([signed_powers(rng, (1, k), -9, -8), signed_powers(rng, (1, k), 23, 23.99),
+                         signed_powers(rng, (1, k), -9, 23.99)])
+    got = np.asarray(fp8_matmul(x, q, scale, block_k=128, block_n=32, out_dtype=jnp.float32, interpret=True))
+    exact = float64_product(x, q, scale, 128, 32)
+    magnitude = float64_product(jnp.abs(x.astype(jnp.float32)), jnp.abs(q.astype(jnp.float32)), scale, 128, 32)
+    assert np.all(np.abs(got - exact) <= 4 * k * np.finfo(np.float32).eps * magnitude)
+
+
+def test_bfloat16_x_below_the_float16_range_rounds_to_its_subnormal_step(rng):
+    """Magnitudes 2**-30 to 2**-9: after the shift each x is within float16's subnormal
+    step 2**-24 of itself, i.e. 2**(F16_SHIFT - 25) before it: the documented bound."""
+    k, n = 256, 64
+    _, q, scale = make_case(rng, 1, k, 1, n, 128, 32, jnp.bfloat16)
+    x = signed_powers(rng, (3, k), -30, -9)
+    got = np.asarray(fp8_matmul(x, q, scale, block_k=128, block_n=32, out_dtype=jnp.float32, interpret=True))
+    exact = float64_product(x, q, scale, 128, 32)
+    weight_sums = float64_product(jnp.ones((1, k), jnp.float32), jnp.abs(q.astype(jnp.float32)), scale, 128, 32)
+    magnitude = float64_product(jnp.abs(x.astype(jnp.float32)), jnp.abs(q.astype(jnp.float32)), scale, 128, 32)
+    bound = 2.0 ** (F16_SHIFT - 25) * weight_sums + 4 * k * np.finfo(np.float32).eps * magnitude
+    assert np.all(np.abs(got - exact) <= bound)
+
+
 def test_split_k_sums_each_block_once(rng):
     """Five K blocks over five programs per column tile (float32 partials summed after
     the call), the last block partial: within the bound above of the float64 product."""
@@ -136,3 +173,36 @@ def test_bad_shapes_and_blocks_are_named():
     config = MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=2)
     out = fp8_matmul(x, q, jnp.ones((3, 1, 2)), block_k=128, block_n=128, interpret=True, config=config)
     assert out.shape == (2, 1, 200) and not np.asarray(out).any()
+
+
+def test_the_dequantized_dot_rounds_each_weight_once(rng):
+    """The GPU's other path: the weight dequantized to x's dtype (bfloat16: each
+    weight * scale rounded once, relative 2**-9), then one float32-accumulated dot."""
+    m, k, parts, n = 3, 300, 2, 200
+    x, q, scale = make_case(rng, m, k, parts, n, 128, 128, jnp.bfloat16)
+    got = np.asarray(fp8_matmul_dequantized(x, q, scale, block_k=128, block_n=128, out_dtype=jnp.float32))
+    exact = float64_product(x, q, scale, 128, 128)
+    magnitude = float64_product(jnp.abs(x.astype(jnp.float32)), jnp.abs(q.astype(jnp.float32)), scale, 128, 128)
+    assert np.all(np.abs(got - exact) <= (2.0**-9 + 4 * k * np.finfo(np.float32).eps) * magnitude)
+
+
+def test_the_measured_table_picks_the_path_per_row_bucket(monkeypatch, rng):
+    """kernels/fp8_tilings.json as the engine reads it: a row count takes the smallest
+    measured bucket at or above its own (the largest past them all), "dequantize" sends
+    the call to the dequantized dot, an unmeasured weight keeps default_config."""
+    k, parts, n, block = 48, 1, 40, (16, 32)
+    small = MatmulConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, split_k=3)
+    large = MatmulConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    monkeypatch.setitem(kernel_module.FP8_TILINGS, (k, parts, n, *block), {16: small, 64: "dequantize", 128: large})
+    assert [fp8_tiling(m, (k, parts, n), block) for m in (1, 16, 17, 64, 65, 1000)] == [
+        small, small, "dequantize", "dequantize", large, large]
+    assert fp8_tiling(5, (k, parts, 2 * n), block) == default_config(5, 2 * n)
+    x, q, scale = make_case(rng, 70, k, parts, n, *block, jnp.bfloat16)
+
+    def runs_the_kernel(rows):
+        call = functools.partial(fp8_matmul_measured, block_k=block[0], block_n=block[1], interpret=True)
+        return "pallas_call" in str(jax.make_jaxpr(call)(x[:rows], q, scale))
+
+    assert runs_the_kernel(1) and not runs_the_kernel(40) and runs_the_kernel(70)
+    got = fp8_matmul_measured(x[:40], q, scale, block_k=16, block_n=32)
+    np.testing.assert_array_equal(got, fp8_matmul_dequantized(x[:40], q, scale, block_k=16, block_n=32))

@@ -1,8 +1,8 @@
 """The one function every projection of the model goes through: x @ w, plus a bias
 where the layer has one, for weights in the model's dtype and for fp8 weights with
 block scales (jaxmtp/models/quantization.py; jaxmtp.models.params.Fp8Weight). An fp8 weight's
-`matmul` says how: the Pallas kernel (jaxmtp/kernels/fp8_matmul.py) on GPUs, its
-jnp reference (dequantize, then one float32 matmul) elsewhere. A weight in the model's
+`matmul` says how: the Pallas kernel (jaxmtp/kernels/fp8_matmul.py) on GPUs at its
+measured tiling (or the dequantized dot where that measured faster), its jnp reference (dequantize, then one float32 matmul) elsewhere. A weight in the model's
 dtype goes through XLA's dot, except inside a step traced with dense kernels on
 (dense_kernels_for: a GPU, one device, Pallas attention) where the measured table of the
 dense Pallas kernel (jaxmtp.kernels.fp8_matmul.DENSE_TILINGS) names its shape and row
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.kernels.fp8_matmul import (
-    dense_matmul, dense_tiling, dequantize_blocks, fp8_matmul, fp8_matmul_reference, is_k_step,
+    dense_matmul, dense_tiling, dequantize_blocks, fp8_matmul_measured, fp8_matmul_reference, is_k_step,
 )
 from jaxmtp.models.config import check_attention_backend
 from jaxmtp.models.params import Fp8Weight
@@ -31,8 +31,8 @@ log = logging.getLogger("jaxmtp.models.linear")
 
 FP8_MATMULS = {
     "reference": fp8_matmul_reference,
-    "pallas": fp8_matmul,
-    "pallas_interpret": functools.partial(fp8_matmul, interpret=True),
+    "pallas": fp8_matmul_measured,
+    "pallas_interpret": functools.partial(fp8_matmul_measured, interpret=True),
 }
 
 

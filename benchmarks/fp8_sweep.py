@@ -1,0 +1,213 @@
+"""Block-scaled fp8 GEMMs on one GPU (an H200, one call of a few minutes): per weight
+shape and row count, the fp8 Pallas kernel (kernels/fp8_matmul.py) over a grid of
+tilings against XLA's dot of the weight dequantized to bfloat16 (the other path the
+engine has) and against XLA's dot of a bfloat16 weight of the same shape (what fp8 must
+beat), at the Llama-3-8B projections with DeepSeek-V3's 128 x 128 scale blocks. Writes
+the per-shape choice into the table the engine reads at trace time.
+
+    python benchmarks/fp8_sweep.py [--m 1,32,64,128,256,2048] [--shapes q_o,kv,...]
+        [--budget-s 480] [--out DIR] [--tiny]
+
+Compiling, checking (relative Frobenius error against the float32 matmul of the
+dequantized weight) and timing (kernel time in a profiler trace, weights cycling
+through copies that the L2 cache cannot hold) are benchmarks/gemm_sweep.py's. The fp8
+kernel steps K by the scale block, so its tilings are block_m x block_n x split_k at 4
+warps, then warps and stages around the best three. Writes fp8_sweep.json (every
+variant, each row's floor fraction over the fp8 weight and scale bytes) and
+fp8_tilings.json ({"K,P,N,block_k,block_n": {row bucket: tiling or "dequantize"}}: the
+faster of the best tiling and the dequantized dot). --tiny: a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gemm_sweep import NUM_SMS, SHAPES, SMEM_BYTES, Sweep, copy_bandwidth, fastest, second_stage, weight_copies  # noqa: E402
+
+FP8_SHAPES = {label: SHAPES[label] for label in ("q_o", "kv", "qkv", "gate_up", "down")}
+TINY_SHAPES = {"q_o": (64, 1, 96), "gate_up": (48, 2, 40)}
+BLOCK = (128, 128)
+TINY_BLOCK = (16, 32)
+
+
+def fp8_stages(config, block_k: int) -> int:
+    """The most pipeline stages (up to 4) whose bf16 x tile and fp8 weight tile fit."""
+    return min(4, SMEM_BYTES // (block_k * (2 * config.block_m + config.block_n)))
+
+
+def first_stage(m: int, k: int, parts: int, n: int, block_k: int, tiny: bool) -> list:
+    """block_m x block_n x every split of K up to the first giving 4 programs per
+    multiprocessor, at 4 warps and the most stages shared memory holds."""
+    from jaxmtp.kernels.fp8_matmul import MatmulConfig, row_bucket
+
+    bucket = row_bucket(m)
+    block_ms = [min(bucket, 64)] if bucket <= 64 else [64, 128]
+    steps = -(-k // block_k)
+    configs = []
+    for block_m in block_ms:
+        for block_n in (32,) if tiny else (32, 64, 128, 256):
+            for split in [d for d in range(1, 17) if steps % d == 0]:
+                config = MatmulConfig(block_m, block_n, 4, 4, block_k=block_k, split_k=split)
+                stages = fp8_stages(config, block_k)
+                if stages >= 2:
+                    configs.append(dataclasses.replace(config, num_stages=stages))
+                if -(-m // block_m) * parts * -(-n // block_n) * split >= 4 * NUM_SMS:
+                    break
+    return configs
+
+
+def quantize(w, block: tuple[int, int]):
+    """w [K, P, N] in float32 as float8_e4m3fn with one float32 scale per block (the
+    block's largest magnitude maps to e4m3's 448), DeepSeek-V3's layout."""
+    import jax.numpy as jnp
+
+    from jaxmtp.kernels.fp8_matmul import dequantize_blocks
+
+    k, parts, n = w.shape
+    bk, bn = block
+    padded = jnp.pad(jnp.abs(w), ((0, -k % bk), (0, 0), (0, -n % bn)))
+    amax = padded.reshape(-(-k // bk), bk, parts, -(-n // bn), bn).max(axis=(1, 4))
+    scale = jnp.maximum(amax, 1e-12) / 448.0
+    one_over = 1.0 / dequantize_blocks(jnp.ones_like(w), scale, (bk, 1, bn))
+    return (w * one_over).astype(jnp.float8_e4m3fn), scale
+
+
+class Fp8Sweep(Sweep):
+    """gemm_sweep's compile, check and trace timing over fp8 weights: a variant's weights
+    are (fp8 weight, scales) pairs, or bfloat16 arrays for the bf16 baseline."""
+
+    name = "fp8_sweep"
+
+    def program(self, config, shape):
+        from jaxmtp.kernels.fp8_matmul import fp8_matmul, fp8_matmul_dequantized
+
+        jax = self.jax
+        k, parts, n = shape
+        block_k, block_n = self.block
+
+        def one(x, w):
+            if not isinstance(w, tuple):  # the bf16 baseline: XLA's dot as linear() computes it
+                engine_w = w.reshape(k, n) if parts == 1 else w
+                return jax.lax.dot_general(x, engine_w, (((1,), (0,)), ((), ()))).reshape(x.shape[0], parts, n)
+            if config is None:
+                return fp8_matmul_dequantized(x, *w, block_k=block_k, block_n=block_n)
+            return fp8_matmul(x, *w, block_k=block_k, block_n=block_n, config=config, interpret=self.tiny)
+
+        return jax.jit(lambda x, *ws: [one(x, w) for w in ws])
+
+    def add_shape(self, label: str, shape, max_m: int) -> None:
+        """Random x, fp8 weight copies and bf16 weight copies of one shape."""
+        jax, jnp = self.jax, self.jnp
+        k, parts, n = shape
+        copies = weight_copies(shape, jnp.dtype(jnp.float8_e4m3fn))
+        keys = jax.random.split(jax.random.key(zlib.crc32(label.encode())), 2 * copies + 1)
+        normal = [jax.random.normal(key, shape, jnp.float32) / k**0.5 for key in keys[1:]]
+        fp8 = [quantize(w, self.block) for w in normal[:copies]]
+        bf16 = [w.astype(jnp.bfloat16) for w in normal[copies:copies + weight_copies(shape, jnp.dtype(jnp.bfloat16))]]
+        x = jax.random.normal(keys[0], (max_m, k), jnp.float32).astype(jnp.bfloat16)
+        fp8_bytes = k * parts * n + fp8[0][1].size * 4
+        bandwidth = self.results["copy_bytes_per_s"]
+        self.inputs[label] = (shape, x, fp8, bf16)
+        self.results["shapes"][label] = {"k": k, "parts": parts, "n": n, "block": list(self.block),
+                                         "floor_us": fp8_bytes / bandwidth * 1e6,
+                                         "bf16_floor_us": 2 * k * parts * n / bandwidth * 1e6, "by_m": {}}
+
+    def run(self, label: str, m: int) -> None:
+        from jaxmtp.kernels.fp8_matmul import MatmulConfig, dense_matmul_reference, fp8_matmul_reference
+
+        shape, x_all, fp8, bf16 = self.inputs[label]
+        entry = self.results["shapes"][label]
+        x = x_all[:m]
+        f32 = self.jnp.float32
+        block_k, block_n = self.block
+        reference = fp8_matmul_reference(x, *fp8[0], block_k=block_k, block_n=block_n, out_dtype=f32)
+        rows = self.measure([None] + first_stage(m, *shape, block_k, self.tiny), shape, x, fp8, reference,
+                            entry["floor_us"])
+        rows[0]["path"] = "dequantize"
+        refine = second_stage(fastest(rows, 3), {MatmulConfig(**r["config"]) for r in rows if r["config"]})
+        refine = [c for c in refine if c.num_stages <= fp8_stages(c, block_k)]
+        if refine and self.budget_left() > 60 and not self.tiny:
+            rows.extend(self.measure(refine, shape, x, fp8, reference, entry["floor_us"]))
+        baseline = self.measure([None], shape, x, bf16, dense_matmul_reference(x, bf16[0], out_dtype=f32),
+                                entry["floor_us"])
+        rows.append({**baseline[0], "path": "bf16"})
+        entry["by_m"][str(m)] = rows
+        self.save()
+        self.print_case(label, m, rows, entry["floor_us"])
+
+    def print_case(self, label: str, m: int, rows: list[dict], floor_us: float) -> None:
+        by_path = {r.get("path"): r for r in rows if r.get("path")}
+        kernels = [r for r in rows if r["config"] and r.get("ok") and r.get("us")]
+        best = min(kernels, key=lambda r: r["us"], default=None)
+
+        def fmt(r):
+            return "-" if not r or r.get("us") is None else f"{r['us']:7.1f} us ({floor_us / r['us']:.2f})"
+
+        tiling = "" if best is None else " ".join(f"{k}={v}" for k, v in best["config"].items())
+        print(f"[{time.perf_counter() - self.t0:5.0f}s] {label:8} M={m:<5} bf16 {fmt(by_path.get('bf16'))}  "
+              f"dequantize {fmt(by_path.get('dequantize'))}  kernel {fmt(best)}  {tiling}", flush=True)
+
+
+def table(results: dict) -> dict:
+    """{"K,P,N,block_k,block_n": {row bucket: the best tiling's fields, or "dequantize"
+    where the dequantized dot was faster}}; a bucket measured more than once keeps its
+    larger row count's choice."""
+    from jaxmtp.kernels.fp8_matmul import row_bucket
+
+    out: dict = {}
+    for entry in results["shapes"].values():
+        key = ",".join(str(v) for v in (entry["k"], entry["parts"], entry["n"], *entry["block"]))
+        for m, rows in sorted(entry["by_m"].items(), key=lambda item: int(item[0])):
+            timed = [r for r in rows if r.get("us") and r.get("ok") and r.get("path") != "bf16"]
+            if not timed:
+                continue
+            best = min(timed, key=lambda r: r["us"])
+            c = best["config"]
+            out.setdefault(key, {})[str(row_bucket(int(m)))] = "dequantize" if c is None else [
+                c["block_m"], c["block_n"], c["num_warps"], c["num_stages"], c["block_k"], c["split_k"]]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", default="1,32,64,128,256,2048", help="row counts, in the order to run them")
+    parser.add_argument("--shapes", default="down,gate_up,q_o,kv,qkv", help="of: " + ", ".join(FP8_SHAPES))
+    parser.add_argument("--budget-s", type=float, default=480)
+    parser.add_argument("--out", default=".")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, tiny shapes")
+    args = parser.parse_args()
+    sweep = Fp8Sweep(args)
+    sweep.block = TINY_BLOCK if args.tiny else BLOCK
+    sweep.results.update(command="python benchmarks/fp8_sweep.py " + " ".join(sys.argv[1:]), block=list(sweep.block))
+    sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)
+    print(f"copy bandwidth {sweep.results['copy_bytes_per_s'] / 1e12:.3f} TB/s", flush=True)
+    shapes = TINY_SHAPES if args.tiny else FP8_SHAPES
+    labels = [label for label in args.shapes.split(",") if label in shapes]
+    ms = [int(m) for m in args.m.split(",")]
+    for label in labels:
+        sweep.add_shape(label, shapes[label], max(ms))
+    for m in ms:  # M outer: batch 1 first, whatever the budget leaves out
+        for label in labels:
+            if sweep.budget_left() < 30:
+                sweep.results.setdefault("skipped_over_budget", []).append(f"{label} M={m}")
+                continue
+            sweep.run(label, m)
+    sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
+    sweep.results["table"] = table(sweep.results)
+    sweep.save()
+    (sweep.out / "fp8_tilings.json").write_text(json.dumps(sweep.results["table"], indent=1))
+    print("table", json.dumps(sweep.results["table"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()

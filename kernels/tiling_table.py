@@ -1,0 +1,16 @@
+"""The measured tiling tables that benchmarks/ sweeps write next to the kernels (JSON),
+read once at import: {"d0,d1,...": {row bucket: [tiling fields] or the name of a path
+that beat every tiling}}; keys that start with "_" are notes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_tilings(filename: str, config_class) -> dict:
+    """{tuple of ints: {row bucket: config_class(*fields) or a path's name}}."""
+    table = json.loads((Path(__file__).parent / filename).read_text())
+    return {tuple(int(v) for v in key.split(",")): {int(b): c if isinstance(c, str) else config_class(*c)
+                                                     for b, c in buckets.items()}
+            for key, buckets in table.items() if not key.startswith("_")}
