@@ -5,8 +5,8 @@ engine has) and against XLA's dot of a bfloat16 weight of the same shape (what f
 beat), at the Llama-3-8B projections with DeepSeek-V3's 128 x 128 scale blocks. Writes
 the per-shape choice into the table the engine reads at trace time.
 
-    python benchmarks/fp8_sweep.py [--m 1,32,64,128,256,2048] [--shapes q_o,kv,...]
-        [--budget-s 480] [--out DIR] [--tiny]
+    python benchmarks/fp8_sweep.py [--m 1,2,4,8,16,32,64,128,256,2048] [--shapes q_o,kv,...]
+        [--budget-s 480] [--out DIR] [--update kernels/fp8_tilings.json] [--tiny]
 
 Compiling, checking (relative Frobenius error against the float32 matmul of the
 dequantized weight) and timing (kernel time in a profiler trace, weights cycling
@@ -15,7 +15,8 @@ kernel steps K by the scale block, so its tilings are block_m x block_n x split_
 warps, then warps and stages around the best three. Writes fp8_sweep.json (every
 variant, each row's floor fraction over the fp8 weight and scale bytes) and
 fp8_tilings.json ({"K,P,N,block_k,block_n": {row bucket: tiling or "dequantize"}}: the
-faster of the best tiling and the dequantized dot). --tiny: a CPU smoke test.
+faster of the best tiling and the dequantized dot; --update: merged into a table measured
+before, this run's buckets replacing the same ones there). --tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -47,15 +48,21 @@ def fp8_stages(config, block_k: int) -> int:
 
 def first_stage(m: int, k: int, parts: int, n: int, block_k: int, tiny: bool) -> list:
     """block_m x block_n x every split of K up to the first giving 4 programs per
-    multiprocessor, at 4 warps and the most stages shared memory holds."""
-    from jaxmtp.kernels.fp8_matmul import MatmulConfig, row_bucket
+    multiprocessor, at 4 warps and the most stages shared memory holds: MMA tiles of
+    16 rows or more, and below 16 rows also the vector units' products (their float32
+    accumulator, block_m x block_k x block_n, kept to what registers hold)."""
+    from jaxmtp.kernels.fp8_matmul import MMA_ROWS, MatmulConfig
+    from jaxmtp.kernels.tiling_table import row_bucket
 
     bucket = row_bucket(m)
-    block_ms = [min(bucket, 64)] if bucket <= 64 else [64, 128]
+    block_ms = [bucket] if bucket < MMA_ROWS else []
+    block_ms += [min(max(bucket, MMA_ROWS), 64)] if bucket <= 64 else [64, 128]
     steps = -(-k // block_k)
     configs = []
     for block_m in block_ms:
         for block_n in (32,) if tiny else (32, 64, 128, 256):
+            if block_m < MMA_ROWS and block_m * block_n > 256:
+                continue
             for split in [d for d in range(1, 17) if steps % d == 0]:
                 config = MatmulConfig(block_m, block_n, 4, 4, block_k=block_k, split_k=split)
                 stages = fp8_stages(config, block_k)
@@ -162,7 +169,7 @@ def table(results: dict) -> dict:
     """{"K,P,N,block_k,block_n": {row bucket: the best tiling's fields, or "dequantize"
     where the dequantized dot was faster}}; a bucket measured more than once keeps its
     larger row count's choice."""
-    from jaxmtp.kernels.fp8_matmul import row_bucket
+    from jaxmtp.kernels.tiling_table import row_bucket
 
     out: dict = {}
     for entry in results["shapes"].values():
@@ -180,11 +187,13 @@ def table(results: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--m", default="1,32,64,128,256,2048", help="row counts, in the order to run them")
+    parser.add_argument("--m", default="1,2,4,8,16,32,64,128,256,2048", help="row counts, in the order to run them")
     parser.add_argument("--shapes", default="down,gate_up,q_o,kv,qkv", help="of: " + ", ".join(FP8_SHAPES))
     parser.add_argument("--budget-s", type=float, default=480)
     parser.add_argument("--out", default=".")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, tiny shapes")
+    parser.add_argument("--update", default=None, help="a table file (kernels/fp8_tilings.json) whose buckets this "
+                        "run's replace, the rest kept, written as fp8_tilings.json (a sweep in several calls)")
     args = parser.parse_args()
     sweep = Fp8Sweep(args)
     sweep.block = TINY_BLOCK if args.tiny else BLOCK
@@ -205,7 +214,12 @@ def main() -> None:
     sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
     sweep.results["table"] = table(sweep.results)
     sweep.save()
-    (sweep.out / "fp8_tilings.json").write_text(json.dumps(sweep.results["table"], indent=1))
+    tilings = sweep.results["table"]
+    if args.update:  # this run's buckets replace the same buckets of a table measured before
+        tilings = json.loads(Path(args.update).read_text())
+        for key, buckets in sweep.results["table"].items():
+            tilings.setdefault(key, {}).update(buckets)
+    (sweep.out / "fp8_tilings.json").write_text(json.dumps(tilings, indent=1))
     print("table", json.dumps(sweep.results["table"]), flush=True)
 
 

@@ -197,7 +197,7 @@ def table(results: dict) -> dict:
     """{"G,K,N,swiglu": {bucket: tiling or "xla"}}: the best tiling where it beat XLA and
     the default by WIN, "xla" where XLA beat every tiling by WIN (the default elsewhere);
     a bucket measured more than once keeps its larger token count's choice."""
-    from jaxmtp.kernels.grouped_matmul import row_bucket
+    from jaxmtp.kernels.tiling_table import row_bucket
 
     out: dict = {}
     for case in results["cases"]:
@@ -215,7 +215,6 @@ def table(results: dict) -> dict:
             buckets[str(row_bucket(case["rows"]))] = [c["block_m"], c["block_n"], c["block_k"], c["num_warps"],
                                                   c["num_stages"], c["split_k"]]
     return {key: buckets for key, buckets in out.items() if buckets}
-    return out
 
 
 def main() -> None:

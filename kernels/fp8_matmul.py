@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.tiling_table import read_tilings
+from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 # `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams` before
 _TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
@@ -52,7 +52,7 @@ _TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCo
 class MatmulConfig:
     """Static tiling of one call; `default_config` picks it from the shapes."""
 
-    block_m: int  # x rows per program (16 at least: the MMA minimum)
+    block_m: int  # x rows per program: 16 or more, MMA tiles; 1 to 8, products on the vector units
     block_n: int  # output columns per program
     num_warps: int
     num_stages: int
@@ -95,18 +95,12 @@ DENSE_TILINGS = {
 }
 
 
-def row_bucket(m: int) -> int:
-    """The measured tables' row bucket: m rounded up to a power of 2, 16 at least (the
-    smallest row tile, which 1 to 16 rows share)."""
-    return max(16, _next_power_of_2(m))
-
-
 def dense_tiling(m: int, weight_shape: tuple[int, int, int], dtype) -> MatmulConfig | None:
     """The measured tiling for m rows times a [K, P, N] weight in dtype, or None where
     XLA's dot was as fast (the table holds bfloat16 measurements only)."""
     if jnp.dtype(dtype) != jnp.bfloat16:
         return None
-    return DENSE_TILINGS.get(tuple(weight_shape), {}).get(row_bucket(m))
+    return DENSE_TILINGS.get(tuple(weight_shape), {}).get(max(16, row_bucket(m)))
 
 
 # fp8_tilings.json, as benchmarks/fp8_sweep.py writes it: (K, P, N, block_k, block_n) ->
@@ -163,7 +157,9 @@ def is_k_step(block_k: int) -> bool:
     return block_k >= 16 and not block_k & (block_k - 1)
 
 
-# bfloat16 activations times an fp8 weight run as float16 x float16 products: e4m3 to
+MMA_ROWS = 16  # the smallest row tile of Triton's MMA; fewer rows multiply on the vector units
+
+# bfloat16 activations times an fp8 weight in MMA tiles run as float16 x float16 products: e4m3 to
 # float16 is one hardware conversion for two values, e4m3 to bfloat16 a run of integer
 # operations that made the kernel compute-bound at the bf16 kernel's speed (2026-12-03
 # H200 sweep). x enters float16 times 2**-F16_SHIFT (the block scales carry 2**F16_SHIFT
@@ -199,6 +195,7 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
     row_ok = None if m % block_m == 0 else rows < m
     col_ok = None if n % block_n == 0 else cols < n
     first_step = split * k_steps
+    vector = block_m < MMA_ROWS
     # float32 inputs get true float32 products, not Triton's default tf32
     precision = lax.Precision.HIGHEST if x_ref.dtype == jnp.float32 else None
 
@@ -210,16 +207,24 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
         x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=x_mask, other=None if x_mask is None else 0)
         w = plgpu.load(w_ref.at[ks[:, None], part, cols[None, :]], mask=w_mask,
                        other=None if w_mask is None else 0.0)
+        scale = None if s_ref is None else plgpu.load(
+            s_ref.at[kb, part, lax.div(cols, scale_block_n)], mask=col_ok, other=None if col_ok is None else 0)
+        if vector:  # float32 products on the vector units, summed over K after the loop
+            if w.dtype == jnp.float8_e4m3fn:
+                w = w.astype(jnp.float16)  # exact, and one hardware conversion for two values
+            w = w.astype(jnp.float32) if scale is None else w.astype(jnp.float32) * scale[None, :]
+            return acc + x.astype(jnp.float32)[:, :, None] * w[None]
         if f16_shift:
             x = (x.astype(jnp.float32) * 2.0**-f16_shift).astype(jnp.float16)
         product = plgpu.dot(x, w.astype(x.dtype), precision=precision)
-        if s_ref is not None:
-            scale = plgpu.load(s_ref.at[kb, part, lax.div(cols, scale_block_n)], mask=col_ok,
-                               other=None if col_ok is None else 0)
+        if scale is not None:
             product = product * (scale * 2.0**f16_shift)[None, :]
         return acc + product
 
-    acc = lax.fori_loop(0, k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+    acc_shape = (block_m, block_k, block_n) if vector else (block_m, block_n)
+    acc = lax.fori_loop(0, k_steps, step, jnp.zeros(acc_shape, jnp.float32))
+    if vector:
+        acc = acc.sum(axis=1)
     out_mask = _outer_mask(row_ok, col_ok)
     plgpu.store(o_ref.at[split, rows[:, None], part, cols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
 
@@ -234,8 +239,8 @@ def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype
         raise ValueError(f"split_k={config.split_k} does not divide the {total_steps} K steps of {block_k}")
     k_steps = total_steps // config.split_k
     out_dtype = out_dtype or x.dtype
-    # bfloat16 x times an fp8 weight multiply in float16 (see F16_SHIFT)
-    f16_shift = F16_SHIFT if scale_block_n and x.dtype == jnp.bfloat16 else 0
+    # bfloat16 x times an fp8 weight in MMA tiles multiply in float16 (see F16_SHIFT)
+    f16_shift = F16_SHIFT if scale_block_n and x.dtype == jnp.bfloat16 and config.block_m >= MMA_ROWS else 0
     kernel = functools.partial(_kernel, block_m=config.block_m, block_n=config.block_n, block_k=block_k,
                                k_steps=k_steps, scale_block_n=scale_block_n, f16_shift=f16_shift)
     operands = (x, weight) if scale_inv is None else (x, weight, scale_inv.astype(jnp.float32))

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.ragged_paged_attention import _cdiv, _next_power_of_2, _TritonCompilerParams
-from jaxmtp.kernels.tiling_table import read_tilings
+from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -126,12 +126,6 @@ def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool 
     if block_m == 64:
         return GroupedMatmulConfig(64, _largest_dividing(n, 128), _largest_dividing(k, 64), 4, 4)
     return GroupedMatmulConfig(128, _largest_dividing(n, 64 if swiglu else 128), _largest_dividing(k, 64), 8, 3)
-
-
-def row_bucket(num_rows: int) -> int:
-    """The measured table's row bucket: the sorted rows (tokens x top_k) rounded up to a
-    power of 2."""
-    return _next_power_of_2(max(1, num_rows))
 
 
 # grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: (groups, K, N, swiglu)

@@ -14,3 +14,8 @@ def read_tilings(filename: str, config_class) -> dict:
     return {tuple(int(v) for v in key.split(",")): {int(b): c if isinstance(c, str) else config_class(*c)
                                                      for b, c in buckets.items()}
             for key, buckets in table.items() if not key.startswith("_")}
+
+
+def row_bucket(num_rows: int) -> int:
+    """A table's row bucket: the rows rounded up to a power of 2."""
+    return 1 << max(0, num_rows - 1).bit_length()

@@ -34,12 +34,16 @@ def accumulation_bound(x, w):
 
 # (M, K, P, N, config, dtype): one row and a partial row tile; columns past N; the last
 # K step partial (K not a multiple of block_k); gate/up-style column groups; split-K with
-# float32 partials; float32 inputs multiplied at full precision (HIGHEST)
+# float32 partials; float32 inputs multiplied at full precision (HIGHEST); row tiles
+# below the MMA's 16
 CASES = [
     (1, 96, 1, 40, MatmulConfig(16, 32, 4, 3, block_k=32, split_k=1), jnp.bfloat16),
     (20, 100, 2, 48, MatmulConfig(16, 32, 4, 3, block_k=32, split_k=2), jnp.bfloat16),
     (33, 128, 1, 64, MatmulConfig(32, 32, 4, 3, block_k=16, split_k=4), jnp.float16),
     (5, 72, 1, 24, MatmulConfig(16, 16, 4, 3, block_k=16, split_k=5), jnp.float32),
+    # fewer rows than an MMA tile: products on the vector units, one and two row tiles
+    (1, 100, 1, 40, MatmulConfig(1, 32, 4, 3, block_k=32, split_k=2), jnp.bfloat16),
+    (6, 64, 2, 24, MatmulConfig(4, 16, 4, 3, block_k=16, split_k=1), jnp.float32),
 ]
 
 
@@ -66,11 +70,13 @@ def test_bad_inputs_are_named():
                      config=MatmulConfig(16, 32, 4, 3, block_k=16, split_k=3))
 
 
-def test_kernel_lowers_for_the_gpu():
-    """The Triton lowering of a split-K tiling with a partial last K step, from the CPU."""
-    x = jax.ShapeDtypeStruct((64, 300), jnp.bfloat16)
+@pytest.mark.parametrize("m, config", [(64, MatmulConfig(64, 64, 4, 3, block_k=64, split_k=5)),
+                                       (2, MatmulConfig(2, 64, 4, 3, block_k=64, split_k=5))])
+def test_kernel_lowers_for_the_gpu(m, config):
+    """The Triton lowering of a split-K tiling with a partial last K step, in MMA tiles
+    and on the vector units, from the CPU."""
+    x = jax.ShapeDtypeStruct((m, 300), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((300, 2, 200), jnp.bfloat16)
-    config = MatmulConfig(64, 64, 4, 3, block_k=64, split_k=5)
     lowered = jax.jit(lambda x, w: dense_matmul(x, w, config=config)).trace(x, w)
     assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 

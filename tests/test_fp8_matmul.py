@@ -59,11 +59,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("m, k, parts, n, block_k, block_n, dtype", CASES)
-def test_kernel_in_interpret_mode_matches_the_reference(rng, m, k, parts, n, block_k, block_n, dtype):
+# the same cases on the vector units (row tiles below the MMA's 16), one and several row tiles
+VECTOR_CASES = [(1, 300, 1, 200, 128, 128, jnp.bfloat16, MatmulConfig(1, 64, 4, 3, split_k=3)),
+                (5, 128, 2, 130, 128, 128, jnp.float32, MatmulConfig(4, 32, 4, 3)),
+                (3, 200, 1, 150, 64, 96, jnp.bfloat16, MatmulConfig(2, 32, 4, 3, split_k=2))]
+
+
+@pytest.mark.parametrize("m, k, parts, n, block_k, block_n, dtype, config",
+                         [(*case, None) for case in CASES] + VECTOR_CASES)
+def test_kernel_in_interpret_mode_matches_the_reference(rng, m, k, parts, n, block_k, block_n, dtype, config):
     x, q, scale = make_case(rng, m, k, parts, n, block_k, block_n, dtype)
-    blocks = dict(block_k=block_k, block_n=block_n)
-    reference = np.asarray(fp8_matmul_reference(x, q, scale, **blocks, out_dtype=jnp.float32))
+    blocks = dict(block_k=block_k, block_n=block_n, config=config)
+    reference = np.asarray(fp8_matmul_reference(x, q, scale, block_k=block_k, block_n=block_n, out_dtype=jnp.float32))
     got = np.asarray(fp8_matmul(x, q, scale, **blocks, out_dtype=jnp.float32, interpret=True))
     exact = float64_product(x, q, scale, block_k, block_n)
     # Every product is exact in float32 (e4m3 and the inputs have few mantissa bits;
@@ -151,14 +158,16 @@ def test_dequantize_blocks_scales_each_block_of_stacked_and_expert_weights(rng):
     np.testing.assert_array_equal(got, expected)
 
 
-@pytest.mark.parametrize("dtype, m", [(jnp.bfloat16, 1), (jnp.bfloat16, 300), (jnp.float32, 40), (jnp.float16, 16)])
-def test_kernel_lowers_for_the_gpu(dtype, m):
+@pytest.mark.parametrize("dtype, m, config", [(jnp.bfloat16, 1, None), (jnp.bfloat16, 300, None),
+                                              (jnp.float32, 40, None), (jnp.float16, 16, None),
+                                              (jnp.bfloat16, 3, MatmulConfig(4, 64, 4, 3, split_k=3))])
+def test_kernel_lowers_for_the_gpu(dtype, m, config):
     """The Triton lowering runs without a GPU: it rejects what Triton cannot express
     (a masked fp8 load's fill value once failed there and nowhere else)."""
     x = jax.ShapeDtypeStruct((m, 300), dtype)
     q = jax.ShapeDtypeStruct((300, 2, 200), jnp.float8_e4m3fn)
     scale = jax.ShapeDtypeStruct((3, 2, 2), jnp.float32)
-    lowered = jax.jit(lambda x, q, s: fp8_matmul(x, q, s, block_k=128, block_n=128)).trace(x, q, scale)
+    lowered = jax.jit(lambda x, q, s: fp8_matmul(x, q, s, block_k=128, block_n=128, config=config)).trace(x, q, scale)
     text = lowered.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" in text
 
