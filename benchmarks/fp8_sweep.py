@@ -2,8 +2,9 @@
 shape and row count, the fp8 Pallas kernel (kernels/fp8_matmul.py) over a grid of
 tilings against XLA's dot of the weight dequantized to bfloat16 (the other path the
 engine has) and against XLA's dot of a bfloat16 weight of the same shape (what fp8 must
-beat), at the Llama-3-8B projections with DeepSeek-V3's 128 x 128 scale blocks. Writes
-the per-shape choice into the table the engine reads at trace time.
+beat), at the Llama-3-8B projections with DeepSeek-V3's 128 x 128 scale blocks, each fp8
+path reading the weight K-major ([P, N, K]) as the engine holds it for them. Writes the
+per-shape choice into the table the engine reads at trace time.
 
     python benchmarks/fp8_sweep.py [--m 1,2,4,8,16,32,64,128,256,2048] [--shapes q_o,kv,...]
         [--budget-s 480] [--out DIR] [--update kernels/fp8_tilings.json] [--tiny]
@@ -106,9 +107,10 @@ class Fp8Sweep(Sweep):
             if not isinstance(w, tuple):  # the bf16 baseline: XLA's dot as linear() computes it
                 engine_w = w.reshape(k, n) if parts == 1 else w
                 return jax.lax.dot_general(x, engine_w, (((1,), (0,)), ((), ()))).reshape(x.shape[0], parts, n)
+            blocks = dict(block_k=block_k, block_n=block_n, k_major=True)
             if config is None:
-                return fp8_matmul_dequantized(x, *w, block_k=block_k, block_n=block_n)
-            return fp8_matmul(x, *w, block_k=block_k, block_n=block_n, config=config, interpret=self.tiny)
+                return fp8_matmul_dequantized(x, *w, **blocks)
+            return fp8_matmul(x, *w, **blocks, config=config, interpret=self.tiny)
 
         return jax.jit(lambda x, *ws: [one(x, w) for w in ws])
 
@@ -119,12 +121,14 @@ class Fp8Sweep(Sweep):
         copies = weight_copies(shape, jnp.dtype(jnp.float8_e4m3fn))
         keys = jax.random.split(jax.random.key(zlib.crc32(label.encode())), 2 * copies + 1)
         normal = [jax.random.normal(key, shape, jnp.float32) / k**0.5 for key in keys[1:]]
-        fp8 = [quantize(w, self.block) for w in normal[:copies]]
+        fp8 = [quantize(w, self.block) for w in normal[:copies]]  # [K, P, N], scales of that layout
         bf16 = [w.astype(jnp.bfloat16) for w in normal[copies:copies + weight_copies(shape, jnp.dtype(jnp.bfloat16))]]
         x = jax.random.normal(keys[0], (max_m, k), jnp.float32).astype(jnp.bfloat16)
         fp8_bytes = k * parts * n + fp8[0][1].size * 4
         bandwidth = self.results["copy_bytes_per_s"]
-        self.inputs[label] = (shape, x, fp8, bf16)
+        k_major = [(q.transpose(1, 2, 0), scale) for q, scale in fp8]  # the engine's layout, [P, N, K]
+        self.inputs[label] = (shape, x, k_major, bf16)
+        self.references[label] = fp8[0]
         self.results["shapes"][label] = {"k": k, "parts": parts, "n": n, "block": list(self.block),
                                          "floor_us": fp8_bytes / bandwidth * 1e6,
                                          "bf16_floor_us": 2 * k * parts * n / bandwidth * 1e6, "by_m": {}}
@@ -137,7 +141,7 @@ class Fp8Sweep(Sweep):
         x = x_all[:m]
         f32 = self.jnp.float32
         block_k, block_n = self.block
-        reference = fp8_matmul_reference(x, *fp8[0], block_k=block_k, block_n=block_n, out_dtype=f32)
+        reference = fp8_matmul_reference(x, *self.references[label], block_k=block_k, block_n=block_n, out_dtype=f32)
         rows = self.measure([None] + first_stage(m, *shape, block_k, self.tiny), shape, x, fp8, reference,
                             entry["floor_us"])
         rows[0]["path"] = "dequantize"
@@ -196,6 +200,7 @@ def main() -> None:
                         "run's replace, the rest kept, written as fp8_tilings.json (a sweep in several calls)")
     args = parser.parse_args()
     sweep = Fp8Sweep(args)
+    sweep.references = {}  # label -> the first weight copy [K, P, N] and its scales
     sweep.block = TINY_BLOCK if args.tiny else BLOCK
     sweep.results.update(command="python benchmarks/fp8_sweep.py " + " ".join(sys.argv[1:]), block=list(sweep.block))
     sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)

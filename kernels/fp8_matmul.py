@@ -131,10 +131,12 @@ def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int,
     return weight.astype(jnp.float32) * scale
 
 
-def fp8_matmul_dequantized(x, weight, scale_inv, *, block_k: int, block_n: int, out_dtype=None) -> jax.Array:
+def fp8_matmul_dequantized(x, weight, scale_inv, *, block_k: int, block_n: int, out_dtype=None,
+                           k_major: bool = False) -> jax.Array:
     """XLA's dot of x and the weight dequantized to x's dtype (one rounding of each
     weight * scale), accumulated in float32: the GPU's path where the table measured it
-    faster than every tiling of the kernel."""
+    faster than every tiling of the kernel. k_major: the weight is [P, N, K]."""
+    weight = jnp.moveaxis(weight, -1, 0) if k_major else weight
     w = dequantize_blocks(weight, scale_inv, (block_k, 1, block_n)).astype(x.dtype)
     out = jnp.einsum("mk,kpn->mpn", x, w, preferred_element_type=jnp.float32)
     return out.astype(out_dtype or x.dtype)
@@ -182,14 +184,14 @@ def _outer_mask(rows_ok, cols_ok):
     return rows_ok[:, None] & cols_ok[None, :]
 
 
-def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n, f16_shift):
+def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n, f16_shift, k_major):
     """One [block_m, block_n] tile of one column group over k_steps K steps (the
     program's run of K); refs are (scale_inv, out) for an fp8 weight, (out,) else.
     out is [split_k, M, P, N]: each run of K writes its own partial."""
     s_ref, o_ref = refs if scale_block_n else (None, *refs)
     row_block, part, col_block, split = (pl.program_id(axis) for axis in range(4))
     m, k = x_ref.shape
-    n = w_ref.shape[-1]
+    n = w_ref.shape[1 if k_major else -1]
     rows = row_block * block_m + jnp.arange(block_m, dtype=jnp.int32)
     cols = col_block * block_n + jnp.arange(block_n, dtype=jnp.int32)
     row_ok = None if m % block_m == 0 else rows < m
@@ -205,8 +207,13 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
         k_ok = None if k % block_k == 0 else ks < k
         x_mask, w_mask = _outer_mask(row_ok, k_ok), _outer_mask(k_ok, col_ok)
         x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=x_mask, other=None if x_mask is None else 0)
-        w = plgpu.load(w_ref.at[ks[:, None], part, cols[None, :]], mask=w_mask,
-                       other=None if w_mask is None else 0.0)
+        if k_major:  # [P, N, K]: a K-contiguous tile, transposed in registers
+            w_mask = _outer_mask(col_ok, k_ok)
+            w = plgpu.load(w_ref.at[part, cols[:, None], ks[None, :]], mask=w_mask,
+                           other=None if w_mask is None else 0.0).T
+        else:
+            w = plgpu.load(w_ref.at[ks[:, None], part, cols[None, :]], mask=w_mask,
+                           other=None if w_mask is None else 0.0)
         scale = None if s_ref is None else plgpu.load(
             s_ref.at[kb, part, lax.div(cols, scale_block_n)], mask=col_ok, other=None if col_ok is None else 0)
         if vector:  # float32 products on the vector units, summed over K after the loop
@@ -229,11 +236,12 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
     plgpu.store(o_ref.at[split, rows[:, None], part, cols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
 
 
-def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype, interpret, config, name):
+def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype, interpret, config, name,
+                      k_major=False):
     """The kernel over the grid (row tiles, P, column tiles, K runs); the K runs'
     float32 partials summed after it when there are several."""
     m, k = x.shape
-    _, parts, n = weight.shape
+    parts, n = weight.shape[:2] if k_major else weight.shape[1:]
     total_steps = pl.cdiv(k, block_k)
     if total_steps % config.split_k:
         raise ValueError(f"split_k={config.split_k} does not divide the {total_steps} K steps of {block_k}")
@@ -242,7 +250,7 @@ def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype
     # bfloat16 x times an fp8 weight in MMA tiles multiply in float16 (see F16_SHIFT)
     f16_shift = F16_SHIFT if scale_block_n and x.dtype == jnp.bfloat16 and config.block_m >= MMA_ROWS else 0
     kernel = functools.partial(_kernel, block_m=config.block_m, block_n=config.block_n, block_k=block_k,
-                               k_steps=k_steps, scale_block_n=scale_block_n, f16_shift=f16_shift)
+                               k_steps=k_steps, scale_block_n=scale_block_n, f16_shift=f16_shift, k_major=k_major)
     operands = (x, weight) if scale_inv is None else (x, weight, scale_inv.astype(jnp.float32))
     partial_dtype = out_dtype if config.split_k == 1 else jnp.float32
     out = pl.pallas_call(
@@ -256,35 +264,37 @@ def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype
     return out[0] if config.split_k == 1 else out.sum(axis=0).astype(out_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "out_dtype", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "out_dtype", "interpret", "config", "k_major"))
 def fp8_matmul(
     x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *, block_k: int, block_n: int, out_dtype=None,
-    interpret: bool = False, config: MatmulConfig | None = None,
+    interpret: bool = False, config: MatmulConfig | None = None, k_major: bool = False,
 ) -> jax.Array:
     """Pallas (Triton) block-scaled fp8 matmul; see the module docstring for the layout.
     block_k (the scales' K block, and the kernel's K step) must be a power of 2 >= 16;
-    config.block_k is not used."""
+    config.block_k is not used. k_major: the weight is [P, N, K]."""
     m, k = x.shape
-    _, parts, n = weight.shape
+    parts, n = weight.shape[:2] if k_major else weight.shape[1:]
     if not is_k_step(block_k):
         raise ValueError(f"the fp8 kernel steps K by the scale block: block_k={block_k} must be a power of 2 >= 16")
     expected = (pl.cdiv(k, block_k), parts, pl.cdiv(n, block_n))
-    if weight.shape[0] != k or scale_inv.shape != expected:
+    if weight.shape[-1 if k_major else 0] != k or scale_inv.shape != expected:
         raise ValueError(f"x {x.shape}, weight {weight.shape} and scale_inv {scale_inv.shape} do not fit "
                          f"(scale_inv should be {expected} for blocks of {block_k} x {block_n})")
     return _streaming_matmul(x, weight, scale_inv, block_k=block_k, scale_block_n=block_n, out_dtype=out_dtype,
-                             interpret=interpret, config=config or default_config(m, n), name="fp8_matmul")
+                             interpret=interpret, config=config or default_config(m, n), name="fp8_matmul",
+                             k_major=k_major)
 
 
 def fp8_matmul_measured(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *, block_k: int, block_n: int,
-                        out_dtype=None, interpret: bool = False) -> jax.Array:
+                        out_dtype=None, interpret: bool = False, k_major: bool = False) -> jax.Array:
     """The engine's fp8 matmul on the GPU: the kernel at fp8_tiling's tiling, or the
-    dequantized dot where the table names it."""
-    tiling = fp8_tiling(x.shape[0], weight.shape, (block_k, block_n))
+    dequantized dot where the table names it. k_major: the weight is [P, N, K]."""
+    shape = (weight.shape[-1], *weight.shape[:-1]) if k_major else weight.shape
+    tiling = fp8_tiling(x.shape[0], shape, (block_k, block_n))
+    blocks = dict(block_k=block_k, block_n=block_n, out_dtype=out_dtype, k_major=k_major)
     if tiling == "dequantize":
-        return fp8_matmul_dequantized(x, weight, scale_inv, block_k=block_k, block_n=block_n, out_dtype=out_dtype)
-    return fp8_matmul(x, weight, scale_inv, block_k=block_k, block_n=block_n, out_dtype=out_dtype,
-                      interpret=interpret, config=tiling)
+        return fp8_matmul_dequantized(x, weight, scale_inv, **blocks)
+    return fp8_matmul(x, weight, scale_inv, **blocks, interpret=interpret, config=tiling)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "config"))

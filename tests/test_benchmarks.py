@@ -59,6 +59,21 @@ def test_grouped_sweep_checks_xla_and_the_tilings_and_writes_the_table(tmp_path)
     assert all(key.count(",") == 3 for key in table)
 
 
+def test_fp8_sweep_checks_each_path_and_merges_its_table_into_a_measured_one(tmp_path):
+    """The fp8 sweep on a tiny shape (interpret mode): the dequantized dot, the bf16 dot
+    and the kernel's tilings, each checked against float32 and timed; the table written
+    with this run's buckets over those of --update's table, the others kept."""
+    before = tmp_path / "before.json"
+    before.write_text(json.dumps({"_about": "earlier", "64,1,96,16,32": {"1": "x", "512": "y"}, "1,1,1,1,1": {"1": "z"}}))
+    run_script("fp8_sweep.py", "--tiny", "--m", "1", "--shapes", "q_o", "--update", str(before), "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "fp8_sweep.json").read_text())["shapes"]["q_o"]["by_m"]["1"]
+    assert [r.get("path") for r in rows if r.get("path")] == ["dequantize", "bf16"]
+    assert len(rows) > 2 and all(r["ok"] and r["us"] > 0 for r in rows)
+    table = json.loads((tmp_path / "fp8_tilings.json").read_text())
+    assert table["_about"] == "earlier" and table["1,1,1,1,1"] == {"1": "z"}
+    assert table["64,1,96,16,32"]["512"] == "y" and table["64,1,96,16,32"]["1"] != "x"
+
+
 def test_decode_step_times_each_tiling_against_the_default(tmp_path):
     run_script("decode_step.py", "--tiny", "--shapes", "1x48,8x64", "--tilings", "num_splits=1", "--out", str(tmp_path))
     runs = json.loads((tmp_path / "decode_step.json").read_text())["runs"]

@@ -210,10 +210,37 @@ def test_the_engine_runs_the_pallas_kernel_where_the_attention_does(llama_fp8, l
     weights = [w for w in jax.tree.leaves(llm.engine.params, is_leaf=lambda x: isinstance(x, Fp8Weight))
                if isinstance(w, Fp8Weight)]
     assert weights and {w.matmul for w in weights} == {"pallas_interpret"}
+    # the kernel reads K-major weights: the checkpoint's [out, in] bytes as they are
+    assert all(w.k_major for w in weights)
+    layer = llm.engine.params.layers[0]
+    assert layer.q_proj.weight.shape == (256, 256) and layer.down_proj.weight.shape == (256, 320)
+    assert layer.gate_up_proj.weight.shape == (2, 320, 256) and layer.gate_up_proj.shape == (256, 2, 320)
+    stored = load_file(llama_fp8[0] / "model.safetensors")
+    np.testing.assert_array_equal(np.asarray(layer.down_proj.weight.astype(np.float32)),
+                                  stored["model.layers.0.mlp.down_proj.weight"].float().numpy())
     ids = [1] + rng.integers(3, 97, size=9).tolist()
     # the same float32 products summed in another order (per 128-block, then scaled)
     want = prompt_logits(llama_engine.engine, ids)
     assert_within(prompt_logits(llm.engine, ids), want, logits_bound(want, LLAMA_LAYERS, LLAMA_WIDEST_SUM))
+
+
+def test_a_checkpoint_saved_from_k_major_weights_holds_the_in_out_layout(llama_fp8, llama_engine, tmp_path):
+    """save_checkpoint of an engine whose kernel reads K-major weights writes the [in, out]
+    layout the loader restores, and leaves the engine's own weights in place."""
+    from jaxmtp.loading.loader import save_checkpoint
+
+    llm = LLM(llama_fp8[0], dtype="float32", max_num_seqs=1, max_num_batched_tokens=32, page_size=4,
+              attention_backend="pallas_interpret")
+    saved = save_checkpoint(tmp_path / "ckpt", llm.engine.params, llm.engine.model_config, llama_fp8[0])
+    restored = LLM(saved, dtype="float32", max_num_seqs=1, max_num_batched_tokens=32, page_size=4)
+    for ours, theirs in [(llm.engine.params.layers[1].gate_up_proj, restored.engine.params.layers[1].gate_up_proj),
+                         (llm.engine.params.layers[0].o_proj, restored.engine.params.layers[0].o_proj)]:
+        assert ours.k_major and not theirs.k_major
+        np.testing.assert_array_equal(np.asarray(ours.in_major_weight.astype(np.float32)),
+                                      np.asarray(theirs.weight.astype(np.float32)))
+        np.testing.assert_array_equal(np.asarray(ours.scale_inv), np.asarray(theirs.scale_inv))
+    ids = [1, 5, 9, 13]
+    assert_within(prompt_logits(restored.engine, ids), prompt_logits(llama_engine.engine, ids), 0.0)
 
 
 @pytest.fixture(scope="module")

@@ -215,3 +215,37 @@ def test_the_measured_table_picks_the_path_per_row_bucket(monkeypatch, rng):
     assert runs_the_kernel(1) and not runs_the_kernel(40) and runs_the_kernel(70)
     got = fp8_matmul_measured(x[:40], q, scale, block_k=16, block_n=32)
     np.testing.assert_array_equal(got, fp8_matmul_dequantized(x[:40], q, scale, block_k=16, block_n=32))
+
+
+@pytest.mark.parametrize("m, k, parts, n, block_k, block_n, dtype, config", [
+    (1, 300, 1, 200, 128, 128, jnp.bfloat16, None),
+    (70, 260, 2, 96, 128, 128, jnp.bfloat16, None),
+    (3, 200, 1, 150, 64, 96, jnp.float32, MatmulConfig(2, 32, 4, 3, split_k=2)),
+    (17, 48, 3, 40, 16, 16, jnp.bfloat16, MatmulConfig(16, 32, 4, 3, split_k=3)),
+])
+def test_a_k_major_weight_gives_the_same_sums(rng, m, k, parts, n, block_k, block_n, dtype, config):
+    """The weight as [P, N, K] (the engine's layout for the kernel), partial edge blocks
+    included: the float64 product within float32 sums of k terms (their order is the
+    CPU dot's, which follows the layout), as from [K, P, N]; and the dequantized dot
+    reads it as it reads [K, P, N]."""
+    x, q, scale = make_case(rng, m, k, parts, n, block_k, block_n, dtype)
+    blocks = dict(block_k=block_k, block_n=block_n, out_dtype=jnp.float32)
+    k_major = q.transpose(1, 2, 0)
+    got = np.asarray(fp8_matmul(x, k_major, scale, **blocks, interpret=True, config=config, k_major=True))
+    exact = float64_product(x, q, scale, block_k, block_n)
+    magnitude = float64_product(jnp.abs(x.astype(jnp.float32)), jnp.abs(q.astype(jnp.float32)), scale, block_k, block_n)
+    assert np.all(np.abs(got - exact) <= 4 * k * np.finfo(np.float32).eps * magnitude)
+    dequantized = np.asarray(fp8_matmul_dequantized(x, q, scale, **blocks))
+    np.testing.assert_allclose(fp8_matmul_dequantized(x, k_major, scale, **blocks, k_major=True), dequantized,
+                               atol=4 * k * np.finfo(np.float32).eps * magnitude.max(), rtol=0)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_matmul(x, q, scale, **blocks, interpret=True, k_major=True)
+
+
+def test_a_k_major_weight_lowers_for_the_gpu():
+    x = jax.ShapeDtypeStruct((2, 300), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, 200, 300), jnp.float8_e4m3fn)
+    scale = jax.ShapeDtypeStruct((3, 2, 2), jnp.float32)
+    for config in (None, MatmulConfig(2, 64, 4, 3, split_k=3)):
+        lowered = jax.jit(lambda x, q, s: fp8_matmul(x, q, s, block_k=128, block_n=128, config=config, k_major=True))
+        assert "triton" in lowered.trace(x, q, scale).lower(lowering_platforms=("cuda",)).as_text()

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from jaxmtp.loading.hybrid import check_layer_kind, gated_query_refs, linear_attention_refs
 from jaxmtp.loading.tensor_source import StackedRef, TensorRef, TensorSource, slice_ref, stack_refs
 from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.linear import with_fp8_matmul
 from jaxmtp.models.params import (
     BiasedLayerParams,
     ExpertLayerParams,
@@ -255,7 +256,8 @@ def save_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, sourc
     if target.exists():
         shutil.rmtree(target)
     checkpointer = _orbax().StandardCheckpointer()
-    checkpointer.save(target, with_separate_qkv(params, cfg))
+    # the checkpoint's layout: fp8 weights [in, out] (the reference's), q, k and v apart
+    checkpointer.save(target, with_separate_qkv(with_fp8_matmul(params, "reference"), cfg))
     checkpointer.wait_until_finished()
     return out
 

@@ -92,17 +92,29 @@ def _dense_linear(x: jax.Array, w: jax.Array, tiling, out_dtype) -> jax.Array:
 
 
 def _fp8_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
-    """The matmul kernels' layout is [K, P, N] (P column groups: gate and up, or 1)."""
+    """The matmul kernels' layout is [K, P, N] (P column groups: gate and up, or 1), or
+    K-major [P, N, K]."""
     k, out_shape = w.shape[0], w.shape[1:]
-    weight, scale = w.weight.reshape(k, -1, out_shape[-1]), w.scale_inv.reshape(w.scale_inv.shape[0], -1, w.scale_inv.shape[-1])
-    out = FP8_MATMULS[w.matmul](x, weight, scale, block_k=w.block[0], block_n=w.block[-1], out_dtype=out_dtype)
+    weight = w.weight.reshape(-1, *w.weight.shape[-2:]) if w.k_major else w.weight.reshape(k, -1, out_shape[-1])
+    scale = w.scale_inv.reshape(w.scale_inv.shape[0], -1, w.scale_inv.shape[-1])
+    matmul = FP8_MATMULS[w.matmul]
+    layout = {"k_major": True} if w.k_major else {}
+    out = matmul(x, weight, scale, block_k=w.block[0], block_n=w.block[-1], out_dtype=out_dtype, **layout)
     return out.reshape(x.shape[0], *out_shape)
+
+
+# The fp8 weights that dense() dequantizes whole rather than linear() multiplying by
+# them (jaxmtp/models/moe.py's experts, jaxmtp/models/mla.py's absorbed kv_b_proj): they
+# keep the [in, out] layout on every matmul path
+DEQUANTIZED_WHOLE = frozenset({"experts_gate_up", "experts_down", "kv_b_proj"})
 
 
 def dense(w: jax.Array | Fp8Weight, dtype) -> jax.Array:
     """The weight itself, in dtype (fp8: dequantized), for the products that are not
-    x @ w (MLA's absorbed kv_b_proj)."""
-    return dequantize_blocks(w.weight, w.scale_inv, w.block).astype(dtype) if isinstance(w, Fp8Weight) else w
+    x @ w (MLA's absorbed kv_b_proj, the experts' grouped matmuls)."""
+    if not isinstance(w, Fp8Weight):
+        return w
+    return dequantize_blocks(w.in_major_weight, w.scale_inv, w.block).astype(dtype)
 
 
 def fp8_matmul_for(attention_backend: str, num_devices: int, quantization: Fp8BlockConfig) -> str:
@@ -125,7 +137,33 @@ def fp8_matmul_for(attention_backend: str, num_devices: int, quantization: Fp8Bl
     return matmul
 
 
-def with_fp8_matmul(params, matmul: str):
-    """params with every fp8 weight multiplied by `matmul` (one of FP8_MATMULS)."""
-    return jax.tree.map(lambda w: dataclasses.replace(w, matmul=matmul) if isinstance(w, Fp8Weight) else w,
-                        params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
+    """params with every fp8 weight multiplied by `matmul` (one of FP8_MATMULS), in the
+    layout that path reads: K-major for the Pallas kernel (fp8 tiles along K feed its
+    MMA without a transpose in shared memory: 1.3-1.6x faster at decode on the H200,
+    docs/benchmarks/2026-12-03_H200_fp8_sweep_k_major.json), [in, out] for the reference
+    and for the weights in DEQUANTIZED_WHOLE. in_place: a weight changing layout is
+    moved in its own buffer, which params loses (a model that fills the device in fp8
+    has no room for a second copy); else copied."""
+
+    def convert(path, w):
+        if not isinstance(w, Fp8Weight):
+            return w
+        k_major = matmul != "reference" and path[-1].name not in DEQUANTIZED_WHOLE
+        if k_major == w.k_major:
+            return dataclasses.replace(w, matmul=matmul)
+        axes = (0, -1) if k_major else (-1, 0)
+        shape = jax.eval_shape(lambda a: jnp.moveaxis(a, *axes), w.weight).shape
+        weight = (_moved_in_place if in_place else _moved)(w.weight, axes).reshape(shape)
+        return dataclasses.replace(w, weight=weight, matmul=matmul, k_major=k_major)
+
+    return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+
+
+def _moved(weight: jax.Array, axes: tuple[int, int]) -> jax.Array:
+    """weight with an axis moved, in weight's shape (the caller reshapes it), so that
+    _moved_in_place can write it into weight's own buffer."""
+    return jnp.moveaxis(weight, *axes).reshape(weight.shape)
+
+
+_moved_in_place = jax.jit(_moved, static_argnums=1, donate_argnums=0)

@@ -31,10 +31,21 @@ class Fp8Weight:
     block: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     # how jaxmtp.models.linear multiplies by it: "reference", "pallas" or "pallas_interpret"
     matmul: str = dataclasses.field(default="reference", metadata=dict(static=True))
+    # weight held K-major, its in axis moved last ([out, in]; gate and up [2, out, in]), as
+    # the Pallas kernel reads it (jaxmtp.models.linear.with_fp8_matmul); scale_inv and
+    # block keep the [in, out] layout either way
+    k_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.weight.shape
+        """The shape of the array it stands for ([in, out], ...), in either layout."""
+        shape = self.weight.shape
+        return (shape[-1], *shape[:-1]) if self.k_major else shape
+
+    @property
+    def in_major_weight(self) -> jax.Array:
+        """weight in the layout of the array it stands for."""
+        return jnp.moveaxis(self.weight, -1, 0) if self.k_major else self.weight
 
 
 @pytree_dataclass

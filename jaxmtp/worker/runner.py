@@ -55,7 +55,7 @@ class ModelRunner:
         )
         if model_config.quantization is not None:
             matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
-            self.params = with_fp8_matmul(self.params, matmul)
+            self.params = with_fp8_matmul(self.params, matmul, in_place=True)
         if dense_kernels_for(config.attention_backend, self.mesh):
             # where the step may take the dense kernel: q, k and v as one matmul, whose
             # merged shape its measured table names
