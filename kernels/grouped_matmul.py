@@ -10,6 +10,10 @@ Layout (fixed by jaxmtp/models/moe.py):
   group_sizes  int32 [G]  sorted rows per group: group g owns rows
                           sum(group_sizes[:g]) .. sum(group_sizes[:g+1]) - 1; they sum to
                           at most M, and rows past the sum (padding) come out 0
+  scale_inv    optional, for an rhs in float8_e4m3fn with block scales (DeepSeek-V3's
+                          fp8 experts): float32 [G, ceil(K / bk), ceil(N / bn)] (swiglu:
+                          [G, ceil(K / bk), 2, ceil(N / bn)]), scale_block = (bk, bn); the
+                          weight is rhs * the scale of its block
 
 grouped_matmul gives lhs_sorted @ rhs[g] per group ([M, N]); grouped_swiglu gives
 silu(lhs_sorted @ gate[g]) * (lhs_sorted @ up[g]) ([M, N]): both projections from one
@@ -27,6 +31,12 @@ groups' sum form one more group that computes nothing and stores zeros. With `sp
 float32 partials that one XLA fusion after the call sums (and, for swiglu, activates):
 more loads in flight where a few rows leave too few programs to stream the weights.
 
+An fp8 rhs streams as fp8 (the routed experts' bytes only): each K step lies inside one
+scale block, its tile is converted in registers and its float32 product multiplied by
+the columns' block scales, as kernels/fp8_matmul.py does (bfloat16 rows multiply in
+float16 after its exact F16_SHIFT). The references dequantize the experts and multiply
+in float32.
+
 Every memory access is an explicit gather (row and column index vectors), so the same
 kernel runs under Triton on the GPU and under `interpret=True` on the CPU.
 """
@@ -41,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxmtp.kernels.fp8_matmul import F16_SHIFT, dequantize_blocks, is_k_step
 from jaxmtp.kernels.ragged_paged_attention import _cdiv, _next_power_of_2, _TritonCompilerParams
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
@@ -59,10 +70,22 @@ def _ragged_dot(lhs, rhs, group_sizes):
                           preferred_element_type=jnp.float32)
 
 
+def _dequantized(lhs, rhs, scale_inv, scale_block):
+    """(lhs, rhs) to multiply: as they are, or for an fp8 rhs both in float32 with rhs
+    times its block scales."""
+    if scale_inv is None:
+        return lhs, rhs
+    bk, bn = scale_block
+    block = (1, bk, 1, bn) if rhs.ndim == 4 else (1, bk, bn)
+    return lhs.astype(jnp.float32), dequantize_blocks(rhs, scale_inv, block)
+
+
 def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                             rows: jax.Array | None = None) -> jax.Array:
+                             rows: jax.Array | None = None, *, scale_inv: jax.Array | None = None,
+                             scale_block: tuple[int, int] | None = None) -> jax.Array:
     """lhs rows of group g times rhs[g], in float32 accumulation (XLA's ragged_dot)."""
-    return _ragged_dot(_sorted_lhs(lhs, rows), rhs, group_sizes).astype(lhs.dtype)
+    a, w = _dequantized(_sorted_lhs(lhs, rows), rhs, scale_inv, scale_block)
+    return _ragged_dot(a, w, group_sizes).astype(lhs.dtype)
 
 
 def _silu_and_mul(both: jax.Array, n: int) -> jax.Array:
@@ -71,10 +94,12 @@ def _silu_and_mul(both: jax.Array, n: int) -> jax.Array:
 
 
 def grouped_swiglu_reference(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
-                             rows: jax.Array | None = None) -> jax.Array:
+                             rows: jax.Array | None = None, *, scale_inv: jax.Array | None = None,
+                             scale_block: tuple[int, int] | None = None) -> jax.Array:
     """silu(lhs @ gate[g]) * (lhs @ up[g]) per group, from float32 accumulators."""
     num_groups, k, _, n = gate_up.shape
-    both = _ragged_dot(_sorted_lhs(lhs, rows), gate_up.reshape(num_groups, k, 2 * n), group_sizes)
+    a, w = _dequantized(_sorted_lhs(lhs, rows), gate_up, scale_inv, scale_block)
+    both = _ragged_dot(a, w.reshape(num_groups, k, 2 * n), group_sizes)
     return _silu_and_mul(both, n).astype(lhs.dtype)
 
 
@@ -111,21 +136,26 @@ def supports(num_groups: int, k: int, n: int) -> bool:
     return k % 16 == 0 and n % 16 == 0 and num_groups * k * n <= _MAX_ELEMENTS
 
 
-def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool = False) -> GroupedMatmulConfig:
+def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool = False,
+                   scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig:
     """Tiling from static shapes (first choices; docs/kernels.md, "Grouped matmul", has
     the H200 sweep and its leads).
 
     block_m follows the average rows per group, 16 (the MMA minimum) to 128. Small
     blocks are a weight stream: narrow column tiles (many programs to keep enough
-    loads in flight) and long K steps; large ones are MMA tiles of 128 x 128.
+    loads in flight) and long K steps; large ones are MMA tiles of 128 x 128. An fp8
+    rhs's K step stays inside one scale block (scale_block[0], a power of 2 >= 16).
     """
     rows_per_group = _next_power_of_2(_cdiv(num_rows, num_groups))
     block_m = min(max(rows_per_group, 16), 128)
+    longest_k = 256 if scale_block is None else min(256, scale_block[0])
     if block_m <= 32:
-        return GroupedMatmulConfig(block_m, _largest_dividing(n, 32 if swiglu else 64), _largest_dividing(k, 256), 4, 4)
+        return GroupedMatmulConfig(block_m, _largest_dividing(n, 32 if swiglu else 64), _largest_dividing(k, longest_k),
+                                   4, 4)
     if block_m == 64:
-        return GroupedMatmulConfig(64, _largest_dividing(n, 128), _largest_dividing(k, 64), 4, 4)
-    return GroupedMatmulConfig(128, _largest_dividing(n, 64 if swiglu else 128), _largest_dividing(k, 64), 8, 3)
+        return GroupedMatmulConfig(64, _largest_dividing(n, 128), _largest_dividing(k, min(64, longest_k)), 4, 4)
+    return GroupedMatmulConfig(128, _largest_dividing(n, 64 if swiglu else 128), _largest_dividing(k, min(64, longest_k)),
+                               8, 3)
 
 
 # grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: (groups, K, N, swiglu)
@@ -141,10 +171,13 @@ def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool)
     return measured or default_config(num_rows, num_groups, k, n, swiglu)
 
 
-def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, block_m: int, block_n: int,
-            block_k: int, swiglu: bool, n: int, split_k: int):
+def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int, block_m: int, block_n: int,
+            block_k: int, swiglu: bool, n: int, split_k: int, scale_block: tuple[int, int] | None, f16_shift: int):
     """out: [M, N] (swiglu: the activated product) with one run of K, else [split_k, M,
-    N] float32 partials (swiglu: [split_k, M, 2N], gate then up, activated after)."""
+    N] float32 partials (swiglu: [split_k, M, 2N], gate then up, activated after).
+    refs: (scale_inv [G * ceil(K / bk), (2 x) ceil(N / bn)], out) for an fp8 rhs, else
+    (out,)."""
+    scale_ref, out_ref = refs if scale_block else (None, *refs)
     m_block, n_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_rows = out_ref.shape[-2]
     k_total = lhs_ref.shape[1]
@@ -179,14 +212,27 @@ def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups:
     run_steps = k_total // block_k // split_k
     k_steps = run_steps * ((group < num_groups) & (rows_here > 0)).astype(jnp.int32)
 
+    if scale_block:  # this group's scale rows, and each column's scale of gate (and up)
+        scale_k, scale_n = scale_block
+        scale_row0 = jnp.minimum(group, num_groups - 1) * _cdiv(k_total, scale_k)
+        scale_cols = [lax.div(col, scale_n)] + ([_cdiv(n, scale_n) + lax.div(col, scale_n)] if swiglu else [])
+
+    def product(a, weights, part, first_k):
+        w = plgpu.load(weights)
+        if not scale_block:
+            return plgpu.dot(a, w, precision=precision)
+        scale = plgpu.load(scale_ref.at[scale_row0 + lax.div(first_k, scale_k), scale_cols[part]])
+        return plgpu.dot(a, w.astype(a.dtype), precision=precision) * (scale * 2.0**f16_shift)[None, :]
+
     def step(i, accs):
-        kk = (split * run_steps + i) * block_k + depth
+        first_k = (split * run_steps + i) * block_k
+        kk = first_k + depth
         a = plgpu.load(lhs_ref.at[source[:, None], kk[None, :]], mask=lhs_mask, other=0)
-        weights = rhs_ref.at[rhs_row + kk[:, None], col[None, :]]
-        out = [accs[0] + plgpu.dot(a, plgpu.load(weights), precision=precision)]
+        if f16_shift:
+            a = (a.astype(jnp.float32) * 2.0**-f16_shift).astype(jnp.float16)
+        out = [accs[0] + product(a, rhs_ref.at[rhs_row + kk[:, None], col[None, :]], 0, first_k)]
         if swiglu:
-            up = rhs_ref.at[rhs_row + kk[:, None], n + col[None, :]]
-            out.append(accs[1] + plgpu.dot(a, plgpu.load(up), precision=precision))
+            out.append(accs[1] + product(a, rhs_ref.at[rhs_row + kk[:, None], n + col[None, :]], 1, first_k))
         return tuple(out)
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
@@ -200,7 +246,7 @@ def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, out_ref, *, num_groups:
     plgpu.store(out_ref.at[row[:, None], col[None, :]], out.astype(out_ref.dtype), mask=store_mask)
 
 
-def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
+def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config, scale_inv=None, scale_block=None):
     num_groups, k, n = rhs.shape[0], rhs.shape[1], rhs.shape[-1]
     if lhs.shape[1] != k:
         raise ValueError(f"lhs has {lhs.shape[1]} columns, rhs {k} rows")
@@ -210,15 +256,28 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
         raise ValueError(f"the grouped matmul kernel indexes in int32: rhs of {rhs.size} elements is too large")
     num_rows = lhs.shape[0] if rows is None else rows.shape[0]
     if config is None:
-        config = default_config(num_rows, num_groups, k, n, swiglu)
+        config = default_config(num_rows, num_groups, k, n, swiglu, scale_block)
     if k % (config.block_k * config.split_k) or n % config.block_n:
         raise ValueError(f"{config} does not tile K={k}, N={n}")
+    if scale_block is not None:
+        scales = (num_groups, _cdiv(k, scale_block[0])) + ((2,) if swiglu else ()) + (_cdiv(n, scale_block[1]),)
+        if scale_inv.shape != scales:
+            raise ValueError(f"scale_inv {scale_inv.shape} does not fit rhs {rhs.shape} in blocks of {scale_block} "
+                             f"(it should be {scales})")
+        if scale_block[0] % config.block_k:
+            raise ValueError(f"block_k={config.block_k} must divide the scale block's K ({scale_block[0]}): "
+                             "one scale per K step")
     # A static bound on the row blocks: sum_g cdiv(size_g, block_m) over the groups and
     # the padding group is at most M // block_m + G + 1, and a block holds a row.
     num_blocks = max(1, min(num_rows, num_rows // config.block_m + num_groups + 1))
+    f16_shift = F16_SHIFT if scale_block is not None and lhs.dtype == jnp.bfloat16 else 0
     kernel = functools.partial(_kernel, num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
-                               block_k=config.block_k, swiglu=swiglu, n=n, split_k=config.split_k)
+                               block_k=config.block_k, swiglu=swiglu, n=n, split_k=config.split_k,
+                               scale_block=scale_block, f16_shift=f16_shift)
     rows = jnp.arange(num_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    operands = [group_sizes.astype(jnp.int32), rows, lhs, rhs.reshape(num_groups * k, -1)]
+    if scale_block is not None:
+        operands.append(scale_inv.astype(jnp.float32).reshape(num_groups * scales[1], -1))
     split = config.split_k > 1
     out_shape = (config.split_k, num_rows, 2 * n if swiglu else n) if split else (num_rows, n)
     out = pl.pallas_call(
@@ -228,56 +287,69 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config):
         compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="grouped_swiglu" if swiglu else "grouped_matmul",
-    )(group_sizes.astype(jnp.int32), rows, lhs, rhs.reshape(num_groups * k, -1))
+    )(*operands)
     if not split:
         return out
     out = out.sum(axis=0)
     return (_silu_and_mul(out, n) if swiglu else out).astype(lhs.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
 def grouped_matmul_kernel(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
+                          scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
                           interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
     """Pallas (Triton) grouped matmul; same contract as grouped_matmul_reference.
     `config` overrides the tiling that `default_config` picks (for tuning)."""
-    return _grouped_call(lhs, rhs, group_sizes, rows, swiglu=False, interpret=interpret, config=config)
+    return _grouped_call(lhs, rhs, group_sizes, rows, swiglu=False, interpret=interpret, config=config,
+                         scale_inv=scale_inv, scale_block=scale_block)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
 def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None,
-                          *, interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+                          *, scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
+                          interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
     """Pallas (Triton) fused gate/up projection and SiLU-and-multiply; same contract as
     grouped_swiglu_reference."""
-    return _grouped_call(lhs, gate_up, group_sizes, rows, swiglu=True, interpret=interpret, config=config)
+    return _grouped_call(lhs, gate_up, group_sizes, rows, swiglu=True, interpret=interpret, config=config,
+                         scale_inv=scale_inv, scale_block=scale_block)
 
 
 # ----- the model's entry points -----------------------------------------------------------
 
 
-def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool) -> GroupedMatmulConfig | None:
+def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool,
+            scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig | None:
     """The kernel's tiling on GPUs where it tiles the shapes and the table does not name
-    XLA for them; None: XLA's ragged_dot (the reference)."""
+    XLA for them; None: XLA's ragged_dot (the reference). The table holds bfloat16
+    measurements: fp8 experts take default_config's tiling, where their scale block's K
+    can be a K step (a power of 2 >= 16)."""
     num_groups, k = rhs.shape[:2]
     n = rhs.size // (num_groups * k)
     if jax.default_backend() != "gpu" or not supports(num_groups, k, n):
         return None
-    tiling = grouped_tiling(lhs.shape[0] if rows is None else rows.shape[0], num_groups, k, n, swiglu)
+    num_rows = lhs.shape[0] if rows is None else rows.shape[0]
+    if scale_block is not None:
+        return default_config(num_rows, num_groups, k, n, swiglu, scale_block) if is_k_step(scale_block[0]) else None
+    tiling = grouped_tiling(num_rows, num_groups, k, n, swiglu)
     return None if tiling == "xla" else tiling
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
+                   scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None) -> jax.Array:
     """The kernel at its measured tiling, or XLA's ragged_dot where that was faster or the
     kernel does not tile the shapes (and off GPUs)."""
-    config = _tiling(lhs, rhs, rows, swiglu=False)
+    scales = dict(scale_inv=scale_inv, scale_block=scale_block)
+    config = _tiling(lhs, rhs, rows, swiglu=False, scale_block=scale_block)
     if config is None:
-        return grouped_matmul_reference(lhs, rhs, group_sizes, rows)
-    return grouped_matmul_kernel(lhs, rhs, group_sizes, rows, config=config)
+        return grouped_matmul_reference(lhs, rhs, group_sizes, rows, **scales)
+    return grouped_matmul_kernel(lhs, rhs, group_sizes, rows, **scales, config=config)
 
 
-def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
-                   rows: jax.Array | None = None) -> jax.Array:
+def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
+                   scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None) -> jax.Array:
     """As grouped_matmul, for the fused gate/up projection and SiLU-and-multiply."""
-    config = _tiling(lhs, gate_up, rows, swiglu=True)
+    scales = dict(scale_inv=scale_inv, scale_block=scale_block)
+    config = _tiling(lhs, gate_up, rows, swiglu=True, scale_block=scale_block)
     if config is None:
-        return grouped_swiglu_reference(lhs, gate_up, group_sizes, rows)
-    return grouped_swiglu_kernel(lhs, gate_up, group_sizes, rows, config=config)
+        return grouped_swiglu_reference(lhs, gate_up, group_sizes, rows, **scales)
+    return grouped_swiglu_kernel(lhs, gate_up, group_sizes, rows, **scales, config=config)

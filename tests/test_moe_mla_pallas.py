@@ -84,6 +84,61 @@ def test_grouped_kernel_in_bfloat16_and_without_rows():
     assert error < 2 * (2.0**-8 + gamma(32)), f"seed={seed}: relative error {error:.2e}"
 
 
+def fp8_experts(rng, shape, scale_block):
+    """An fp8 expert weight [E, K, (2,) N] with float32 scales per (K, N) block that differ
+    by up to 2^6 (a scale read from the wrong block shows), and its dequantized float64."""
+    q = jnp.asarray(rng.standard_normal(shape), jnp.float8_e4m3fn)
+    blocks = (shape[0], -(-shape[1] // scale_block[0]), *shape[2:-1], -(-shape[-1] // scale_block[1]))
+    scale = (2.0 ** rng.uniform(-3, 3, blocks)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, scale_block[0], 1)[:, : shape[1]], scale_block[1], -1)[..., : shape[-1]]
+    return q, jnp.asarray(scale), np.asarray(q.astype(jnp.float32), np.float64) * full
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("config", [SMALL, SPLIT_K, None], ids=["small-tiles", "split-k", "default-tiling"])
+def test_grouped_kernels_stream_fp8_experts_with_their_block_scales(config, dtype):
+    """fp8 experts with block scales (K blocks of 32 over K steps of 16; N blocks of 32
+    over N = 48, the last partial, gate's and up's apart) against float64 of the
+    dequantized weights: the products are exact in float32 (bfloat16 rows through the
+    float16 shift), so within one float32 evaluation's bound, plus bfloat16's one
+    rounding of each output."""
+    rng, seed = seeded()
+    groups, rows, k, n, block = 5, 36, 64, 48, (32, 32)
+    sizes = jnp.asarray(group_sizes_for("padding-rows", rng, groups, rows), jnp.int32)
+    lhs = jnp.asarray(rng.standard_normal((20, k)), dtype)
+    source = rng.integers(0, 20, rows).astype(np.int32)
+    sorted_lhs = np.asarray(lhs.astype(jnp.float32), np.float64)[source]
+    rounding = 0.0 if dtype == jnp.float32 else 2.0**-8
+    q, scale, exact = fp8_experts(rng, (groups, k, n), block)
+    out = gm.grouped_matmul_kernel(lhs, q, sizes, jnp.asarray(source), scale_inv=scale, scale_block=block,
+                                   interpret=True, config=config)
+    want, bound = grouped_matmul_float64(sorted_lhs, exact, sizes)
+    assert_within(np.asarray(out, np.float64), want, bound + rounding * np.abs(want), f"seed={seed}")
+    q, scale, exact = fp8_experts(rng, (groups, k, 2, n), block)
+    got = gm.grouped_swiglu_kernel(lhs, q, sizes, jnp.asarray(source), scale_inv=scale, scale_block=block,
+                                   interpret=True, config=config)
+    both, _ = grouped_matmul_float64(sorted_lhs, exact.reshape(groups, k, 2 * n), sizes)
+    magnitude, _ = grouped_matmul_float64(np.abs(sorted_lhs), np.abs(exact).reshape(groups, k, 2 * n), sizes)
+    want = both[:, :n] / (1 + np.exp(-both[:, :n])) * both[:, n:]
+    bound = swiglu_relative(k) * magnitude[:, :n] * magnitude[:, n:] + rounding * np.abs(want)
+    assert_within(np.asarray(got, np.float64), want, bound, f"seed={seed}")
+    reference = gm.grouped_swiglu_reference(lhs, q, sizes, jnp.asarray(source), scale_inv=scale, scale_block=block)
+    assert_within(np.asarray(reference, np.float64), want, bound, f"seed={seed} reference")
+    total = int(sizes.sum())
+    assert (np.asarray(out)[total:] == 0).all() and (np.asarray(got)[total:] == 0).all(), f"seed={seed}: padding"
+
+
+def test_fp8_experts_need_a_k_step_inside_their_scale_block():
+    lhs, sizes = jnp.zeros((4, 64)), jnp.asarray([4, 0], jnp.int32)
+    q = jnp.zeros((2, 64, 32), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="block_k=32 must divide the scale block's K \\(16\\)"):
+        gm.grouped_matmul_kernel(lhs, q, sizes, scale_inv=jnp.ones((2, 4, 1)), scale_block=(16, 32), interpret=True,
+                                 config=dataclasses.replace(SMALL, block_k=32))
+    with pytest.raises(ValueError, match="scale_inv \\(2, 2, 1\\) does not fit"):
+        gm.grouped_matmul_kernel(lhs, q, sizes, scale_inv=jnp.ones((2, 2, 1)), scale_block=(16, 32), interpret=True)
+    assert gm.default_config(4, 2, 64, 32, scale_block=(16, 32)).block_k == 16
+
+
 def test_routed_experts_through_the_kernels():
     """The MoE layer with the kernels in its grouped-matmul slots equals the references'
     layer (which test_moe_kernels checks against a per-token float64 loop)."""
@@ -281,3 +336,46 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
                              for p, (tokens, _) in zip(prompts, runs["reference"])])
     assert_within(logprobs["pallas_interpret"], logprobs["reference"], 2 * logprob_bound(logits, L, 64), f"seed={seed}")
     assert sum(sum(accepted) for _, accepted in runs["reference"]) > 0  # drafts were verified and accepted
+
+
+def test_routed_fp8_experts_pass_their_scales_to_the_grouped_calls():
+    """moe.routed_experts with fp8 expert weights (Fp8Weight, as the loader gives them):
+    the kernels stream them with their scales and equal the references, which multiply
+    the dequantized experts in float32; both within twice one evaluation's bound of
+    float64 on the dequantized weights."""
+    from jaxmtp.models.params import Fp8Weight
+
+    rng, seed = seeded()
+    t, h, inter, num_experts, k, block = 12, 32, 32, 4, 2, (16, 16)
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    q_gu, s_gu, gate_up = fp8_experts(rng, (num_experts, h, 2, inter), block)
+    q_dn, s_dn, down = fp8_experts(rng, (num_experts, inter, h), block)
+    experts = np.stack([rng.choice(num_experts, size=k, replace=False) for _ in range(t)])
+    routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32))
+    fp8_gate_up, fp8_down = Fp8Weight(q_gu, s_gu, (1, *block[:1], 1, block[1])), Fp8Weight(q_dn, s_dn, (1, *block))
+
+    def interpret(fn):
+        return lambda *a, **kw: fn(*a, **kw, interpret=True, config=SMALL)
+
+    got = routed_experts(x, routing, fp8_gate_up, fp8_down, expert_swiglu=interpret(gm.grouped_swiglu_kernel),
+                         expert_matmul=interpret(gm.grouped_matmul_kernel))
+    want = routed_experts(x, routing, fp8_gate_up, fp8_down, expert_swiglu=gm.grouped_swiglu_reference,
+                          expert_matmul=gm.grouped_matmul_reference)
+    exact, bound, _ = experts_float64(x, experts, routing.weights, gate_up, down)
+    assert_within(got, exact, 2 * bound, f"seed={seed}")
+    assert_within(want, exact, 2 * bound, f"seed={seed} reference")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_grouped_kernels_lower_for_the_gpu(dtype):
+    """The Triton lowering of both fp8 grouped kernels, from the CPU (what interpret mode
+    does not check: the fp8 load, its conversion, the scale gathers)."""
+    import jax
+
+    lhs = jax.ShapeDtypeStruct((24, 256), dtype)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    for shape, scales, fn in [((4, 256, 2, 96), (4, 2, 2, 1), gm.grouped_swiglu_kernel),
+                              ((4, 256, 96), (4, 2, 1), gm.grouped_matmul_kernel)]:
+        q, s = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32)
+        lowered = jax.jit(lambda a, q, g, s: fn(a, q, g, scale_inv=s, scale_block=(128, 128))).trace(lhs, q, sizes, s)
+        assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()

@@ -103,15 +103,15 @@ def _fp8_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
     return out.reshape(x.shape[0], *out_shape)
 
 
-# The fp8 weights that dense() dequantizes whole rather than linear() multiplying by
-# them (jaxmtp/models/moe.py's experts, jaxmtp/models/mla.py's absorbed kv_b_proj): they
-# keep the [in, out] layout on every matmul path
-DEQUANTIZED_WHOLE = frozenset({"experts_gate_up", "experts_down", "kv_b_proj"})
+# The fp8 weights that linear() does not multiply by, which keep the [in, out] layout on
+# every matmul path: jaxmtp/models/moe.py's experts (the grouped kernels read [E, K, N])
+# and jaxmtp/models/mla.py's absorbed kv_b_proj (dense() dequantizes it whole)
+IN_MAJOR_WEIGHTS = frozenset({"experts_gate_up", "experts_down", "kv_b_proj"})
 
 
 def dense(w: jax.Array | Fp8Weight, dtype) -> jax.Array:
     """The weight itself, in dtype (fp8: dequantized), for the products that are not
-    x @ w (MLA's absorbed kv_b_proj, the experts' grouped matmuls)."""
+    x @ w (MLA's absorbed kv_b_proj)."""
     if not isinstance(w, Fp8Weight):
         return w
     return dequantize_blocks(w.in_major_weight, w.scale_inv, w.block).astype(dtype)
@@ -142,14 +142,14 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
     layout that path reads: K-major for the Pallas kernel (fp8 tiles along K feed its
     MMA without a transpose in shared memory: 1.3-1.6x faster at decode on the H200,
     docs/benchmarks/2026-12-03_H200_fp8_sweep_k_major.json), [in, out] for the reference
-    and for the weights in DEQUANTIZED_WHOLE. in_place: a weight changing layout is
+    and for the weights in IN_MAJOR_WEIGHTS. in_place: a weight changing layout is
     moved in its own buffer, which params loses (a model that fills the device in fp8
     has no room for a second copy); else copied."""
 
     def convert(path, w):
         if not isinstance(w, Fp8Weight):
             return w
-        k_major = matmul != "reference" and path[-1].name not in DEQUANTIZED_WHOLE
+        k_major = matmul != "reference" and path[-1].name not in IN_MAJOR_WEIGHTS
         if k_major == w.k_major:
             return dataclasses.replace(w, matmul=matmul)
         axes = (0, -1) if k_major else (-1, 0)

@@ -14,8 +14,7 @@ from jax.sharding import Mesh
 from jaxmtp.kernels.grouped_matmul import grouped_matmul, grouped_swiglu
 from jaxmtp.models.config import MoEConfig
 from jaxmtp.models.layers import gated_mlp
-from jaxmtp.models.linear import dense
-from jaxmtp.models.params import MoEParams
+from jaxmtp.models.params import Fp8Weight, MoEParams
 from jaxmtp.worker.sharding import ROWS_AXES, TP, param_specs, shard_per_device
 
 
@@ -58,6 +57,14 @@ def _group_limited_top_k(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
     return jax.lax.top_k(choice, cfg.num_experts_per_tok)[1]
 
 
+def _expert_weight(w: jax.Array | Fp8Weight) -> tuple[jax.Array, dict]:
+    """An expert weight [E, K, (2,) N] for the grouped calls, and their fp8 arguments: the
+    block scales and the (K, N) block (fp8 experts stream as fp8), or none."""
+    if not isinstance(w, Fp8Weight):
+        return w, {}
+    return w.weight, {"scale_inv": w.scale_inv, "scale_block": (w.block[1], w.block[-1])}
+
+
 def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
                    first_expert: jax.Array | int = 0, *, expert_swiglu=grouped_swiglu,
                    expert_matmul=grouped_matmul) -> jax.Array:
@@ -72,7 +79,7 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
     (the Pallas kernel on GPUs), or its references or kernels of the same signature
     (tests, benchmarks)."""
     t, h = x.shape
-    gate_up, down = dense(gate_up, x.dtype), dense(down, x.dtype)  # fp8 experts: dequantized (no grouped fp8 kernel yet)
+    (gate_up, gate_up_scales), (down, down_scales) = _expert_weight(gate_up), _expert_weight(down)
     num_held = gate_up.shape[0]
     k = routing.experts.shape[1]
     local = routing.experts.reshape(-1) - first_expert
@@ -82,7 +89,8 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
     row = order // k
     group_sizes = jnp.bincount(local, length=num_held).astype(jnp.int32)  # counts no pair held elsewhere
     # the pairs held elsewhere lie past every group: the grouped calls' rows there are 0
-    out = expert_matmul(expert_swiglu(x, gate_up, group_sizes, rows=row), down, group_sizes)
+    out = expert_matmul(expert_swiglu(x, gate_up, group_sizes, rows=row, **gate_up_scales), down, group_sizes,
+                        **down_scales)
     weighted = out.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, h), jnp.float32).at[row].add(weighted)
 
