@@ -74,20 +74,19 @@ def first_stage(m: int, k: int, parts: int, n: int, block_k: int, tiny: bool) ->
     return configs
 
 
-def quantize(w, block: tuple[int, int]):
-    """w [K, P, N] in float32 as float8_e4m3fn with one float32 scale per block (the
-    block's largest magnitude maps to e4m3's 448), DeepSeek-V3's layout."""
+def quantize(w, block: tuple[int, ...]):
+    """w in float32 as float8_e4m3fn with one float32 scale per block (block[i]: its size
+    along axis i; the block's largest magnitude maps to e4m3's 448), DeepSeek-V3's
+    format: ([K, P, N] with (bk, 1, bn); experts [G, K, (2,) N] with (1, bk, (1,) bn))."""
     import jax.numpy as jnp
 
     from jaxmtp.kernels.fp8_matmul import dequantize_blocks
 
-    k, parts, n = w.shape
-    bk, bn = block
-    padded = jnp.pad(jnp.abs(w), ((0, -k % bk), (0, 0), (0, -n % bn)))
-    amax = padded.reshape(-(-k // bk), bk, parts, -(-n // bn), bn).max(axis=(1, 4))
+    padded = jnp.pad(jnp.abs(w), [(0, -n % b) for n, b in zip(w.shape, block)])
+    split = [d for n, b in zip(padded.shape, block) for d in (n // b, b)]
+    amax = padded.reshape(split).max(axis=tuple(range(1, len(split), 2)))
     scale = jnp.maximum(amax, 1e-12) / 448.0
-    one_over = 1.0 / dequantize_blocks(jnp.ones_like(w), scale, (bk, 1, bn))
-    return (w * one_over).astype(jnp.float8_e4m3fn), scale
+    return (w / dequantize_blocks(jnp.ones_like(w), scale, block)).astype(jnp.float8_e4m3fn), scale
 
 
 class Fp8Sweep(Sweep):
@@ -121,7 +120,7 @@ class Fp8Sweep(Sweep):
         copies = weight_copies(shape, jnp.dtype(jnp.float8_e4m3fn))
         keys = jax.random.split(jax.random.key(zlib.crc32(label.encode())), 2 * copies + 1)
         normal = [jax.random.normal(key, shape, jnp.float32) / k**0.5 for key in keys[1:]]
-        fp8 = [quantize(w, self.block) for w in normal[:copies]]  # [K, P, N], scales of that layout
+        fp8 = [quantize(w, (self.block[0], 1, self.block[1])) for w in normal[:copies]]  # [K, P, N]
         bf16 = [w.astype(jnp.bfloat16) for w in normal[copies:copies + weight_copies(shape, jnp.dtype(jnp.bfloat16))]]
         x = jax.random.normal(keys[0], (max_m, k), jnp.float32).astype(jnp.bfloat16)
         fp8_bytes = k * parts * n + fp8[0][1].size * 4

@@ -5,7 +5,7 @@ count. Writes the tilings that win into a table in the form of the kernel's
 GROUPED_TILINGS, which the engine reads at trace time.
 
     python benchmarks/grouped_sweep.py [--models moonlight,glm45_air] [--tokens 1,8,32,...]
-        [--kernels swiglu,down] [--budget-s 540] [--out DIR] [--tiny]
+        [--kernels swiglu,down] [--fp8] [--budget-s 540] [--out DIR] [--tiny]
 
 A case is a model's expert layer at T tokens: T x top_k (token, expert) pairs routed
 uniformly at random (seeded by the case) and sorted by expert, as jaxmtp/models/moe.py
@@ -17,7 +17,9 @@ call touches are never in the L2 cache. The floor of a case is the larger of its
 experts' weight bytes over the copy bandwidth measured in the same process and its FLOPs
 over the bf16 matmul rate, also measured here. Writes grouped_sweep.json (every variant)
 and grouped_tilings.json ({kernel key: {row bucket: tiling}}, the measured best where it
-beat both XLA and the kernel's default by 5%); --tiny: a CPU smoke test.
+beat both XLA and the kernel's default by 5%); --fp8: the experts in fp8 with 128 x 128
+block scales, XLA's path being the reference's (dequantize, then a float32 ragged_dot),
+the keys "G,K,N,swiglu,128"; --tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class Case:
     k: int
     parts: int  # 2: gate and up side by side (swiglu), 1: down
     n: int
+    scale_k: int = 0  # fp8 experts: the square scale block's side (DeepSeek-V3's 128); 0: bf16
+
+    @property
+    def scale_block(self) -> tuple[int, int] | None:
+        return (self.scale_k, self.scale_k) if self.scale_k else None
 
     @property
     def rows(self) -> int:
@@ -61,7 +68,7 @@ class Case:
 
     @property
     def touched_bytes(self) -> int:
-        return sum(1 for s in self.sizes if s) * self.k * self.parts * self.n * 2
+        return sum(1 for s in self.sizes if s) * self.k * self.parts * self.n * (1 if self.scale_k else 2)
 
 
 def first_stage(case: Case, tiny: bool) -> list:
@@ -78,7 +85,7 @@ def first_stage(case: Case, tiny: bool) -> list:
         blocks = sum(-(-s // block_m) for s in case.sizes)
         for block_n in (16,) if tiny else (32, 64, 128, 256) if stream else (64, 128, 256):
             for block_k in (16, 32) if tiny else (64, 128, 256) if stream else (32, 64, 128):
-                if case.k % block_k or case.n % block_n:
+                if case.k % block_k or case.n % block_n or (case.scale_k and case.scale_k % block_k):
                     continue
                 steps = case.k // block_k
                 stage_bytes = 2 * block_k * (block_m + case.parts * block_n)
@@ -104,11 +111,12 @@ class GroupedSweep(Sweep):
 
         def one(x, w):
             sizes = jnp.asarray(case.sizes, jnp.int32)
+            w, scales = (w[0], {"scale_inv": w[1], "scale_block": case.scale_block}) if case.scale_k else (w, {})
             if config is None:  # the engine's path off the kernel: XLA's ragged_dot
                 reference = gm.grouped_swiglu_reference if case.parts == 2 else gm.grouped_matmul_reference
-                return reference(x, w, sizes)
+                return reference(x, w, sizes, **scales)
             fn = gm.grouped_swiglu_kernel if case.parts == 2 else gm.grouped_matmul_kernel
-            return fn(x, w, sizes, config=config, interpret=self.tiny)
+            return fn(x, w, sizes, **scales, config=config, interpret=self.tiny)
 
         return jax.jit(lambda x, *ws: [one(x, w) for w in ws])
 
@@ -117,19 +125,28 @@ class GroupedSweep(Sweep):
         copies = max(1, min(8, -(-2 * L2_BYTES // case.touched_bytes)))
         keys = jax.random.split(jax.random.key(seed), copies + 1)
         shape = (len(case.sizes), case.k, case.parts, case.n) if case.parts == 2 else (len(case.sizes), case.k, case.n)
-        weights = [(jax.random.normal(key, shape, jnp.float32) / case.k**0.5).astype(self.dtype) for key in keys[1:]]
+        weights = [jax.random.normal(key, shape, jnp.float32) / case.k**0.5 for key in keys[1:]]
+        if case.scale_k:  # (fp8 experts, their scales) pairs
+            from fp8_sweep import quantize
+
+            block = (1, case.scale_k) + ((1,) if case.parts == 2 else ()) + (case.scale_k,)
+            weights = [quantize(w, block) for w in weights]
+        else:
+            weights = [w.astype(self.dtype) for w in weights]
         x = jax.random.normal(keys[0], (case.rows, case.k), jnp.float32).astype(self.dtype)
         return x, weights
 
     def reference(self, case: Case, x, weight):
-        """float32 products (swiglu: the activation of them) of the first weight copy."""
+        """float32 products (swiglu: the activation of them) of the first weight copy
+        (fp8: dequantized)."""
         from jaxmtp.kernels import grouped_matmul as gm
 
         jnp = self.jnp
         sizes = jnp.asarray(case.sizes, jnp.int32)
-        if case.parts == 2:
-            return gm.grouped_swiglu_reference(x.astype(jnp.float32), weight.astype(jnp.float32), sizes)
-        return gm.grouped_matmul_reference(x.astype(jnp.float32), weight.astype(jnp.float32), sizes)
+        weight, scales = (weight[0], {"scale_inv": weight[1], "scale_block": case.scale_block}) if case.scale_k \
+            else (weight.astype(jnp.float32), {})
+        reference = gm.grouped_swiglu_reference if case.parts == 2 else gm.grouped_matmul_reference
+        return reference(x.astype(jnp.float32), weight, sizes, **scales)
 
     def run_case(self, model: str, kernel: str, tokens: int, case: Case, seed: int) -> None:
         from jaxmtp.kernels.grouped_matmul import default_config
@@ -139,7 +156,8 @@ class GroupedSweep(Sweep):
         flops = 2 * case.rows * case.k * case.parts * case.n
         floor_us = max(case.touched_bytes / self.results["copy_bytes_per_s"],
                        flops / self.results["matmul_flops_per_s"]) * 1e6
-        default = default_config(case.rows, len(case.sizes), case.k, case.parts * case.n, case.parts == 2)
+        default = default_config(case.rows, len(case.sizes), case.k, case.parts * case.n, case.parts == 2,
+                                 case.scale_block)
         configs = [None, default] + [c for c in first_stage(case, self.tiny) if c != default]
         rows = self.measure(configs, case, x, weights, reference, floor_us)
         tried = {c for c in configs if c is not None}
@@ -148,7 +166,8 @@ class GroupedSweep(Sweep):
             rows.extend(self.measure(refine, case, x, weights, reference, floor_us))
         rows[1]["default"] = True
         entry = {"model": model, "kernel": kernel, "tokens": tokens, "rows": case.rows, "groups": len(case.sizes),
-                 "touched": sum(1 for s in case.sizes if s), "k": case.k, "n": case.n, "floor_us": floor_us,
+                 "touched": sum(1 for s in case.sizes if s), "k": case.k, "n": case.n, "scale_k": case.scale_k,
+                 "floor_us": floor_us,
                  "variants": rows}
         self.results["cases"].append(entry)
         self.save()
@@ -207,6 +226,7 @@ def table(results: dict) -> dict:
         best = min((r for r in rows if r["config"]), key=lambda r: r["us"], default=None)
         swiglu = case["kernel"] == "swiglu"
         key = f"{case['groups']},{case['k']},{case['n'] * (2 if swiglu else 1)},{int(swiglu)}"
+        key += f",{case['scale_k']}" if case.get("scale_k") else ""
         buckets = out.setdefault(key, {})
         if xla * WIN < (math.inf if best is None else best["us"]):
             buckets[str(row_bucket(case["rows"]))] = "xla"
@@ -225,8 +245,11 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=540)
     parser.add_argument("--out", default=".")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, a tiny shape")
+    parser.add_argument("--fp8", action="store_true", help="fp8 experts with 128 x 128 block scales "
+                        "(DeepSeek-V3's format; their table keys end in the block's 128)")
     args = parser.parse_args()
     sweep = GroupedSweep(args)
+    scale_k = (16 if args.tiny else 128) if args.fp8 else 0
     sweep.results.update(command="python benchmarks/grouped_sweep.py " + " ".join(sys.argv[1:]), cases=[])
     sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)
     sweep.results["matmul_flops_per_s"] = matmul_rate(sweep)
@@ -240,7 +263,8 @@ def main() -> None:
                 if sweep.budget_left() < 40:
                     sweep.results.setdefault("skipped_over_budget", []).append(f"{model} {kernel} T={tokens}")
                     continue
-                case = Case(sizes, hidden, 2, inter) if kernel == "swiglu" else Case(sizes, inter, 1, hidden)
+                case = Case(sizes, hidden, 2, inter, scale_k) if kernel == "swiglu" else \
+                    Case(sizes, inter, 1, hidden, scale_k)
                 sweep.run_case(model, kernel, tokens, case, seed=tokens)
     sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
     sweep.results["table"] = table(sweep.results)

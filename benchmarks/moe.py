@@ -318,6 +318,18 @@ def expert_inputs(rng, s: Shapes, tokens: int, reps: int):
     return x, routing, touched
 
 
+def fp8_experts(gate_up, down, block: int) -> tuple:
+    """gate_up [E, H, 2, I] and down [E, I, H] quantized as DeepSeek-V3's fp8 experts
+    (jaxmtp.models.params.Fp8Weight, block x block scales)."""
+    import jax.numpy as jnp
+    from fp8_sweep import quantize
+
+    from jaxmtp.models.params import Fp8Weight
+
+    blocks = ((1, block, 1, block), (1, block, block))
+    return tuple(Fp8Weight(*quantize(w.astype(jnp.float32), b), b) for w, b in zip((gate_up, down), blocks))
+
+
 def part_experts(run: Run):
     import jax.numpy as jnp
     import numpy as np
@@ -363,6 +375,12 @@ def part_experts(run: Run):
                 note=f"{touched:.1f} experts touched, {nbytes / 1e6:.0f} MB, {flops / t_ours / 1e12:.0f} TFLOP/s, "
                      f"{nbytes / t_ours / 1e12:.2f} TB/s; XLA ragged_dot {t_xla * 1e6:.0f} us "
                      f"({t_xla / t_ours:.1f}x ours); torch {fmt_peer(peer.get(f'layer_{tokens}'))}")
+        if run.args.fp8:  # the same layer with its experts in fp8 (128 x 128 block scales)
+            fp8 = fp8_experts(gate_up, down, 16 if run.args.tiny else 128)
+            t_fp8 = programs_over(ours, fp8, list(zip(x, routing)))
+            fp8_bytes = nbytes - touched * expert_bytes / 2
+            run.row("experts", f"fp8 expert layer, {tokens} tokens", t_fp8, max(run.bytes_s(fp8_bytes), run.flops_s(flops)),
+                    note=f"{fp8_bytes / t_fp8 / 1e12:.2f} TB/s; the bf16 layer's time / fp8's {t_ours / t_fp8:.2f}")
         if run.args.sweep and tokens in SWEEP_TOKENS:
             sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)
 
@@ -663,6 +681,7 @@ def main() -> None:
     parser.add_argument("--parts", default="checks,experts,mla,e2e", help="comma list of: " + ", ".join(PARTS))
     parser.add_argument("--tag", default="", help="suffix of the output files (moe<tag>.json/.md)")
     parser.add_argument("--sweep", action="store_true", help="also time a few tilings of each kernel")
+    parser.add_argument("--fp8", action="store_true", help="experts part: also the layer with fp8 experts")
     parser.add_argument("--no-peer", action="store_true", help="skip torch")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret-mode kernels, a tiny model")
     args = parser.parse_args()

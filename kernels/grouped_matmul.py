@@ -159,16 +159,20 @@ def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool 
 
 
 # grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: (groups, K, N, swiglu)
-# -> {row bucket: the measured best tiling where it beat the default, or "xla" where
-# XLA's ragged_dot beat every tiling}; N is the weight's columns (swiglu: gate and up)
+# (fp8 experts: and their scale block's K) -> {row bucket: the measured best tiling
+# where it beat the default, or "xla" where XLA's ragged_dot beat every tiling}; N is
+# the weight's columns (swiglu: gate and up)
 GROUPED_TILINGS = read_tilings("grouped_tilings.json", GroupedMatmulConfig)
 
 
-def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool) -> GroupedMatmulConfig | str:
-    """The tiling the table measured fastest for these shapes, "xla" where XLA's
-    ragged_dot was faster than every tiling, else default_config's."""
-    measured = GROUPED_TILINGS.get((num_groups, k, n, int(swiglu)), {}).get(row_bucket(num_rows))
-    return measured or default_config(num_rows, num_groups, k, n, swiglu)
+def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool,
+                   scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig | str:
+    """The tiling the table measured fastest for these shapes (fp8 experts: and their
+    scale block's K), "xla" where XLA's ragged_dot was faster than every tiling, else
+    default_config's."""
+    key = (num_groups, k, n, int(swiglu)) + ((scale_block[0],) if scale_block else ())
+    measured = GROUPED_TILINGS.get(key, {}).get(row_bucket(num_rows))
+    return measured or default_config(num_rows, num_groups, k, n, swiglu, scale_block)
 
 
 def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int, block_m: int, block_n: int,
@@ -320,17 +324,15 @@ def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.A
 def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool,
             scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig | None:
     """The kernel's tiling on GPUs where it tiles the shapes and the table does not name
-    XLA for them; None: XLA's ragged_dot (the reference). The table holds bfloat16
-    measurements: fp8 experts take default_config's tiling, where their scale block's K
-    can be a K step (a power of 2 >= 16)."""
+    XLA for them; None: XLA's ragged_dot (the reference). fp8 experts take the kernel
+    where their scale block's K can be a K step (a power of 2 >= 16)."""
     num_groups, k = rhs.shape[:2]
     n = rhs.size // (num_groups * k)
     if jax.default_backend() != "gpu" or not supports(num_groups, k, n):
         return None
-    num_rows = lhs.shape[0] if rows is None else rows.shape[0]
-    if scale_block is not None:
-        return default_config(num_rows, num_groups, k, n, swiglu, scale_block) if is_k_step(scale_block[0]) else None
-    tiling = grouped_tiling(num_rows, num_groups, k, n, swiglu)
+    if scale_block is not None and not is_k_step(scale_block[0]):
+        return None
+    tiling = grouped_tiling(lhs.shape[0] if rows is None else rows.shape[0], num_groups, k, n, swiglu, scale_block)
     return None if tiling == "xla" else tiling
 
 

@@ -59,6 +59,15 @@ def test_grouped_sweep_checks_xla_and_the_tilings_and_writes_the_table(tmp_path)
     assert all(key.count(",") == 3 for key in table)
 
 
+def test_grouped_sweep_of_fp8_experts_keys_its_table_by_the_scale_block(tmp_path):
+    run_script("grouped_sweep.py", "--tiny", "--fp8", "--tokens", "1", "--kernels", "swiglu", "--out", str(tmp_path))
+    (case,) = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]
+    assert case["scale_k"] == 16 and all(v["ok"] and v["us"] > 0 for v in case["variants"])
+    assert all(v["config"] is None or v["config"]["block_k"] <= 16 for v in case["variants"])
+    table = json.loads((tmp_path / "grouped_tilings.json").read_text())
+    assert all(key.endswith(",1,16") for key in table)
+
+
 def test_fp8_sweep_checks_each_path_and_merges_its_table_into_a_measured_one(tmp_path):
     """The fp8 sweep on a tiny shape (interpret mode): the dequantized dot, the bf16 dot
     and the kernel's tilings, each checked against float32 and timed; the table written
@@ -110,14 +119,16 @@ def test_moe_tp_times_both_ways_of_meeting_the_experts(tmp_path):
 
 
 def test_moe_kernels_and_the_moonlight_shaped_model_end_to_end(tmp_path):
-    """The MoE/MLA benchmark's rows: the kernels (interpret mode) and the tiny DeepSeek-V3
-    engine, MTP k=1 with oracle drafts accepting every draft."""
-    run_script("moe.py", "--tiny", "--parts", "experts,mla,e2e", "--out", str(tmp_path), "--tag", "_smoke")
+    """The MoE/MLA benchmark's rows: the kernels (interpret mode; the expert layer also
+    with fp8 experts) and the tiny DeepSeek-V3 engine, MTP k=1 with oracle drafts
+    accepting every draft."""
+    run_script("moe.py", "--tiny", "--parts", "experts,mla,e2e", "--fp8", "--out", str(tmp_path), "--tag", "_smoke")
     results = json.loads((tmp_path / "moe_smoke.json").read_text())
     rows = {row["scenario"]: row for row in results["rows"]}
     assert {row["part"] for row in rows.values()} == {"experts", "mla", "e2e"}
     assert all(math.isfinite(row["value"]) and row["value"] > 0 for row in rows.values())
     assert any(name.startswith("expert layer, 8 tokens") for name in rows)
+    assert any(name.startswith("fp8 expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("MLA verify k+1=2") for name in rows)
     mtp = rows["b1 MTP k=1 oracle drafts: tokens/s over plain"]
     assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]

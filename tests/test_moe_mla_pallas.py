@@ -175,6 +175,10 @@ def test_the_measured_table_picks_the_grouped_tiling_per_row_bucket(monkeypatch)
     assert gm.grouped_tiling(6, 64, 2048, 2 * 1408, False) == gm.default_config(6, 64, 2048, 2 * 1408, False)
     monkeypatch.setitem(gm.GROUPED_TILINGS, (2, 16, 32, 1), {8: "xla"})
     assert gm.grouped_tiling(8, 2, 16, 32, True) == "xla"
+    # fp8 experts have rows of their own, keyed by the scale block's K
+    assert gm.grouped_tiling(8, 2, 16, 32, True, (16, 16)) == gm.default_config(8, 2, 16, 32, True, (16, 16))
+    monkeypatch.setitem(gm.GROUPED_TILINGS, (2, 16, 32, 1, 16), {8: SMALL})
+    assert gm.grouped_tiling(8, 2, 16, 32, True, (16, 16)) == SMALL
     monkeypatch.setattr(gm.jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
     lhs, gate_up_2 = jnp.ones((8, 16)), jnp.ones((2, 16, 2, 16))
     assert gm._tiling(lhs, gate_up_2, None, swiglu=True) is None  # XLA's ragged_dot
