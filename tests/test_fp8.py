@@ -202,9 +202,8 @@ def test_the_engine_runs_the_pallas_kernel_where_the_attention_does(llama_fp8, l
     from jaxmtp.models.linear import fp8_matmul_for
 
     quantization = llama_engine.engine.model_config.quantization
-    assert fp8_matmul_for("auto", 1, quantization) == "reference"  # a CPU
-    assert fp8_matmul_for("pallas", 1, quantization) == "pallas"
-    assert fp8_matmul_for("pallas", 2, quantization) == "reference"  # tensor parallel
+    assert fp8_matmul_for("auto", quantization) == "reference"  # a CPU
+    assert fp8_matmul_for("pallas", quantization) == "pallas"
     llm = LLM(llama_fp8[0], dtype="float32", max_num_seqs=1, max_num_batched_tokens=32, page_size=4,
               attention_backend="pallas_interpret")
     weights = [w for w in jax.tree.leaves(llm.engine.params, is_leaf=lambda x: isinstance(x, Fp8Weight))
@@ -367,15 +366,19 @@ import json, sys
 import jax
 from jaxmtp import LLM, SamplingParams
 result = {}
-for tp in (1, 2):
-    llm = LLM(sys.argv[1], tensor_parallel_size=tp, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8)
+for tp, backend in ((1, "auto"), (2, "auto"), (2, "pallas_interpret")):
+    llm = LLM(sys.argv[1], tensor_parallel_size=tp, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
+              attention_backend=backend)
     layer = llm.engine.params.layers[0]
-    result[tp] = {
+    names = ("q_proj", "k_proj", "o_proj", "gate_up_proj", "down_proj")
+    result[f"{tp} {backend}"] = {
         "tokens": [o.outputs[0].token_ids for o in llm.generate(
             [[1, 5, 9, 33, 7], [1] + list(range(10, 40))], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
             use_tqdm=False)],
         "specs": {name: [list(getattr(layer, name).weight.sharding.spec), list(getattr(layer, name).scale_inv.sharding.spec)]
-                  for name in ("q_proj", "o_proj", "gate_up_proj", "down_proj")},
+                  for name in names},
+        "matmul": {name: [getattr(layer, name).matmul, getattr(getattr(layer, name).shards, "split", "-")]
+                   for name in names},
     }
 print(json.dumps(result))
 """
@@ -384,19 +387,29 @@ print(json.dumps(result))
 def test_tensor_parallel_fp8_gives_one_devices_tokens_and_shards_the_scales_with_their_blocks(llama_fp8):
     """TP=2 on two forced CPU devices. A scale axis splits where each device's part of
     the weight is whole blocks (q_proj's 256 columns: 128 each), and stays whole where
-    not (gate and up's 320: 160 each)."""
+    not (gate and up's 320: 160 each). With the kernels (pallas_interpret) each device
+    multiplies its part of a weight whose scales split with it (q_proj by its columns,
+    o_proj by K, summed over the devices), K-major; the others take the reference."""
     env = {**os.environ, "PYTHONPATH": str(ROOT),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAGS}"}
     run = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(llama_fp8[0])], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["2"]["tokens"] == result["1"]["tokens"]
-    specs = result["2"]["specs"]
+    assert result["2 auto"]["tokens"] == result["1 auto"]["tokens"] == result["2 pallas_interpret"]["tokens"]
+    specs = result["2 auto"]["specs"]
     assert specs["q_proj"] == [[None, "tp"], [None, "tp"]]
     assert specs["o_proj"] == [["tp", None], ["tp", None]]
     assert specs["gate_up_proj"] == [[None, None, "tp"], [None, None, None]]
     assert specs["down_proj"] == [["tp", None], [None, None]]
+    assert set(map(tuple, result["2 auto"]["matmul"].values())) == {("reference", "-")}
+    kernels = result["2 pallas_interpret"]
+    assert kernels["matmul"] == {"q_proj": ["pallas_interpret", "n"], "o_proj": ["pallas_interpret", "k"],
+                                 "k_proj": ["reference", "-"], "gate_up_proj": ["reference", "-"],
+                                 "down_proj": ["reference", "-"]}
+    # K-major: q_proj [out, in] split by its columns (out), o_proj by K (in)
+    assert kernels["specs"]["q_proj"] == [["tp", None], [None, "tp"]]
+    assert kernels["specs"]["o_proj"] == [[None, "tp"], ["tp", None]]
 
 
 def test_an_fp8_checkpoint_serves_through_llm_the_cli_and_the_server(tmp_path):

@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmtp.kernels.fp8_matmul import (
     dense_matmul, dense_tiling, dequantize_blocks, fp8_matmul_measured, fp8_matmul_reference, is_k_step,
@@ -26,6 +27,7 @@ from jaxmtp.kernels.fp8_matmul import (
 from jaxmtp.models.config import check_attention_backend
 from jaxmtp.models.params import Fp8Weight
 from jaxmtp.models.quantization import Fp8BlockConfig
+from jaxmtp.worker.sharding import shard_per_device
 
 log = logging.getLogger("jaxmtp.models.linear")
 
@@ -93,14 +95,67 @@ def _dense_linear(x: jax.Array, w: jax.Array, tiling, out_dtype) -> jax.Array:
 
 def _fp8_linear(x: jax.Array, w: Fp8Weight, out_dtype) -> jax.Array:
     """The matmul kernels' layout is [K, P, N] (P column groups: gate and up, or 1), or
-    K-major [P, N, K]."""
-    k, out_shape = w.shape[0], w.shape[1:]
-    weight = w.weight.reshape(-1, *w.weight.shape[-2:]) if w.k_major else w.weight.reshape(k, -1, out_shape[-1])
-    scale = w.scale_inv.reshape(w.scale_inv.shape[0], -1, w.scale_inv.shape[-1])
-    matmul = FP8_MATMULS[w.matmul]
-    layout = {"k_major": True} if w.k_major else {}
-    out = matmul(x, weight, scale, block_k=w.block[0], block_n=w.block[-1], out_dtype=out_dtype, **layout)
+    K-major [P, N, K]; under tensor parallelism each device multiplies its part."""
+    out_shape = w.shape[1:]
+
+    def matmul(x, weight, scale, out_dtype):
+        weight = weight.reshape(-1, *weight.shape[-2:]) if w.k_major else weight.reshape(weight.shape[0], -1,
+                                                                                            weight.shape[-1])
+        scale = scale.reshape(scale.shape[0], -1, scale.shape[-1])
+        layout = {"k_major": True} if w.k_major else {}
+        return FP8_MATMULS[w.matmul](x, weight, scale, block_k=w.block[0], block_n=w.block[-1], out_dtype=out_dtype,
+                                     **layout)
+
+    if w.shards is None:
+        out = matmul(x, w.weight, w.scale_inv, out_dtype)
+    else:
+        out = w.shards.run(matmul, x, w.weight, w.scale_inv, out_dtype)
     return out.reshape(x.shape[0], *out_shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Shards:
+    """One device's part of a K-major fp8 weight [P.., N, K] under tensor parallelism,
+    its block scales split with it: by N (a column-parallel projection: each device its
+    columns of the output), by K (row-parallel: each device a partial sum over its part
+    of K, summed over the devices in float32), or neither (every device the whole)."""
+
+    mesh: Mesh
+    weight: PartitionSpec  # of the K-major weight
+    scale: PartitionSpec  # of the [in, out]-layout scales
+    split: str | None  # "n", "k" or None
+
+    def run(self, matmul, x, weight, scale, out_dtype):
+        """matmul(x, weight, scale, out_dtype) -> [T, P, N] on each device's part."""
+        axis = self.weight[-1] if self.split == "k" else self.weight[-2] if self.split == "n" else None
+
+        def per_device(x, weight, scale):
+            if self.split != "k":
+                return matmul(x, weight, scale, out_dtype)
+            return jax.lax.psum(matmul(x, weight, scale, jnp.float32), axis).astype(out_dtype)
+
+        x_spec = PartitionSpec(None, axis) if self.split == "k" else PartitionSpec()
+        out_spec = PartitionSpec(None, None, axis) if self.split == "n" else PartitionSpec()
+        return shard_per_device(per_device, self.mesh, (x_spec, self.weight, self.scale), out_spec)(x, weight, scale)
+
+
+def fp8_shards(w: Fp8Weight) -> Fp8Shards | None:
+    """How the kernel multiplies by w ([in, out] layout, about to be held K-major) where
+    it is sharded over a mesh of several devices; None where it cannot: a device's part
+    of a split axis is not whole scale blocks (its scales would not be the part's), or an
+    axis other than K and N splits."""
+    mesh, weight, scale = w.weight.sharding.mesh, _full_spec(w.weight), _full_spec(w.scale_inv)
+    if weight != scale or any(axis is not None for axis in weight[1:-1]):
+        return None
+    k_major = PartitionSpec(*weight[1:], weight[0])
+    split = "k" if weight[0] is not None else "n" if weight[-1] is not None else None
+    return Fp8Shards(mesh, k_major, PartitionSpec(*scale), split)
+
+
+def _full_spec(a: jax.Array) -> tuple:
+    """a's PartitionSpec with one entry per axis."""
+    spec = tuple(a.sharding.spec)
+    return spec + (None,) * (a.ndim - len(spec))
 
 
 # The fp8 weights that linear() does not multiply by, which keep the [in, out] layout on
@@ -117,18 +172,15 @@ def dense(w: jax.Array | Fp8Weight, dtype) -> jax.Array:
     return dequantize_blocks(w.in_major_weight, w.scale_inv, w.block).astype(dtype)
 
 
-def fp8_matmul_for(attention_backend: str, num_devices: int, quantization: Fp8BlockConfig) -> str:
+def fp8_matmul_for(attention_backend: str, quantization: Fp8BlockConfig) -> str:
     """The fp8 matmul the engine runs: the Pallas kernel where the attention backend
-    picks Pallas kernels (auto on a GPU, pallas, pallas_interpret), on one device; the
-    reference under tensor parallelism (XLA cannot split a Pallas call, and would
-    gather each weight whole onto every device) and everywhere else."""
+    picks Pallas kernels (auto on a GPU, pallas, pallas_interpret), under tensor
+    parallelism each device on its part (with_fp8_matmul: the reference for a weight
+    whose parts are not whole scale blocks); the reference everywhere else."""
     check_attention_backend(attention_backend)
     matmul = attention_backend
     if attention_backend == "auto":
         matmul = "pallas" if jax.default_backend() == "gpu" else "reference"
-    if matmul != "reference" and num_devices > 1:
-        log.info("fp8 matmuls run the jnp reference under tensor parallelism (the Pallas kernel is one device's)")
-        return "reference"
     block_k = quantization.block_in
     if matmul != "reference" and not is_k_step(block_k):
         log.warning("fp8 matmuls run the jnp reference: the Pallas kernel steps K by the scale block, and "
@@ -142,28 +194,42 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
     layout that path reads: K-major for the Pallas kernel (fp8 tiles along K feed its
     MMA without a transpose in shared memory: 1.3-1.6x faster at decode on the H200,
     docs/benchmarks/2026-12-03_H200_fp8_sweep_k_major.json), [in, out] for the reference
-    and for the weights in IN_MAJOR_WEIGHTS. in_place: a weight changing layout is
-    moved in its own buffer, which params loses (a model that fills the device in fp8
-    has no room for a second copy); else copied."""
+    and for the weights in IN_MAJOR_WEIGHTS; sharded over several devices, each with
+    its Fp8Shards (the reference where fp8_shards finds none). in_place: a weight
+    changing layout is moved and its old buffer freed at once, which params loses (a
+    model that fills the device in fp8 has no room for a second copy); else copied."""
 
     def convert(path, w):
         if not isinstance(w, Fp8Weight):
             return w
-        k_major = matmul != "reference" and path[-1].name not in IN_MAJOR_WEIGHTS
-        if k_major == w.k_major:
+        if w.k_major:  # back to the loaded layout first
+            w = dataclasses.replace(w, weight=_moved(w.weight, (-1, 0), in_place), k_major=False, shards=None)
+        if matmul == "reference" or path[-1].name in IN_MAJOR_WEIGHTS:
             return dataclasses.replace(w, matmul=matmul)
-        axes = (0, -1) if k_major else (-1, 0)
-        shape = jax.eval_shape(lambda a: jnp.moveaxis(a, *axes), w.weight).shape
-        weight = (_moved_in_place if in_place else _moved)(w.weight, axes).reshape(shape)
-        return dataclasses.replace(w, weight=weight, matmul=matmul, k_major=k_major)
+        shards = fp8_shards(w) if _sharded(w.weight) else None
+        if shards is None and _sharded(w.weight):
+            log.info("fp8 %s: a device's part is not whole scale blocks; the jnp reference multiplies by it",
+                     jax.tree_util.keystr(path))
+            return dataclasses.replace(w, matmul="reference")
+        return dataclasses.replace(w, weight=_moved(w.weight, (0, -1), in_place), k_major=True, matmul=matmul,
+                                   shards=shards)
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
 
 
-def _moved(weight: jax.Array, axes: tuple[int, int]) -> jax.Array:
-    """weight with an axis moved, in weight's shape (the caller reshapes it), so that
-    _moved_in_place can write it into weight's own buffer."""
-    return jnp.moveaxis(weight, *axes).reshape(weight.shape)
+def _sharded(a: jax.Array) -> bool:
+    return isinstance(a.sharding, NamedSharding) and a.sharding.mesh.size > 1
 
 
-_moved_in_place = jax.jit(_moved, static_argnums=1, donate_argnums=0)
+def _moved(weight: jax.Array, axes: tuple[int, int], in_place: bool) -> jax.Array:
+    """weight with an axis moved, its sharding moved alike; in_place: weight's buffer
+    freed once the moved copy exists."""
+    sharding = weight.sharding
+    if isinstance(sharding, NamedSharding):
+        spec = list(_full_spec(weight))
+        spec.insert(axes[1] % weight.ndim, spec.pop(axes[0]))
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
+    moved = jax.jit(lambda a: jnp.moveaxis(a, *axes), out_shardings=sharding)(weight)
+    if in_place:
+        weight.delete()
+    return moved

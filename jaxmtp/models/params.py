@@ -35,6 +35,9 @@ class Fp8Weight:
     # the Pallas kernel reads it (jaxmtp.models.linear.with_fp8_matmul); scale_inv and
     # block keep the [in, out] layout either way
     k_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # under tensor parallelism on the kernel's path, how each device multiplies by its
+    # part (jaxmtp.models.linear.Fp8Shards); None on one device and for the reference
+    shards: object = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:

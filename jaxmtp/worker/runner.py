@@ -54,7 +54,7 @@ class ModelRunner:
             shardings=functools.partial(param_shardings, mesh=self.mesh),
         )
         if model_config.quantization is not None:
-            matmul = fp8_matmul_for(config.attention_backend, self.mesh.size, model_config.quantization)
+            matmul = fp8_matmul_for(config.attention_backend, model_config.quantization)
             self.params = with_fp8_matmul(self.params, matmul, in_place=True)
         if dense_kernels_for(config.attention_backend, self.mesh):
             # where the step may take the dense kernel: q, k and v as one matmul, whose
