@@ -440,3 +440,35 @@ def test_an_fp8_checkpoint_serves_through_llm_the_cli_and_the_server(tmp_path):
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
         out = client.completions.create(model=folder.name, prompt="Once upon a time", max_tokens=8, temperature=0)
     assert out.choices[0].text == want
+
+
+def test_fp8_q_k_and_v_merge_with_their_scales_where_the_kernels_run(tmp_path, monkeypatch, rng):
+    """Where the step may take the kernels (one GPU; forced here), q, k and v of an fp8
+    model whose projections are whole scale blocks (32 x 64 blocks: k and v's 64 columns
+    are two) run as one K-major matmul with their scales side by side: the same logits
+    as apart, and a saved checkpoint holds them apart again, byte for byte."""
+    from jaxmtp.loading.loader import save_checkpoint
+    from jaxmtp.worker import runner as runner_module
+
+    folder = make_hf_model(tmp_path / "llama", "llama", seed=int(rng.integers(1 << 30)), dtype="bfloat16",
+                           **LLAMA_SHAPE)
+    folder, _, _ = quantize_folder(folder, rng, (32, 64))
+    engine = dict(dtype="float32", max_num_seqs=1, max_num_batched_tokens=32, page_size=4,
+                  attention_backend="pallas_interpret")
+    apart = LLM(folder, **engine)
+    monkeypatch.setattr(runner_module, "dense_kernels_for", lambda backend, mesh: True)
+    merged = LLM(folder, **engine)
+    layer = merged.engine.params.layers[1]
+    assert layer.k_proj is None and isinstance(layer.q_proj, Fp8Weight) and layer.q_proj.k_major
+    assert layer.q_proj.shape == (256, 256 + 2 * 64) and layer.q_proj.scale_inv.shape == (4, 12)
+    ids = [1] + rng.integers(3, 97, size=11).tolist()
+    want = prompt_logits(apart.engine, ids)
+    assert_within(prompt_logits(merged.engine, ids), want, logits_bound(want, LLAMA_LAYERS, LLAMA_WIDEST_SUM))
+    saved = save_checkpoint(tmp_path / "ckpt", merged.engine.params, merged.engine.model_config, folder)
+    monkeypatch.undo()
+    restored = LLM(saved, dtype="float32", max_num_seqs=1, max_num_batched_tokens=32, page_size=4).engine.params
+    for name in ("q_proj", "k_proj", "v_proj"):
+        ours, theirs = getattr(apart.engine.params.layers[1], name), getattr(restored.layers[1], name)
+        np.testing.assert_array_equal(np.asarray(ours.in_major_weight.astype(np.float32)),
+                                      np.asarray(theirs.weight.astype(np.float32)))
+        np.testing.assert_array_equal(np.asarray(ours.scale_inv), np.asarray(theirs.scale_inv))

@@ -53,13 +53,13 @@ class ModelRunner:
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules,
             shardings=functools.partial(param_shardings, mesh=self.mesh),
         )
+        if dense_kernels_for(config.attention_backend, self.mesh):
+            # where the step may take the kernels: q, k and v as one matmul, whose merged
+            # shape their measured tables name (before the fp8 weights' layout moves)
+            self.params = with_merged_qkv(self.params)
         if model_config.quantization is not None:
             matmul = fp8_matmul_for(config.attention_backend, model_config.quantization)
             self.params = with_fp8_matmul(self.params, matmul, in_place=True)
-        if dense_kernels_for(config.attention_backend, self.mesh):
-            # where the step may take the dense kernel: q, k and v as one matmul, whose
-            # merged shape its measured table names
-            self.params = with_merged_qkv(self.params)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
         # placed before the pool is sized: the pool gets what the weights and these leave
         self.logits_state = self._state_builders()["logits_state"]()
