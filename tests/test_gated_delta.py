@@ -25,6 +25,7 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -32,6 +33,8 @@ from conftest import fresh_rng
 from tolerances import NONLINEAR_ROUNDING, SILU_SLOPE, assert_within, gamma
 
 from jaxmtp.models import gated_delta as gd
+from jaxmtp.worker.recurrent import RecurrentState, committed, write_tails
+from jaxmtp.worker.recurrent import commit as commit_versions
 
 HK, HV, DK, DV, KERNEL = 2, 4, 8, 8, 4
 CHANNELS = 2 * HK * DK + HV * DV  # the conv runs over q|k|v
@@ -40,10 +43,32 @@ CHUNK = 8
 DELTA_STAGES = 8
 
 conv = jax.jit(gd.causal_conv1d)
-conv_after = jax.jit(gd.conv_state_after)
+conv_tail = jax.jit(gd.conv_tail, static_argnames="keep")
 recurrent = jax.jit(gd.gated_delta_recurrent, static_argnames="keep")
 chunked = jax.jit(gd.gated_delta_chunked, static_argnames="chunk")
-commit = jax.jit(gd.commit_state)
+
+
+
+
+def commit(table, tail, slots, num_rejected, has_rows) -> np.ndarray:
+    """The committed table once the engine's step has written each request's tail of
+    versions [B, keep, ...] (recurrent.write_tails, as jaxmtp/models/hybrid.py does) and
+    verification has kept all but its last num_rejected rows (recurrent.commit): what a
+    slot holds next step."""
+    table, has_rows, slots = jnp.asarray(table), jnp.asarray(has_rows), jnp.asarray(slots)
+    versions = jnp.broadcast_to(table[:, None], (table.shape[0], tail.shape[1]) + table.shape[1:])
+    written = write_tails(versions, jnp.asarray(tail), slots, has_rows)
+    state = commit_versions(RecurrentState([written], [written]), slots, jnp.asarray(num_rejected), has_rows)
+    return np.asarray(committed(state.conv[0]))
+
+
+def conv_after(x, conv_table, query_start, slots, fresh, commit_len) -> np.ndarray:
+    """The conv table once each request has committed its first commit_len rows: the
+    windows after each of its rows (conv_tail, keep enough for the longest request and
+    its old window) committed as the engine commits them."""
+    lengths = np.diff(np.asarray(query_start))
+    tails = conv_tail(x, conv_table, query_start, slots, fresh, int(lengths.max()) + 1)
+    return commit(conv_table, tails, slots, lengths - np.asarray(commit_len), lengths > 0)
 
 
 class Layout(NamedTuple):
@@ -182,11 +207,11 @@ def test_conv_matches_float64():
 
     commit_len = np.array([rng.integers(0, n + 1) for n in lay.lengths], np.int32)
     commit_len[3], commit_len[6] = 0, lay.lengths[6]  # the old window; all rows
-    new_table = np.asarray(conv_after(x, conv_table, *lay, commit_len))
+    new_table = conv_after(x, conv_table, *lay, commit_len)
     for b in np.flatnonzero(lay.lengths):
         j = commit_len[b]
         np.testing.assert_array_equal(new_table[lay.slots[b]], histories[b][j : j + KERNEL - 1], err_msg=f"request {b}")
-    assert_others_unchanged(new_table, conv_table, lay, "conv_state_after")
+    assert_others_unchanged(new_table, conv_table, lay, "conv_tail, write_tails and commit")
 
 
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
@@ -208,11 +233,11 @@ def test_delta_rule_matches_float64(form):
             want_tail = histories[b][[max(n - keep + i + 1, 0) for i in range(keep)]]
             assert_close(tail[b], want_tail, state_bound[b], f"tail of request {b}")
         rejected = np.array([rng.integers(0, keep) for _ in lay.slots], np.int32)
-        new_state = np.asarray(commit(state, tail, lay.slots, rejected, lay.lengths > 0))
+        new_state = commit(state, tail, lay.slots, rejected, lay.lengths > 0)
         for b in real:
             assert_close(new_state[lay.slots[b]], histories[b][max(lay.lengths[b] - rejected[b], 0)],
                          state_bound[b], f"committed state of request {b}")
-        assert_others_unchanged(new_state, state, lay, "commit_state")
+        assert_others_unchanged(new_state, state, lay, "write_tails and commit")
 
 
 def test_matches_transformers():

@@ -37,22 +37,11 @@ def _row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
     return jnp.minimum(jnp.searchsorted(query_start[1:], rows, side="right"), query_start.shape[0] - 2)
 
 
-def _has_rows(query_start: jax.Array) -> jax.Array:
-    return query_start[1:] > query_start[:-1]
-
-
 def _stored(table: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
     """Each request's starting state [B, ...] in float32: its table row, or zeros when
     fresh (whatever the table holds there, NaN included)."""
     start = table[slots].astype(F32)
     return jnp.where(fresh.reshape((-1,) + (1,) * (start.ndim - 1)), 0.0, start)
-
-
-def _write_back(table: jax.Array, values: jax.Array, slots: jax.Array, has_rows: jax.Array) -> jax.Array:
-    """table with row slots[b] set to values[b] for each request with rows; the others
-    write nothing (their index is past the table and dropped)."""
-    index = jnp.where(has_rows, slots, table.shape[0])
-    return table.at[index].set(values.astype(table.dtype), mode="drop")
 
 
 # --- the short causal conv over q|k|v ------------------------------------------------
@@ -79,8 +68,8 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array, query_
     x [T, C] the rows' conv inputs; weight [C, K] (conv1d.weight squeezed: tap K-1 meets
     the current row); conv_state [N, K-1, C] each slot's last K-1 inputs, oldest first;
     query_start [B+1], slots [B], fresh [B] as the module docstring says.
-    Returns y [T, C] float32, zeros on padding rows. The table is not written:
-    conv_state_after does that, for the rows the caller commits."""
+    Returns y [T, C] float32, zeros on padding rows. The table is not written: conv_tail
+    gives the windows the caller may commit (jaxmtp.worker.recurrent)."""
     num_rows = x.shape[0]
     rows = jnp.arange(num_rows)
     owner = _row_owner(query_start, num_rows)
@@ -89,26 +78,13 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array, query_
     return jnp.where((rows < query_start[-1])[:, None], y, 0.0)
 
 
-def conv_state_after(x: jax.Array, conv_state: jax.Array, query_start: jax.Array, slots: jax.Array,
-                     fresh: jax.Array, commit_len: jax.Array) -> jax.Array:
-    """The conv state table once each request with rows has committed its first
-    commit_len[b] rows (0 <= commit_len[b] <= its row count): its slot holds the K-1
-    inputs ending at row query_start[b] + commit_len[b] - 1, earlier ones from its old
-    window. commit_len 0 keeps the old window (zeros when fresh). A prefill chunk commits
-    all its rows; MTP verification commits only the accepted ones."""
-    num_requests = slots.shape[0]
-    window = _conv_inputs(x, conv_state, query_start, slots, fresh, jnp.arange(num_requests), commit_len - 1,
-                          conv_state.shape[1])
-    return _write_back(conv_state, window, slots, _has_rows(query_start))
-
-
 def conv_tail(x: jax.Array, conv_state: jax.Array, query_start: jax.Array, slots: jax.Array, fresh: jax.Array,
               keep: int) -> jax.Array:
     """Each request's conv windows [B, keep, K-1, C] after its last `keep` rows, as
-    gated_delta_recurrent's tail holds its recurrent states: window i is the one
-    conv_state_after commits with commit_len = count - keep + i + 1 (count: the request's
-    rows; at most 0: its stored window, zeros when fresh). commit_state writes the one
-    the caller keeps."""
+    gated_delta_recurrent's tail holds its recurrent states: window i holds the K-1
+    inputs ending at its row count - keep + i (count: the request's rows; where that
+    precedes its first row, earlier inputs come from its stored window, zeros when
+    fresh). jaxmtp.worker.recurrent writes them and commits the one the caller keeps."""
     num_requests = slots.shape[0]
     count = query_start[1:] - query_start[:-1]
     last = jnp.maximum(count[:, None] - keep + jnp.arange(keep), -1).reshape(-1)
@@ -165,7 +141,7 @@ def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
     Returns o [T, Hv, dv] float32 (zeros on padding rows) and tail [B, keep, Hv, dk, dv]:
     tail[b, i] is request b's state after its row query_start[b+1] - keep + i, or where
     that row precedes its first, its starting state (stored, or zeros when fresh).
-    commit_state writes the one the caller keeps."""
+    jaxmtp.worker.recurrent writes them and commits the one the caller keeps."""
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     num_rows, num_requests = v.shape[0], slots.shape[0]
     start = _stored(state, slots, fresh)
@@ -189,16 +165,6 @@ def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
     (_, tail), o = jax.lax.scan(row, (jnp.zeros_like(start[0]), tail),
                                 (q, k, v, g, beta, owner, valid, first, tail_index))
     return o, tail
-
-
-def commit_state(state: jax.Array, tail: jax.Array, slots: jax.Array, num_rejected: jax.Array,
-                 has_rows: jax.Array) -> jax.Array:
-    """The recurrent table once request b (with has_rows[b]) keeps all but its last
-    num_rejected[b] rows (0 <= num_rejected[b] < keep): slot slots[b] gets
-    tail[b, keep - 1 - num_rejected[b]]. A prefill chunk commits gated_delta_chunked's
-    final state as commit_state(state, final[:, None], slots, zeros, has_rows)."""
-    chosen = tail[jnp.arange(tail.shape[0]), tail.shape[1] - 1 - num_rejected]
-    return _write_back(state, chosen, slots, has_rows)
 
 
 def _chunk_layout(query_start: jax.Array, num_rows: int, chunk: int):

@@ -79,7 +79,7 @@ def commit(state: RecurrentState, slots: jax.Array, num_rejected: jax.Array, has
     keep = state.keep
     if keep == 1:
         return state
-    # (gated_delta.commit_state's choice, made within the table: no second copy of it)
+    # the chosen version copied within the table: no second copy of the table
     index = jnp.where(has_rows, slots, state.conv[0].shape[0])
     chosen = keep - 1 - num_rejected
 
