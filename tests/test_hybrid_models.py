@@ -411,9 +411,8 @@ def test_a_layer_pattern_the_weights_do_not_have_is_refused(tmp_path, rng):
 
 
 def test_what_hybrid_models_do_not_run_with_is_refused_by_name(tmp_path, rng):
-    """Prefix caching (no recurrent-state snapshots at page boundaries) and tensor
-    parallelism (the linear attention runs on one device), before anything loads; the
-    command line's default leaves prefix caching off for them."""
+    """Prefix caching (no recurrent-state snapshots at page boundaries), before anything
+    loads; the command line's default leaves it off for them."""
     from jaxmtp.args import engine_kwargs, add_engine_args
     import argparse
 
@@ -421,8 +420,6 @@ def test_what_hybrid_models_do_not_run_with_is_refused_by_name(tmp_path, rng):
     kwargs = dict(max_num_seqs=1, max_num_batched_tokens=16, page_size=4, load_format="dummy")
     with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported for the hybrid model qwen3_next"):
         LLM(folder, enable_prefix_caching=True, **kwargs)
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2 is not supported for the hybrid model"):
-        LLM(folder, tensor_parallel_size=2, **kwargs)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args(["--model", str(folder)]))["enable_prefix_caching"] is False
@@ -465,3 +462,41 @@ def test_qwen_moe_block_matches_transformers(tmp_path, norm_topk_prob):
     np.testing.assert_allclose(ours, np.take_along_axis(hf_weights.numpy(), order, 1), rtol=1e-5)
     got = np.asarray(moe_ffn(p, moe, jnp.asarray(x)))
     assert_within(got, want, reordered_model_bound(float(np.abs(want).max()), 1, config.hidden_size), "moe block")
+
+
+TP_SCRIPT = """
+import json, sys
+from jaxmtp import LLM, SamplingParams
+result = {}
+for tp in (1, 2):
+    llm = LLM(sys.argv[1], tensor_parallel_size=tp, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+              num_speculative_tokens=2, page_size=4, prefill_chunk_size=7)
+    outs = llm.generate([[1, 5, 9, 33, 7, 3, 8, 9, 10, 11], [1] + list(range(10, 40))],
+                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    state = llm.engine.runner.recurrent
+    result[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                  "specs": [list(state.conv[0].sharding.spec), list(state.ssm[0].sharding.spec)]}
+print(json.dumps(result))
+"""
+
+
+def test_tensor_parallel_gives_one_devices_tokens_with_the_state_split_by_heads(tmp_path, rng):
+    """TP=2 on two forced CPU devices (Qwen3-Next: linear attention, gated attention,
+    experts with a gated shared expert, MTP k=2, prompts in chunks of 7): each device holds
+    its key heads' conv channels and value heads' states, placed so and kept so by every
+    step, and the tokens are one device's."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import CPU_XLA_FLAGS, ROOT
+
+    folder, _ = make_hybrid(tmp_path / "next", "qwen3_next", rng)
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAGS}"}
+    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(folder)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["2"]["tokens"] == result["1"]["tokens"]
+    assert result["2"]["specs"] == [[None, None, None, "tp"], [None, None, "tp"]]

@@ -76,16 +76,12 @@ def check_hybrid_options(config: EngineConfig, cfg: ModelConfig) -> None:
     """What a hybrid model (Qwen3-Next, Qwen3.5: linear-attention layers with a recurrent
     state per sequence) does not run with yet, by name. Prefix caching: a cached prefix
     would need the recurrent state at its last page's boundary, and no state is
-    snapshotted there (the engine's default leaves prefix caching off). Tensor
-    parallelism: the linear-attention heads and their state are not split over devices."""
+    snapshotted there (the engine's default leaves prefix caching off)."""
     if cfg.hybrid is None:
         return
     if config.enable_prefix_caching:
         raise ValueError(f"enable_prefix_caching=True is not supported for the hybrid model {cfg.model_type}: "
                          "its linear-attention state is not snapshotted at page boundaries (leave it off)")
-    if config.tensor_parallel_size > 1:
-        raise NotImplementedError(f"tensor_parallel_size={config.tensor_parallel_size} is not supported for the hybrid "
-                                  f"model {cfg.model_type}: its linear-attention layers run on one device")
 
 
 def sampling_defaults(config: EngineConfig, model_dir: Path) -> dict:

@@ -22,8 +22,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh, NamedSharding
+
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.params import pytree_dataclass
+from jaxmtp.worker.sharding import logical_to_spec
 
 
 @pytree_dataclass
@@ -41,9 +44,34 @@ class RecurrentState:
         return self.conv[0].shape[1] if self.conv else 1
 
 
-def allocate_recurrent(cfg: ModelConfig, num_slots: int, keep: int) -> RecurrentState:
+# Under tensor parallelism each device holds its linear-attention heads' states: the
+# conv's channels (q|k|v of each key head, key-head major) and the value heads (key-head
+# major), as in_proj_qkvz and conv1d split (jaxmtp.worker.sharding.PARAM_AXES)
+CONV_AXES = ("slots", "versions", "conv_taps", "heads")
+SSM_AXES = ("slots", "versions", "heads", "key_dim", "value_dim")
+
+
+def recurrent_shardings(state: RecurrentState, mesh: Mesh) -> RecurrentState:
+    """A NamedSharding per table of state, split over mesh by heads."""
+    conv, ssm = (NamedSharding(mesh, logical_to_spec(axes)) for axes in (CONV_AXES, SSM_AXES))
+    return RecurrentState([conv] * len(state.conv), [ssm] * len(state.ssm))
+
+
+def constrain_recurrent(state: RecurrentState, mesh: Mesh | None) -> RecurrentState:
+    """Inside the step: the tables as they were placed (XLA would otherwise pick the
+    outputs' sharding, and the next step's program takes them as placed)."""
+    if mesh is None:
+        return state
+    return jax.lax.with_sharding_constraint(state, recurrent_shardings(state, mesh))
+
+
+def allocate_recurrent(cfg: ModelConfig, num_slots: int, keep: int, mesh: Mesh | None = None) -> RecurrentState:
     """Zeroed tables of num_slots slots (one per running sequence: max_num_seqs), keep
-    versions each (k + 1 with k speculative tokens)."""
+    versions each (k + 1 with k speculative tokens); with a mesh, created split by heads."""
+    if mesh is not None:
+        shapes = jax.eval_shape(lambda: allocate_recurrent(cfg, num_slots, keep))
+        return jax.jit(lambda: allocate_recurrent(cfg, num_slots, keep),
+                       out_shardings=recurrent_shardings(shapes, mesh))()
     la = cfg.hybrid
     layers = [] if la is None else [i for i in range(cfg.num_layers) if cfg.layer_is_linear(i)]
     if not layers:

@@ -71,7 +71,8 @@ class ModelRunner:
             max_num_batched_tokens=config.max_num_batched_tokens, num_speculative_tokens=config.num_speculative_tokens,
             num_pages=config.num_pages, gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes, devices=list(self.mesh.devices.flat),
-            state_bytes=recurrent_bytes(model_config, config.max_num_seqs, self._recurrent_versions),
+            # each device holds its heads' share of the state tables
+            state_bytes=recurrent_bytes(model_config, config.max_num_seqs, self._recurrent_versions) // self.mesh.size,
         )
         self.num_pages = self.kv_pool.num_pages
         self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
@@ -118,8 +119,8 @@ class ModelRunner:
             "cache": lambda: allocate_cache(self.model_config, self.num_pages, self.page_size, self.num_draft_modules,
                                             self.mesh),
             # a slot per running sequence (Sequence.state_slot), k + 1 versions each
-            "recurrent": lambda: put_replicated(allocate_recurrent(self.model_config, self.config.max_num_seqs,
-                                                                   self._recurrent_versions), self.mesh),
+            "recurrent": lambda: allocate_recurrent(self.model_config, self.config.max_num_seqs, self._recurrent_versions,
+                                                    self.mesh),
             "logits_state": lambda: put_replicated(zero_state(self.config.max_num_seqs, self.model_config.vocab_size),
                                                    self.mesh),
             "carry": lambda: put_replicated(Carry.zeros(self.buckets.seq_sizes[-1], self.config.num_speculative_tokens),

@@ -50,6 +50,10 @@ LOGICAL_RULES: dict[str, str | None] = {
     "moe_ffn": None,  # one expert's intermediate stays whole on its device
     "linear_group": None,  # one key head's group of linear-attention columns or conv channels
     "conv_taps": None,
+    "slots": None,  # the recurrent state's tables (jaxmtp.worker.recurrent): a slot per sequence,
+    "versions": None,  # its kept versions, and a head's
+    "key_dim": None,  # [key, value] state matrix
+    "value_dim": None,
 }
 
 # Parameter fields (of LayerParams, MTPParams and Params; a name means the same thing

@@ -27,7 +27,7 @@ from jaxmtp.worker.batch import Batch, BatchShape, Carry, apply_carry, lookahead
 from jaxmtp.worker.cache import KVCache
 from jaxmtp.worker.logits_processors import LogitsState, process_logits, record_emitted
 from jaxmtp.worker.prompt_logprobs import PromptLogprobs, prompt_logprobs
-from jaxmtp.worker.recurrent import RecurrentState, commit
+from jaxmtp.worker.recurrent import RecurrentState, commit, constrain_recurrent
 from jaxmtp.worker.sampling import accept_drafts, chosen_logprobs, verify_and_sample
 from jaxmtp.worker.sharding import argmax_vocab, gather_vocab, replicated
 
@@ -133,7 +133,7 @@ def _main_forward(params, cache, recurrent, batch, config: StepConfig):
             hidden, cache, recurrent = hybrid.forward(params, config.model, batch, cache, recurrent, _layer_ops(config))
     if config.mesh is not None:  # as finish's compiled program takes it (ModelRunner.lower_programs)
         hidden = jax.lax.with_sharding_constraint(hidden, replicated(config.mesh))
-    return cache, recurrent, hidden
+    return cache, constrain_recurrent(recurrent, config.mesh), hidden
 
 
 def _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidden, token_bitmask, oracle_tokens,
@@ -145,7 +145,8 @@ def _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidd
             params, hidden, batch, logits_state, token_bitmask, shape, config)
         # the recurrent state after the last kept row (a prefill chunk's rows: all kept)
         has_rows = batch.query_start[1:] > batch.query_start[:-1]
-        recurrent = commit(recurrent, batch.recurrent_slot, batch.num_drafts - num_accepted, has_rows)
+        recurrent = constrain_recurrent(commit(recurrent, batch.recurrent_slot, batch.num_drafts - num_accepted,
+                                               has_rows), config.mesh)
     b = batch.kv_len.shape[0]
     with jax.named_scope("draft"):
         if k:
