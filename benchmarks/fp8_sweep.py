@@ -22,7 +22,6 @@ before, this run's buckets replacing the same ones there). --tiny: a CPU smoke t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -34,7 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemm_sweep import NUM_SMS, SHAPES, SMEM_BYTES, Sweep, copy_bandwidth, fastest, second_stage, weight_copies  # noqa: E402
+from gemm_sweep import (  # noqa: E402
+    NUM_SMS, SHAPES, SMEM_BYTES, Sweep, copy_bandwidth, fastest, second_stage, sweep_parser, sweep_shapes,
+    weight_copies,
+)
 
 FP8_SHAPES = {label: SHAPES[label] for label in ("q_o", "kv", "qkv", "gate_up", "down")}
 TINY_SHAPES = {"q_o": (64, 1, 96), "gate_up": (48, 2, 40)}
@@ -189,12 +191,7 @@ def table(results: dict) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--m", default="1,2,4,8,16,32,64,128,256,2048", help="row counts, in the order to run them")
-    parser.add_argument("--shapes", default="down,gate_up,q_o,kv,qkv", help="of: " + ", ".join(FP8_SHAPES))
-    parser.add_argument("--budget-s", type=float, default=480)
-    parser.add_argument("--out", default=".")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, tiny shapes")
+    parser = sweep_parser("1,2,4,8,16,32,64,128,256,2048", "down,gate_up,q_o,kv,qkv", FP8_SHAPES)
     parser.add_argument("--update", default=None, help="a table file (kernels/fp8_tilings.json) whose buckets this "
                         "run's replace, the rest kept, written as fp8_tilings.json (a sweep in several calls)")
     args = parser.parse_args()
@@ -204,18 +201,7 @@ def main() -> None:
     sweep.results.update(command="python benchmarks/fp8_sweep.py " + " ".join(sys.argv[1:]), block=list(sweep.block))
     sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)
     print(f"copy bandwidth {sweep.results['copy_bytes_per_s'] / 1e12:.3f} TB/s", flush=True)
-    shapes = TINY_SHAPES if args.tiny else FP8_SHAPES
-    labels = [label for label in args.shapes.split(",") if label in shapes]
-    ms = [int(m) for m in args.m.split(",")]
-    for label in labels:
-        sweep.add_shape(label, shapes[label], max(ms))
-    for m in ms:  # M outer: batch 1 first, whatever the budget leaves out
-        for label in labels:
-            if sweep.budget_left() < 30:
-                sweep.results.setdefault("skipped_over_budget", []).append(f"{label} M={m}")
-                continue
-            sweep.run(label, m)
-    sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
+    sweep_shapes(sweep, TINY_SHAPES if args.tiny else FP8_SHAPES, lambda label, m, ms: sweep.run(label, m))
     sweep.results["table"] = table(sweep.results)
     sweep.save()
     tilings = sweep.results["table"]

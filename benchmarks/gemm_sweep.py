@@ -317,28 +317,40 @@ def copy_bandwidth(sweep: Sweep) -> float:
     return 2 * a.nbytes * calls / (sum(e["us"] for e in events) / 1e6)
 
 
-def main() -> None:
+def sweep_parser(m: str, shapes: str, known: dict) -> argparse.ArgumentParser:
+    """A sweep's command line: --m and --shapes (defaults m and shapes, of known),
+    --budget-s, --out and --tiny."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--m", default="64,32,128,8,2,4,1,256", help="row counts, in the order to run them")
-    parser.add_argument("--shapes", default="q_o,kv,qkv,down,gate_up,lm_head", help="of: " + ", ".join(SHAPES))
+    parser.add_argument("--m", default=m, help="row counts, in the order to run them")
+    parser.add_argument("--shapes", default=shapes, help="of: " + ", ".join(known))
     parser.add_argument("--budget-s", type=float, default=480)
     parser.add_argument("--out", default=".")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, tiny shapes")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = sweep_parser("64,32,128,8,2,4,1,256", "q_o,kv,qkv,down,gate_up,lm_head", SHAPES).parse_args()
     sweep = Sweep(args)
     sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)
     print(f"copy bandwidth {sweep.results['copy_bytes_per_s'] / 1e12:.3f} TB/s", flush=True)
-    shapes = TINY_SHAPES if args.tiny else SHAPES
-    labels = [label for label in args.shapes.split(",") if label in shapes]
-    ms = [int(m) for m in args.m.split(",")]
+    sweep_shapes(sweep, TINY_SHAPES if args.tiny else SHAPES,
+                 lambda label, m, ms: sweep.run(label, m, small=m < 8 and 8 in ms[:ms.index(m)]))
+
+
+def sweep_shapes(sweep: Sweep, shapes: dict, run_one) -> None:
+    """run_one(label, m, ms) for each of --shapes at each of --m, M outer (the first row
+    counts first, whatever the budget leaves out); the elapsed time saved."""
+    labels = [label for label in sweep.args.shapes.split(",") if label in shapes]
+    ms = [int(m) for m in sweep.args.m.split(",")]
     for label in labels:
         sweep.add_shape(label, shapes[label], max(ms))
-    for m in ms:  # M outer: the verify rows of batch 32 first, whatever the budget leaves out
+    for m in ms:
         for label in labels:
             if sweep.budget_left() < 30:
                 sweep.results.setdefault("skipped_over_budget", []).append(f"{label} M={m}")
                 continue
-            sweep.run(label, m, small=m < 8 and 8 in ms[:ms.index(m)])
+            run_one(label, m, ms)
     sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
     sweep.save()
 

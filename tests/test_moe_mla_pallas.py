@@ -139,6 +139,18 @@ def test_fp8_experts_need_a_k_step_inside_their_scale_block():
     assert gm.default_config(4, 2, 64, 32, scale_block=(16, 32)).block_k == 16
 
 
+def routed_through_kernels_and_references(x, routing, gate_up, down) -> tuple:
+    """The MoE layer with the kernels (interpret mode, small tiles) in its grouped-matmul
+    slots, and with the references."""
+    def interpret(fn):
+        return lambda *a, **kw: fn(*a, **kw, interpret=True, config=SMALL)
+
+    got = routed_experts(x, routing, gate_up, down, expert_swiglu=interpret(gm.grouped_swiglu_kernel),
+                         expert_matmul=interpret(gm.grouped_matmul_kernel))
+    return got, routed_experts(x, routing, gate_up, down, expert_swiglu=gm.grouped_swiglu_reference,
+                               expert_matmul=gm.grouped_matmul_reference)
+
+
 def test_routed_experts_through_the_kernels():
     """The MoE layer with the kernels in its grouped-matmul slots equals the references'
     layer (which test_moe_kernels checks against a per-token float64 loop)."""
@@ -150,13 +162,7 @@ def test_routed_experts_through_the_kernels():
     experts = np.stack([rng.choice(num_experts - 1, size=k, replace=False) for _ in range(t)])  # expert 5 unused
     routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32))
 
-    def interpret(fn):
-        return lambda *a, **kw: fn(*a, **kw, interpret=True, config=SMALL)
-
-    got = routed_experts(x, routing, gate_up, down, expert_swiglu=interpret(gm.grouped_swiglu_kernel),
-                         expert_matmul=interpret(gm.grouped_matmul_kernel))
-    want = routed_experts(x, routing, gate_up, down, expert_swiglu=gm.grouped_swiglu_reference,
-                          expert_matmul=gm.grouped_matmul_reference)
+    got, want = routed_through_kernels_and_references(x, routing, gate_up, down)
     # two float32 evaluations in their own orders: twice one's rounding bound
     _, bound, _ = experts_float64(x, experts, routing.weights, gate_up, down)
     assert_within(got, want, 2 * bound, f"seed={seed}")
@@ -358,13 +364,7 @@ def test_routed_fp8_experts_pass_their_scales_to_the_grouped_calls():
     routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32))
     fp8_gate_up, fp8_down = Fp8Weight(q_gu, s_gu, (1, *block[:1], 1, block[1])), Fp8Weight(q_dn, s_dn, (1, *block))
 
-    def interpret(fn):
-        return lambda *a, **kw: fn(*a, **kw, interpret=True, config=SMALL)
-
-    got = routed_experts(x, routing, fp8_gate_up, fp8_down, expert_swiglu=interpret(gm.grouped_swiglu_kernel),
-                         expert_matmul=interpret(gm.grouped_matmul_kernel))
-    want = routed_experts(x, routing, fp8_gate_up, fp8_down, expert_swiglu=gm.grouped_swiglu_reference,
-                          expert_matmul=gm.grouped_matmul_reference)
+    got, want = routed_through_kernels_and_references(x, routing, fp8_gate_up, fp8_down)
     exact, bound, _ = experts_float64(x, experts, routing.weights, gate_up, down)
     assert_within(got, exact, 2 * bound, f"seed={seed}")
     assert_within(want, exact, 2 * bound, f"seed={seed} reference")
