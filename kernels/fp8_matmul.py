@@ -80,7 +80,7 @@ def default_config(m: int, n: int) -> MatmulConfig:
 # split-K sum, by at least 5% and past the spread of the sweep's best tilings), by the
 # weight's (K, P, N) and the rows rounded up to a power of 2 (16 at least); every other
 # shape and row count is XLA's. Llama-3-8B's down projection, and its q, k and v merged
-# into one weight (params.with_merged_qkv: the shape "q, k, v merged" of the sweep, the
+# into one weight (qkv_layout.with_merged_qkv: the shape "q, k, v merged" of the sweep, the
 # dot XLA made of the three). The kernel also beat XLA's isolated dot at 4096 x 4096
 # (o_proj) from 64 rows, but not XLA's o_proj inside the step (its profile), so that
 # shape stays XLA's.

@@ -88,7 +88,7 @@ def test_the_table_names_its_shapes_rows_and_dtype_only():
     assert dense_tiling(32, down, jnp.bfloat16) is None  # XLA's dot was as fast at 32 rows
     assert dense_tiling(64, down, jnp.float32) is None  # measured in bfloat16 only
     assert dense_tiling(64, (4096, 1, 4096), jnp.bfloat16) is None  # o_proj: XLA's was as fast inside the step
-    qkv = (4096, 1, 6144)  # q, k and v merged (params.with_merged_qkv)
+    qkv = (4096, 1, 6144)  # q, k and v merged (qkv_layout.with_merged_qkv)
     assert [dense_tiling(m, qkv, jnp.bfloat16) is not None for m in (8, 32, 64, 128, 256)] == [False] + [True] * 4
     for (k, _, _), by_rows in DENSE_TILINGS.items():
         for config in by_rows.values():

@@ -94,7 +94,7 @@ def test_mlp_bias_attention_bias_and_gelu_match_transformers(biased_gelu_model, 
 
 def test_q_k_and_v_merged_into_one_weight_give_the_same_model(tmp_path, biased_gelu_model, rng, monkeypatch):
     """Where the step may take the dense kernel (one GPU), the runner holds each layer's
-    q, k and v, and their biases, side by side (params.with_merged_qkv): the logits of
+    q, k and v, and their biases, side by side (qkv_layout.with_merged_qkv): the logits of
     transformers all the same, written apart again by export, and the shipped MTP model's
     golden output with its drafts (the module's layer merged too)."""
     import safetensors.numpy

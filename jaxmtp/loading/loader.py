@@ -31,8 +31,8 @@ from jaxmtp.models.params import (
     layer_params_class,
     param_shapes,
     random_params,
-    with_separate_qkv,
 )
+from jaxmtp.models.qkv_layout import with_separate_qkv
 from jaxmtp.models.registry import FAMILIES
 
 # a tree of parameters (arrays, shapes or tensor refs, Params' layout) -> the same tree of

@@ -56,7 +56,7 @@ def gqa_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Grouped-query attention over normed rows h [T, H]; writes this step's K/V."""
     t = h.shape[0]
-    if p.k_proj is None:  # q, k and v side by side in q_proj (params.with_merged_qkv)
+    if p.k_proj is None:  # q, k and v side by side in q_proj (qkv_layout.with_merged_qkv)
         q, k, v = jnp.split(linear(h, p.q_proj, p.q_bias), (cfg.q_size, cfg.q_size + cfg.kv_size), axis=-1)
     else:
         q, k, v = linear(h, p.q_proj, p.q_bias), linear(h, p.k_proj, p.k_bias), linear(h, p.v_proj, p.v_bias)

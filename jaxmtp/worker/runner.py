@@ -24,7 +24,7 @@ from jaxmtp.engine.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.loading.loader import load_params
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.linear import dense_kernels_for, fp8_matmul_for, with_fp8_matmul
-from jaxmtp.models.params import with_merged_qkv
+from jaxmtp.models.qkv_layout import with_merged_qkv
 from jaxmtp.worker.batch import (
     OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch, padded_bitmask,
 )
