@@ -469,10 +469,10 @@ import json, sys
 from jaxmtp import LLM, SamplingParams
 result = {}
 for tp in (1, 2):
-    llm = LLM(sys.argv[1], tensor_parallel_size=tp, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
+    llm = LLM(sys.argv[1], tensor_parallel_size=tp, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
               num_speculative_tokens=2, page_size=4, prefill_chunk_size=7)
-    outs = llm.generate([[1, 5, 9, 33, 7, 3, 8, 9, 10, 11], [1] + list(range(10, 40))],
-                        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate([[1, 5, 9, 33, 7, 3, 8, 9, 10, 11], [1] + list(range(10, 22))],
+                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     state = llm.engine.runner.recurrent
     result[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
                   "specs": [list(state.conv[0].sharding.spec), list(state.ssm[0].sharding.spec)]}
