@@ -249,3 +249,22 @@ def test_a_k_major_weight_lowers_for_the_gpu():
     for config in (None, MatmulConfig(2, 64, 4, 3, split_k=3)):
         lowered = jax.jit(lambda x, q, s: fp8_matmul(x, q, s, block_k=128, block_n=128, config=config, k_major=True))
         assert "triton" in lowered.trace(x, q, scale).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_kernel_layout_moves_an_array_two_weights_share_once(rng):
+    """with_fp8_matmul(in_place=True) frees each moved weight's old buffer: an fp8 array
+    that two leaves share is moved once, both leaves get the moved one, and the way
+    back to the reference's layout gives the original bytes."""
+    import collections
+
+    from jaxmtp.models.linear import with_fp8_matmul
+    from jaxmtp.models.params import Fp8Weight
+
+    _, q, scale = make_case(rng, 1, 64, 1, 32, 16, 16, jnp.float32)
+    shared = Fp8Weight(q.reshape(64, 32), scale.reshape(4, 2), (16, 16))
+    Layer = collections.namedtuple("Layer", "q_proj o_proj")
+    moved = with_fp8_matmul(Layer(shared, shared), "pallas_interpret", in_place=True)
+    assert moved.q_proj.weight is moved.o_proj.weight and moved.q_proj.k_major and moved.q_proj.weight.shape == (32, 64)
+    back = with_fp8_matmul(moved, "reference")
+    np.testing.assert_array_equal(np.asarray(back.o_proj.weight.astype(jnp.float32)),
+                                  np.asarray(q.reshape(64, 32).astype(jnp.float32)))

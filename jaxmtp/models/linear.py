@@ -197,13 +197,20 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
     and for the weights in IN_MAJOR_WEIGHTS; sharded over several devices, each with
     its Fp8Shards (the reference where fp8_shards finds none). in_place: a weight
     changing layout is moved and its old buffer freed at once, which params loses (a
-    model that fills the device in fp8 has no room for a second copy); else copied."""
+    model that fills the device in fp8 has no room for a second copy); else copied. An
+    array two leaves share is moved once."""
+    moves = {}
+
+    def move(a, axes):
+        if (id(a), axes) not in moves:
+            moves[id(a), axes] = _moved(a, axes, in_place)
+        return moves[id(a), axes]
 
     def convert(path, w):
         if not isinstance(w, Fp8Weight):
             return w
         if w.k_major:  # back to the loaded layout first
-            w = dataclasses.replace(w, weight=_moved(w.weight, (-1, 0), in_place), k_major=False, shards=None)
+            w = dataclasses.replace(w, weight=move(w.weight, (-1, 0)), k_major=False, shards=None)
         if matmul == "reference" or path[-1].name in IN_MAJOR_WEIGHTS:
             return dataclasses.replace(w, matmul=matmul)
         shards = fp8_shards(w) if _sharded(w.weight) else None
@@ -211,8 +218,7 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
             log.info("fp8 %s: a device's part is not whole scale blocks; the jnp reference multiplies by it",
                      jax.tree_util.keystr(path))
             return dataclasses.replace(w, matmul="reference")
-        return dataclasses.replace(w, weight=_moved(w.weight, (0, -1), in_place), k_major=True, matmul=matmul,
-                                   shards=shards)
+        return dataclasses.replace(w, weight=move(w.weight, (0, -1)), k_major=True, matmul=matmul, shards=shards)
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
 
