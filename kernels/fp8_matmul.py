@@ -161,12 +161,12 @@ def is_k_step(block_k: int) -> bool:
 
 MMA_ROWS = 16  # the smallest row tile of Triton's MMA; fewer rows multiply on the vector units
 
-# bfloat16 activations times an fp8 weight in MMA tiles run as float16 x float16 products: e4m3 to
-# float16 is one hardware conversion for two values, e4m3 to bfloat16 a run of integer
-# operations that made the kernel compute-bound at the bf16 kernel's speed (2026-12-03
-# H200 sweep). x enters float16 times 2**-F16_SHIFT (the block scales carry 2**F16_SHIFT
-# back, both exact): every bfloat16 x of magnitude 2**-8 to 2**24 is a float16 value
-# after the shift, so the products are the bfloat16 ones; smaller magnitudes round to
+# bfloat16 activations times an fp8 weight in MMA tiles run as float16 x float16
+# products: e4m3 to float16 is one hardware conversion for two values, e4m3 to bfloat16
+# a run of integer operations that made the kernel compute-bound at the bf16 kernel's
+# speed (2026-12-03 H200 sweep). x enters float16 times 2**-F16_SHIFT (the block scales
+# carry 2**F16_SHIFT back, both exact): every bfloat16 x of magnitude 2**-8 to 2**24 is
+# a float16 value after the shift, so the products are the bfloat16 ones; smaller magnitudes round to
 # float16's subnormal step (2**-24, an absolute error of at most 2**-17 in x), larger
 # ones overflow.
 F16_SHIFT = 8

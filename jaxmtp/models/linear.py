@@ -2,8 +2,9 @@
 where the layer has one, for weights in the model's dtype and for fp8 weights with
 block scales (jaxmtp/models/quantization.py; jaxmtp.models.params.Fp8Weight). An fp8 weight's
 `matmul` says how: the Pallas kernel (jaxmtp/kernels/fp8_matmul.py) on GPUs at its
-measured tiling (or the dequantized dot where that measured faster), its jnp reference (dequantize, then one float32 matmul) elsewhere. A weight in the model's
-dtype goes through XLA's dot, except inside a step traced with dense kernels on
+measured tiling (or the dequantized dot where that measured faster), its jnp reference
+(dequantize, then one float32 matmul) elsewhere. A weight in the model's dtype goes
+through XLA's dot, except inside a step traced with dense kernels on
 (dense_kernels_for: a GPU, one device, Pallas attention) where the measured table of the
 dense Pallas kernel (jaxmtp.kernels.fp8_matmul.DENSE_TILINGS) names its shape and row
 count."""
@@ -27,7 +28,7 @@ from jaxmtp.kernels.fp8_matmul import (
 from jaxmtp.models.config import check_attention_backend
 from jaxmtp.models.params import Fp8Weight
 from jaxmtp.models.quantization import Fp8BlockConfig
-from jaxmtp.worker.sharding import shard_per_device
+from jaxmtp.worker.sharding import full_spec, shard_per_device
 
 log = logging.getLogger("jaxmtp.models.linear")
 
@@ -144,18 +145,13 @@ def fp8_shards(w: Fp8Weight) -> Fp8Shards | None:
     it is sharded over a mesh of several devices; None where it cannot: a device's part
     of a split axis is not whole scale blocks (its scales would not be the part's), or an
     axis other than K and N splits."""
-    mesh, weight, scale = w.weight.sharding.mesh, _full_spec(w.weight), _full_spec(w.scale_inv)
+    mesh = w.weight.sharding.mesh
+    weight, scale = (full_spec(a.sharding.spec, a.ndim) for a in (w.weight, w.scale_inv))
     if weight != scale or any(axis is not None for axis in weight[1:-1]):
         return None
     k_major = PartitionSpec(*weight[1:], weight[0])
     split = "k" if weight[0] is not None else "n" if weight[-1] is not None else None
     return Fp8Shards(mesh, k_major, PartitionSpec(*scale), split)
-
-
-def _full_spec(a: jax.Array) -> tuple:
-    """a's PartitionSpec with one entry per axis."""
-    spec = tuple(a.sharding.spec)
-    return spec + (None,) * (a.ndim - len(spec))
 
 
 # The fp8 weights that linear() does not multiply by, which keep the [in, out] layout on
@@ -213,8 +209,9 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
             w = dataclasses.replace(w, weight=move(w.weight, (-1, 0)), k_major=False, shards=None)
         if matmul == "reference" or path[-1].name in IN_MAJOR_WEIGHTS:
             return dataclasses.replace(w, matmul=matmul)
-        shards = fp8_shards(w) if _sharded(w.weight) else None
-        if shards is None and _sharded(w.weight):
+        sharded = _sharded(w.weight)
+        shards = fp8_shards(w) if sharded else None
+        if sharded and shards is None:
             log.info("fp8 %s: a device's part is not whole scale blocks; the jnp reference multiplies by it",
                      jax.tree_util.keystr(path))
             return dataclasses.replace(w, matmul="reference")
@@ -232,7 +229,7 @@ def _moved(weight: jax.Array, axes: tuple[int, int], in_place: bool) -> jax.Arra
     freed once the moved copy exists."""
     sharding = weight.sharding
     if isinstance(sharding, NamedSharding):
-        spec = list(_full_spec(weight))
+        spec = list(full_spec(sharding.spec, weight.ndim))
         spec.insert(axes[1] % weight.ndim, spec.pop(axes[0]))
         sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec))
     moved = jax.jit(lambda a: jnp.moveaxis(a, *axes), out_shardings=sharding)(weight)

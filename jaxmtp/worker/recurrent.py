@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import Mesh, NamedSharding
 
 from jaxmtp.models.config import ModelConfig

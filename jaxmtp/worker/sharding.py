@@ -196,11 +196,16 @@ def param_specs(params, mesh: Mesh) -> object:
     return jax.tree_util.tree_map_with_path(spec, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
 
 
+def full_spec(spec: PartitionSpec, ndim: int) -> tuple:
+    """spec as a tuple with one entry per axis of an ndim array (None past its end)."""
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
 def block_scale_spec(weight_spec: PartitionSpec, shape: tuple[int, ...], block: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     """An fp8 weight's block scales split with it where each device's part of the weight
     is whole blocks (its scales then are whole rows or columns of the scales); where
     not, that axis of the scales stays whole on every device (they are small)."""
-    axes = tuple(weight_spec) + (None,) * (len(shape) - len(weight_spec))
+    axes = full_spec(weight_spec, len(shape))
     return PartitionSpec(*(
         axis if axis is None or (size // mesh.shape[axis]) % size_of_block == 0 else None
         for axis, size, size_of_block in zip(axes, shape, block)
