@@ -21,14 +21,11 @@ DEFAULT_MODEL = str(CHECKPOINTS / "stories260K-mtp")  # stories260K with its tra
 DEFAULT_BASE = str(CHECKPOINTS / "stories260K")
 
 # Where the command line's defaults differ from EngineConfig's (the library's): serving
-# workloads share prefixes (system prompts, chat turns), so prefix caching is on where
-# the model allows it (not a hybrid model's: model_options.check_hybrid_options), and a
+# workloads share prefixes (system prompts, chat turns), so prefix caching is on, and a
 # model that ships MTP weights drafts with them.
-CLI_ENGINE_DEFAULTS = {"enable_prefix_caching": None, "num_speculative_tokens": None}
+CLI_ENGINE_DEFAULTS = {"enable_prefix_caching": True, "num_speculative_tokens": None}
 DEFAULT_SPECULATIVE_TOKENS = 2
 CLI_ENGINE_HELP = {
-    "enable_prefix_caching": "reuse the KV pages of earlier requests' shared prefixes (default: on, but for a hybrid "
-                             "model, which does not support it)",
     "num_speculative_tokens": (
         f"MTP draft tokens per step (default: {DEFAULT_SPECULATIVE_TOKENS} if the model has MTP weights, else 0)"
     ),
@@ -111,13 +108,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = option_values(args, EngineConfig)
     if kwargs["num_speculative_tokens"] is None and kwargs["speculative_config"] is not None:
         kwargs["num_speculative_tokens"] = 0  # speculative_config gives it
-    if kwargs["num_speculative_tokens"] is None or kwargs["enable_prefix_caching"] is None:
+    if kwargs["num_speculative_tokens"] is None:
         from jaxmtp.loading import hub
         from jaxmtp.models.registry import load_config
 
         cfg = load_config(hub.resolve_model(resolve_model(args), kwargs["revision"]))
-        if kwargs["num_speculative_tokens"] is None:
-            kwargs["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS if cfg.num_mtp_modules else 0
-        if kwargs["enable_prefix_caching"] is None:
-            kwargs["enable_prefix_caching"] = cfg.hybrid is None
+        kwargs["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS if cfg.num_mtp_modules else 0
     return kwargs

@@ -320,3 +320,20 @@ def _seed_of_the_loop(request, monkeypatch):
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and "_loop_seed" in callspec.params:
         monkeypatch.setenv("JAXMTP_TEST_SEED", str(callspec.params["_loop_seed"]))
+
+
+def record_drafts(engine) -> list:
+    """Wrap engine.step to record, after each step read, the proposals of every request
+    that has output: (tokens so far, drafts)."""
+    history, step = [], engine.step
+
+    def recording():
+        steps = engine.stats.steps
+        outputs = step()
+        if engine.stats.steps != steps:
+            history.extend((len(r.seq.output_token_ids), tuple(r.seq.drafts)) for r in engine.last_schedule
+                           if r.seq.output_token_ids)
+        return outputs
+
+    engine.step = recording
+    return history

@@ -82,7 +82,7 @@ def test_every_option_has_help_with_its_default():
     assert "(default: None)" not in build_parser().format_help()
     rendered = " ".join(subcommand_parsers()["serve"].format_help().split())
     assert "tokens per KV cache page (default: 16)" in rendered
-    assert "(default: on, but for a hybrid model" in rendered.split("--no-enable-prefix-caching")[-1][:160]
+    assert "shared prefixes (default: True)" in rendered.split("--no-enable-prefix-caching")[-1][:80]
 
 
 def test_engine_options_are_engine_config_fields_with_their_defaults():

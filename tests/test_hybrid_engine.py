@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import conftest
-from conftest import fresh_rng
+from conftest import fresh_rng, record_drafts
 from jaxmtp import LLM, SamplingParams
 from test_hybrid_models import FAMILIES, make_hybrid
 
@@ -94,9 +94,14 @@ def set_chunk_size(llm: LLM, size: int) -> None:
 
 
 def assert_no_leaks(llm: LLM) -> None:
-    """No page held (conftest.assert_no_leaks) and every state slot free."""
+    """No page held (conftest.assert_no_leaks), every state slot free and every state
+    snapshot free or attached to a cached page."""
     conftest.assert_no_leaks(llm)
     assert sorted(llm.engine.scheduler._free_state_slots) == list(range(llm.engine.config.max_num_seqs))
+    snapshots = llm.engine.prefix_cache.snapshots if llm.engine.prefix_cache else None
+    if snapshots is not None:
+        assert sorted(snapshots.free + list(snapshots.by_entry.values())) == list(range(snapshots.num_snapshots))
+        assert all(entry.page in llm.engine.prefix_cache.by_page for entry in snapshots.by_entry)
 
 
 def transformers_greedy(model, prompt: list[int]) -> tuple[list[int], np.ndarray]:
@@ -245,14 +250,16 @@ def oracle_with_misses(tokens: list[list[int]], every: int) -> np.ndarray:
     return table
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_spec_equals_plain_under_chunking_partial_acceptance_and_preemption(checkpoints, engines, k):
+@pytest.mark.parametrize("k,prefix_caching", [(1, False), (2, False), (3, False), (2, True)])
+def test_spec_equals_plain_under_chunking_partial_acceptance_and_preemption(checkpoints, engines, k, prefix_caching):
     """Three requests (two greedy, one seeded at temperature 0.9) in a pool too small for
     them all, prefill chunks of 5: MTP with k drafts gives the tokens of plain decoding
     with ample pages, token for token. The greedy requests' drafts come from an oracle
     that misses every third token, so verifications keep 0..k drafts and the recurrent
     state must be the one after exactly the accepted tokens; the preempted requests
-    recompute from their prompts in fresh slots. No page or slot leaks afterwards."""
+    recompute from their prompts in fresh slots (with prefix caching, from the state
+    snapshotted after the last page of theirs still cached). No page, slot or snapshot
+    leaks afterwards."""
     _, _, prompt = checkpoints["qwen3_next"]
     prompts = [prompt, prompt[:9][::-1], prompt[3:8]]
     params = [greedy(24, seed=0), greedy(24, seed=1),
@@ -260,17 +267,50 @@ def test_spec_equals_plain_under_chunking_partial_acceptance_and_preemption(chec
     plain = engines("qwen3_next")
     set_chunk_size(plain, 16)
     want = [list(out.outputs[0].token_ids) for out in plain.generate(prompts, params, use_tqdm=False)]
-    llm = engines("qwen3_next", k, oracle=oracle_with_misses(want[:2], every=3), **SPEC_ENGINE)
+    llm = engines("qwen3_next", k, oracle=oracle_with_misses(want[:2], every=3), **SPEC_ENGINE,
+                  **(dict(enable_prefix_caching=True, num_state_snapshots=8) if prefix_caching else {}))
     before = llm.engine.scheduler.num_preemptions
+    hits_before = llm.engine.stats.prefix_cache.hits
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [list(out.outputs[0].token_ids) for out in outs] == want
     assert llm.engine.scheduler.num_preemptions > before
+    assert (llm.engine.stats.prefix_cache.hits > hits_before) == prefix_caching  # recomputes started past 0
     for out in outs[:2]:  # some verifications kept every draft, some only a part
         stats = out.spec_stats
         assert 0 < stats["accepted"] < stats["drafted"], stats
         assert stats["accepted_per_position"][0] > (stats["accepted_per_position"][-1] if k > 1 else 0), stats
     assert_no_leaks(llm)
     assert_no_leaks(plain)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_prefix_cache_hits_start_from_the_snapshotted_state(checkpoints, engines, k):
+    """Prefix caching with the recurrent state snapshotted at page boundaries: once a
+    request has computed the prompt in chunks of 5 (each cut at its page boundary, so a
+    snapshot after every page), requests sharing its first 10, 12 and 8 tokens and the
+    whole prompt hit the cache through the last page that has a snapshot and, with MTP,
+    the version their next token needs (docs/prefix-cache.md), and give the tokens,
+    drafts and acceptance of an engine without the cache that takes each prompt in one
+    chunk. (Restoring no snapshot, or saving none, fails it.)"""
+    _, _, prompt = checkpoints["qwen3_next"]
+    cold = engines("qwen3_next", k)
+    set_chunk_size(cold, ENGINE["max_num_batched_tokens"])
+    llm = engines("qwen3_next", k, enable_prefix_caching=True, num_state_snapshots=16)
+    set_chunk_size(llm, 5)
+    llm.generate([prompt], greedy(), use_tqdm=False)
+    # prompt length shared -> (the new request's tail, its hit without MTP, with MTP): a
+    # page whose next token differs is reused whole only without draft KV
+    cases = {10: ([5, 6, 7], 8, 8), 12: ([9, 9, 9, 9], 12, 8), 8: ([1], 8, 4), PROMPT_LEN: ([], 12, 12)}
+    for shared, (tail, hit, spec_hit) in cases.items():
+        request = prompt[:shared] + tail
+        cold_drafts, drafts = record_drafts(cold.engine), record_drafts(llm.engine)
+        want = cold.generate([request], greedy(), use_tqdm=False)[0]
+        got = llm.generate([request], greedy(), use_tqdm=False)[0]
+        del cold.engine.step, llm.engine.step  # record_drafts' wrappers
+        assert got.num_cached_tokens == (spec_hit if k else hit), (shared, got.num_cached_tokens)
+        assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids), shared
+        assert got.spec_stats == want.spec_stats and drafts == cold_drafts, shared
+    assert_no_leaks(llm)
 
 
 def test_recurrent_state_takes_its_share_of_the_kv_budget(checkpoints):

@@ -410,19 +410,21 @@ def test_a_layer_pattern_the_weights_do_not_have_is_refused(tmp_path, rng):
         load_params(folder, cfg)
 
 
-def test_what_hybrid_models_do_not_run_with_is_refused_by_name(tmp_path, rng):
-    """Prefix caching (no recurrent-state snapshots at page boundaries), before anything
-    loads; the command line's default leaves it off for them."""
-    from jaxmtp.args import engine_kwargs, add_engine_args
+def test_prefix_caching_defaults_on_and_state_snapshots_need_a_hybrid_model(tmp_path, rng):
+    """The command line turns prefix caching on for hybrid models too (their states are
+    snapshotted at page boundaries: engine/state_snapshots.py); num_state_snapshots is
+    refused by name for a model without linear attention, before anything loads."""
     import argparse
 
+    from conftest import STORIES
+    from jaxmtp.args import add_engine_args, engine_kwargs
+
     folder, _ = make_hybrid(tmp_path / "next", "qwen3_next", rng)
-    kwargs = dict(max_num_seqs=1, max_num_batched_tokens=16, page_size=4, load_format="dummy")
-    with pytest.raises(ValueError, match="enable_prefix_caching=True is not supported for the hybrid model qwen3_next"):
-        LLM(folder, enable_prefix_caching=True, **kwargs)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_kwargs(parser.parse_args(["--model", str(folder)]))["enable_prefix_caching"] is False
+    assert engine_kwargs(parser.parse_args(["--model", str(folder)]))["enable_prefix_caching"] is True
+    with pytest.raises(ValueError, match="num_state_snapshots is for hybrid models .* llama has none"):
+        LLM(STORIES, num_state_snapshots=4, enable_prefix_caching=True)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -359,6 +359,8 @@ def test_step_messages_carry_every_input_exactly():
     rng = np.random.default_rng(0)
     inputs = StepInputs(
         [(rng.integers(0, 9, 8, dtype=np.int32), rng.integers(0, 9, 8, dtype=np.int32)) for _ in range(2)],
+        (rng.integers(0, 9, 4, dtype=np.int32), rng.integers(0, 9, 4, dtype=np.int32)),
+        (rng.integers(0, 9, 4, dtype=np.int32), rng.integers(0, 9, 4, dtype=np.int32)),
         np.array([3, 16], np.int32), {"bias": rng.normal(size=(2, 5)).astype(np.float32),
                                       "token_flags": rng.integers(0, 3, (2, 5), dtype=np.int8)},
         rng.integers(-9, 9, 40, dtype=np.int32), rng.normal(size=12).astype(np.float32),
@@ -367,7 +369,8 @@ def test_step_messages_carry_every_input_exactly():
     kind, meta, arrays = distributed.decode(distributed.step_message(inputs))
     back = distributed.step_inputs(meta, arrays)
     assert kind == "step" and back.shape == inputs.shape
-    for a, b in zip(back.page_copies, inputs.page_copies):
+    for a, b in zip(back.page_copies + [back.state_restores, back.state_saves],
+                    inputs.page_copies + [inputs.state_restores, inputs.state_saves], strict=True):
         np.testing.assert_array_equal(a, b)
     for name in ("state_slots", "ints", "floats"):
         got, want = getattr(back, name), getattr(inputs, name)

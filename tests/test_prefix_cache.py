@@ -10,12 +10,15 @@ import itertools
 import numpy as np
 import pytest
 
-from conftest import ROOT, STORIES, assert_no_leaks, draft_kv_bound, greedy, make_modules_model, random_prompts, token_ids
+from conftest import (
+    ROOT, STORIES, assert_no_leaks, draft_kv_bound, greedy, make_modules_model, random_prompts, record_drafts, token_ids,
+)
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.engine import prefix_cache
 from jaxmtp.engine.allocator import PageAllocator
 from jaxmtp.worker.programs import num_compiles
-from jaxmtp.engine.prefix_cache import PrefixCache
+from jaxmtp.engine.prefix_cache import PrefixCache, PrefixHit
+from jaxmtp.engine.state_snapshots import StateSnapshots
 from jaxmtp.engine.sequence import Sequence
 from tolerances import assert_within
 
@@ -268,6 +271,34 @@ def test_a_page_matches_only_after_the_parent_it_was_cached_with(monkeypatch):
     assert [e.tokens for e in cache.lookup(x + t + [5], 0).pages] == []
 
 
+def test_state_snapshots_end_hits_and_go_with_their_pages():
+    """A hybrid model's snapshots, host side (engine/state_snapshots.py): a hit ends at its
+    last page with a snapshot; a pending snapshot is attached once its page is registered
+    and freed with its sequence otherwise; a full table gives up its least recently used
+    one (the page stays cached, no hit ends there); an evicted page frees its snapshot."""
+    snapshots = StateSnapshots(3)
+    cache = PrefixCache(page_size=2, with_draft_kv=False, snapshots=snapshots)
+    allocator = PageAllocator(4, 2, cache)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    seq = Sequence("a", list(tokens), SamplingParams(), 0, 0, frozenset(), pages=allocator.allocate(3), num_computed=4)
+    after_one, after_three, after_two = (snapshots.pending(seq, n) for n in (1, 3, 2))
+    cache.register(seq.token_ids, seq.num_computed, seq.pages, seq.cached_prefix, 0)
+    snapshots.attach(seq)  # pages 1 and 2 registered, page 3 not yet
+    assert list(snapshots.by_entry.values()) == [after_one, after_two] and seq.pending_snapshots == [(3, after_three)]
+    snapshots.release(seq)  # page 3 never registered: its snapshot is free again
+    assert snapshots.free == [after_three] and seq.pending_snapshots == []
+    hit = cache.lookup(tokens[:6], 0)
+    assert len(hit.pages) == 2 and hit.state_snapshot == after_two and hit.copy_source is None
+    assert cache.lookup([1, 2, 9, 9], 0).state_snapshot == after_one  # used last: after_two is the oldest
+    assert snapshots.take() == after_three and snapshots.take() == after_two
+    hit = cache.lookup(tokens[:6], 0)
+    assert len(hit.pages) == 1 and hit.state_snapshot == after_one and len(cache.by_page) == 2
+    allocator.free(seq.pages)
+    allocator.allocate(4)  # evicts both cached pages
+    assert snapshots.by_entry == {} and snapshots.free == [after_one]
+    assert cache.lookup(tokens[:6], 0) == PrefixHit([], None, None)
+
+
 # ----- two MTP modules: a step rewrites the row before its first --------------------------
 
 
@@ -275,23 +306,6 @@ def test_a_page_matches_only_after_the_parent_it_was_cached_with(monkeypatch):
 def modules_model(tmp_path_factory):
     """stories260K-mtp with two MTP modules (conftest.make_modules_model)."""
     return make_modules_model(tmp_path_factory.mktemp("modules") / "stories260K-mtp2", 2)
-
-
-def record_drafts(engine) -> list:
-    """Wrap engine.step to record, after each step read, the proposals of every request
-    that has output: (tokens so far, drafts)."""
-    history, step = [], engine.step
-
-    def recording():
-        steps = engine.stats.steps
-        outputs = step()
-        if engine.stats.steps != steps:
-            history.extend((len(r.seq.output_token_ids), tuple(r.seq.drafts)) for r in engine.last_schedule
-                           if r.seq.output_token_ids)
-        return outputs
-
-    engine.step = recording
-    return history
 
 
 def test_two_modules_hit_gives_the_no_cache_drafts_kv_and_acceptance(modules_model, rng):

@@ -94,6 +94,9 @@ class EngineConfig:
         MTP_BOUNDARIES,
     )
     enable_prefix_caching: bool = option(False, "reuse the KV pages of earlier requests' shared prefixes")
+    num_state_snapshots: int | None = option(
+        None, "with prefix caching, a hybrid model's linear-attention states kept at page boundaries, where a "
+        "cached prefix can end; their memory comes out of the KV cache's (default: max_num_seqs)")
     prefix_cache_boundary: str = option(
         "exact",
         "the MTP draft row at the end of the last reused page: exact, or the ablations drop (vLLM) and stale "
@@ -171,7 +174,8 @@ class EngineConfig:
             if kind == "int" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{f.name} must be an integer, got {value!r}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "num_pages",
-                     "max_model_len", "prefill_chunk_size", "num_nodes", "node_timeout", "max_seq_len_to_capture"):
+                     "max_model_len", "prefill_chunk_size", "num_nodes", "node_timeout", "max_seq_len_to_capture",
+                     "num_state_snapshots"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

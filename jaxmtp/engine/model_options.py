@@ -73,15 +73,19 @@ def check_model_options(config: EngineConfig, model: str | Path, model_dir: Path
 
 
 def check_hybrid_options(config: EngineConfig, cfg: ModelConfig) -> None:
-    """What a hybrid model (Qwen3-Next, Qwen3.5: linear-attention layers with a recurrent
-    state per sequence) does not run with yet, by name. Prefix caching: a cached prefix
-    would need the recurrent state at its last page's boundary, and no state is
-    snapshotted there (the engine's default leaves prefix caching off)."""
-    if cfg.hybrid is None:
-        return
-    if config.enable_prefix_caching:
-        raise ValueError(f"enable_prefix_caching=True is not supported for the hybrid model {cfg.model_type}: "
-                         "its linear-attention state is not snapshotted at page boundaries (leave it off)")
+    """num_state_snapshots names a hybrid model's states (linear attention): refused for
+    a model without them."""
+    if cfg.hybrid is None and config.num_state_snapshots is not None:
+        raise ValueError(f"num_state_snapshots is for hybrid models (linear attention), and {cfg.model_type} "
+                         "has none")
+
+
+def num_state_snapshots(config: EngineConfig, cfg: ModelConfig) -> int:
+    """The recurrent-state snapshots the engine keeps: with prefix caching, for a hybrid
+    model, config.num_state_snapshots or max_num_seqs; else none."""
+    if cfg.hybrid is None or not config.enable_prefix_caching:
+        return 0
+    return config.num_state_snapshots or config.max_num_seqs
 
 
 def sampling_defaults(config: EngineConfig, model_dir: Path) -> dict:

@@ -15,12 +15,19 @@ docs/prefix-cache.md for the design and the measured alternatives.
 With M > 1 MTP modules drafting, module j's row i is built from token i+j: a page's
 version is the M tokens after it, and a step rewrites up to M-1 rows before its first,
 so every hit ends in a private copy (docs/prefix-cache.md, "Several MTP modules").
+
+A hybrid model's sequence also needs its recurrent state where the hit ends: with
+snapshots (jaxmtp/engine/state_snapshots.py) a hit ends at its last page with one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxmtp.engine.state_snapshots import StateSnapshots
 
 # How a lookup treats the last row of the last reused page (see the module docstring):
 #   exact: reuse the version followed by the request's next token, else copy-on-write
@@ -55,6 +62,7 @@ class CachedPage:
 class PrefixHit:
     pages: list[CachedPage]  # reused whole, in order
     copy_source: CachedPage | None  # the page after them, reusable but for its last row: copy-on-write
+    state_snapshot: int | None = None  # the recurrent state after the pages (hybrid models)
 
 
 @dataclasses.dataclass
@@ -75,8 +83,10 @@ class PrefixCache:
     evicts one. Salts (what besides the tokens decides the KV: the model, and a
     request's cache_salt) are given with each lookup and registration."""
 
-    def __init__(self, page_size: int, with_draft_kv: bool, boundary: str = "exact", num_draft_modules: int = 1):
+    def __init__(self, page_size: int, with_draft_kv: bool, boundary: str = "exact", num_draft_modules: int = 1,
+                 snapshots: StateSnapshots | None = None):
         self.page_size = page_size
+        self.snapshots = snapshots  # a hybrid model's recurrent-state snapshots, else None
         self.with_draft_kv = with_draft_kv  # the cache has MTP layers, so a page's following tokens matter
         self.boundary = boundary
         # The tokens after a page its KV depends on: module j's row at the page's last
@@ -90,7 +100,15 @@ class PrefixCache:
     # ----- lookup and registration --------------------------------------------------
 
     def lookup(self, token_ids: list[int], salt: int) -> PrefixHit:
-        """The longest cached prefix of token_ids, in full pages."""
+        """The longest cached prefix of token_ids, in full pages; with snapshots, the
+        longest that ends with one, reused whole."""
+        hit = self._lookup(token_ids, salt)
+        if self.snapshots is None:
+            return hit
+        num_pages, snapshot = self.snapshots.hit_end(hit.pages)
+        return PrefixHit(hit.pages[:num_pages], None, snapshot)
+
+    def _lookup(self, token_ids: list[int], salt: int) -> PrefixHit:
         size = self.page_size
         pages: list[CachedPage] = []
         parent = None
@@ -169,8 +187,12 @@ class PrefixCache:
         del versions[entry.following]
         if not versions:
             del self.table[entry.hash]
+        if self.snapshots is not None:
+            self.snapshots.forget(entry)
         self.stats.evictions += 1
 
     def clear(self) -> None:
         self.table.clear()
         self.by_page.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()

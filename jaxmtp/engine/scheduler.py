@@ -42,11 +42,15 @@ class ScheduledRows:
 @dataclasses.dataclass
 class SchedulerOutput:
     """What one step runs: every request's rows, and the page copies (source,
-    destination) to run on the device before it (copy-on-write of cached pages)."""
+    destination) to run on the device before it (copy-on-write of cached pages). A
+    hybrid model's recurrent-state snapshots (engine/state_snapshots.py): restored
+    (snapshot, state slot) before the step, saved (state slot, snapshot) after it."""
 
     rows: list[ScheduledRows]
     page_copies: list[tuple[int, int]]
     num_preempted: int = 0  # requests preempted while scheduling this step
+    state_restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    state_saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -120,6 +124,7 @@ class Scheduler:
         # preempt: the pages just freed would readmit the victim at once, and requests
         # would take turns preempting each other without finishing.
         admitting = self.num_preemptions == preemptions_before
+        restores: list[tuple[int, int]] = []
         while admitting and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = next((seq for seq in self.waiting if self.admissible(seq)), None)
             rows = None if seq is None else self._admit(seq, budget)
@@ -128,13 +133,30 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = Status.RUNNING
             seq.state_slot, seq.state_written = self._free_state_slots.pop(), False
+            if seq.restore_snapshot is not None:
+                restores.append((seq.restore_snapshot, seq.state_slot))
+                seq.restore_snapshot = None
             self.running.append(seq)
             self._reserve(seq, len(rows.token_ids), in_step)
             scheduled.append(rows)
             in_step.add(id(seq))
             budget -= len(rows.token_ids)
         copies, self._page_copies = self._page_copies, []
-        return SchedulerOutput(scheduled, copies, self.num_preemptions - preemptions_before)
+        return SchedulerOutput(scheduled, copies, self.num_preemptions - preemptions_before, restores,
+                               self._state_saves(scheduled))
+
+    def _state_saves(self, scheduled: list[ScheduledRows]) -> list[tuple[int, int]]:
+        """With snapshots: one after each prefill chunk that ends on a page boundary (its
+        committed state is then the state there)."""
+        snapshots = self.prefix_cache.snapshots if self.prefix_cache else None
+        saves = []
+        for item in scheduled if snapshots else ():
+            end = item.start + len(item.token_ids)
+            if item.seq.in_prefill and end % self.config.page_size == 0:
+                snapshot = snapshots.pending(item.seq, end // self.config.page_size)
+                if snapshot is not None:
+                    saves.append((item.seq.state_slot, snapshot))
+        return saves
 
     # ----- the two hooks of async scheduling --------------------------------------------
 
@@ -192,6 +214,7 @@ class Scheduler:
         rewrites before its first row; without a free page for it, nothing is reused."""
         size = self.config.page_size
         hit = self.prefix_cache.lookup(seq.token_ids, seq.cache_salt)
+        seq.restore_snapshot = hit.state_snapshot
         seq.cached_prefix = list(hit.pages)
         seq.pages = self.allocator.share([entry.page for entry in hit.pages])
         seq.num_computed = len(hit.pages) * size
@@ -215,7 +238,7 @@ class Scheduler:
     def _unshare_prefix(self, seq: Sequence) -> None:
         """Undo _reuse_cached_prefix: seq, not yet admitted, holds no page again."""
         self.allocator.free(seq.pages)
-        seq.pages, seq.cached_prefix, seq.num_computed = [], [], 0
+        seq.pages, seq.cached_prefix, seq.num_computed, seq.restore_snapshot = [], [], 0, None
 
     def _rows_for(self, seq: Sequence, budget: int) -> ScheduledRows | None:
         tokens = seq.token_ids
@@ -234,6 +257,9 @@ class Scheduler:
         if size <= 0:
             return None
         end = seq.num_computed + size
+        boundary = end // self.config.page_size * self.config.page_size
+        if self.prefix_cache and self.prefix_cache.snapshots and boundary > seq.num_computed:
+            end = boundary  # a chunk that crosses a page boundary ends there: a snapshot is saved
         has_output = end == len(tokens)
         ahead = max(self.config.num_draft_modules, 1)
         after = () if has_output else tuple((tokens[end : end + ahead] + [0] * ahead)[:ahead])
@@ -296,10 +322,14 @@ class Scheduler:
         later step, which runs after it)."""
         if self.prefix_cache:
             self.prefix_cache.register(seq.token_ids, seq.num_computed, seq.pages, seq.cached_prefix, seq.cache_salt)
+            if self.prefix_cache.snapshots:
+                self.prefix_cache.snapshots.attach(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Give back seq's pages; what it computed stays in the prefix cache."""
         self.register_cached(seq)
+        if self.prefix_cache and self.prefix_cache.snapshots:
+            self.prefix_cache.snapshots.release(seq)
         self.allocator.free(seq.pages)
         seq.pages, seq.cached_prefix = [], []
         if seq.state_slot is not None:
@@ -312,7 +342,7 @@ class Scheduler:
         lost, self.running = self.running, []
         for seq in lost:
             seq.pages, seq.cached_prefix, seq.in_flight, seq.num_computed = [], [], None, 0
-            seq.state_slot = None
+            seq.state_slot, seq.pending_snapshots = None, []
         self._page_copies = []
         self._free_state_slots = list(range(self.config.max_num_seqs - 1, -1, -1))
         return lost

@@ -82,6 +82,11 @@ class Sequence:
     cached_prefix: list[CachedPage] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is written (and valid)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
+    # a hybrid model's recurrent-state snapshots (engine/state_snapshots.py): the one a
+    # prefix-cache hit starts from, until its restore is scheduled, and (pages, entry)
+    # of those saved after its own pages, until the prefix cache registers the page
+    restore_snapshot: int | None = None
+    pending_snapshots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     drafts: list[int] = dataclasses.field(default_factory=list)  # proposals to verify next step
     # While a dispatched step that emits tokens for this sequence has not been read;
     # num_computed then assumes none of its drafts is accepted.

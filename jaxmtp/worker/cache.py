@@ -105,10 +105,16 @@ PAGE_COPY_BATCH = 8
 
 
 def page_copy_arrays(copies: list[tuple[int, int]], num_pages: int) -> tuple[np.ndarray, np.ndarray]:
-    """(src, dst) [PAGE_COPY_BATCH] for up to PAGE_COPY_BATCH (source, destination) copies;
-    padding copies read page 0 and write past the last page (dropped), each its own."""
-    src = np.zeros(PAGE_COPY_BATCH, np.int32)
-    dst = dropped_index(num_pages, np.arange(PAGE_COPY_BATCH, dtype=np.int32))
+    """(src, dst) [PAGE_COPY_BATCH] for up to PAGE_COPY_BATCH (source, destination) page copies."""
+    return copy_arrays(copies, PAGE_COPY_BATCH, num_pages)
+
+
+def copy_arrays(copies: list[tuple[int, int]], size: int, num_dst: int) -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) [size] for up to size (source, destination) copies into a table of
+    num_dst entries (pages, or recurrent-state slots and snapshots); padding copies read
+    entry 0 and write past the last entry (dropped), each its own."""
+    src = np.zeros(size, np.int32)
+    dst = dropped_index(num_dst, np.arange(size, dtype=np.int32))
     if copies:
         src[: len(copies)], dst[: len(copies)] = zip(*copies)
     return src, dst

@@ -156,6 +156,9 @@ def step_message(inputs: StepInputs) -> bytes:
     for name in ("state_slots", "ints", "floats"):
         if getattr(inputs, name) is not None:
             arrays[name] = getattr(inputs, name)
+    for name in ("state_restores", "state_saves"):
+        if getattr(inputs, name) is not None:
+            arrays[f"{name}.src"], arrays[f"{name}.dst"] = getattr(inputs, name)
     shape = None if inputs.shape is None else dataclasses.asdict(inputs.shape)
     return encode("step", {"shape": shape}, arrays)
 
@@ -164,7 +167,10 @@ def step_inputs(meta: dict, arrays: dict[str, np.ndarray]) -> StepInputs:
     copies = list(zip(arrays["copy_src"], arrays["copy_dst"])) if "copy_src" in arrays else []
     rows = {name.split(".", 1)[1]: a for name, a in arrays.items() if name.startswith("state.")}
     shape = None if meta["shape"] is None else BatchShape(**meta["shape"])
-    return StepInputs(copies, arrays.get("state_slots"), rows or None, arrays.get("ints"), arrays.get("floats"), shape)
+    restores, saves = ((arrays[f"{name}.src"], arrays[f"{name}.dst"]) if f"{name}.src" in arrays else None
+                       for name in ("state_restores", "state_saves"))
+    return StepInputs(copies, restores, saves, arrays.get("state_slots"), rows or None, arrays.get("ints"),
+                      arrays.get("floats"), shape)
 
 
 @dataclasses.dataclass

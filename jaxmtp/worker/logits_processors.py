@@ -60,6 +60,20 @@ def zero_state(num_slots: int, vocab_size: int) -> LogitsState:
     })
 
 
+def padded_state_rows(seqs, vocab_size: int, num_slots: int) -> tuple[np.ndarray | None, dict[str, np.ndarray] | None]:
+    """The slots [N] and LogitsState rows of sequences that ask for logits processing and
+    were admitted since their last step, N padded to a power of two (few compiled shapes;
+    padding slots past the last of num_slots)."""
+    if not seqs:
+        return None, None
+    size = 1 << (len(seqs) - 1).bit_length()
+    rows = {name: np.concatenate([row, np.zeros((size - len(seqs),) + row.shape[1:], row.dtype)])
+            for name, row in state_rows(seqs, vocab_size).items()}
+    slots = np.full(size, num_slots, np.int32)
+    slots[: len(seqs)] = [seq.state_slot for seq in seqs]
+    return slots, rows
+
+
 def state_rows(seqs, vocab_size: int) -> dict[str, np.ndarray]:
     """Host side: the LogitsState rows of newly admitted sequences, from their prompt,
     output so far (a preempted request's) and SamplingParams; O(V) per sequence."""

@@ -6,8 +6,10 @@ A running sequence owns one slot (Sequence.state_slot: the scheduler hands it ou
 admission and takes it back when the sequence is preempted or ends, as it does its
 pages). A sequence whose rows start at position 0 starts from zeros, whatever its slot
 held: a slot needs no clearing, and a preempted sequence recomputed from its prompt
-starts fresh in whichever slot it gets. (Prefix caching, which would start a sequence
-past 0 without the state there, is refused for these models: model_options.)
+starts fresh in whichever slot it gets. A prefix-cache hit starts a sequence past 0:
+its slot's committed state is first set from a snapshot, the state saved after a page
+that an earlier sequence ended a step on (jaxmtp/worker/snapshot_table.py; the host's
+side: jaxmtp/engine/state_snapshots.py).
 
 Each slot keeps `keep` = k + 1 versions of its state: [slot, keep - 1] is the committed
 one, the state after every token the sequence has accepted. The forward reads it and

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxmtp.engine.engine_config import EngineConfig
+from jaxmtp.engine.model_options import num_state_snapshots
 from jaxmtp.engine.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.loading.loader import load_params
 from jaxmtp.models.config import ModelConfig
@@ -29,10 +30,11 @@ from jaxmtp.worker.batch import (
     OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch, padded_bitmask,
 )
 from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
-from jaxmtp.worker.logits_processors import state_rows, write_rows, zero_state
+from jaxmtp.worker.logits_processors import padded_state_rows, write_rows, zero_state
 from jaxmtp.worker.memory import plan_kv_pool
 from jaxmtp.worker.programs import StepPrograms
 from jaxmtp.worker.recurrent import allocate_recurrent, recurrent_bytes
+from jaxmtp.worker.snapshot_table import SnapshotTable
 from jaxmtp.worker.sharding import check_divisible, make_mesh, param_shardings, put_replicated, replicated
 from jaxmtp.worker.step import STEP_STATE, StepConfig, StepOutput, jitted_finish, jitted_forward, jitted_step
 from jaxmtp.worker.step_records import InFlightStep, StepInputs, StepResult
@@ -64,6 +66,10 @@ class ModelRunner:
         # placed before the pool is sized: the pool gets what the weights and these leave
         self.logits_state = self._state_builders()["logits_state"]()
         self.recurrent = self._state_builders()["recurrent"]()
+        # a hybrid model's recurrent states at page boundaries, for prefix-cache hits
+        self.num_state_snapshots = num_state_snapshots(config, model_config)
+        self.snapshots = SnapshotTable(model_config, self.num_state_snapshots, config.max_num_seqs, self.mesh) \
+            if self.num_state_snapshots else None
         # sized after the weights are placed, from the memory they leave
         self.kv_pool = plan_kv_pool(
             model_config, page_size=config.page_size, num_draft_modules=num_draft_modules,
@@ -72,7 +78,8 @@ class ModelRunner:
             num_pages=config.num_pages, gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes, devices=list(self.mesh.devices.flat),
             # each device holds its heads' share of the state tables
-            state_bytes=recurrent_bytes(model_config, config.max_num_seqs, self._recurrent_versions) // self.mesh.size,
+            state_bytes=(recurrent_bytes(model_config, config.max_num_seqs, self._recurrent_versions)
+                         + recurrent_bytes(model_config, self.num_state_snapshots, 1)) // self.mesh.size,
         )
         self.num_pages = self.kv_pool.num_pages
         self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
@@ -103,6 +110,8 @@ class ModelRunner:
             self.peers.cache_lost()  # the other processes' caches cannot be brought back in step
         self._pending = None
         self._place_state(STEP_STATE)
+        if self.snapshots is not None:
+            self.snapshots.reset()
 
     def _place_state(self, names) -> None:
         """Build the STEP_STATE entries `names` fresh and place them."""
@@ -185,8 +194,13 @@ class ModelRunner:
         groups = range(0, len(scheduled.page_copies), PAGE_COPY_BATCH)
         inputs = StepInputs([page_copy_arrays(scheduled.page_copies[i : i + PAGE_COPY_BATCH], self.num_pages)
                              for i in groups])
+        if scheduled.state_restores:
+            inputs.state_restores = self.snapshots.restore_arrays(scheduled.state_restores)
+        if scheduled.state_saves:
+            inputs.state_saves = self.snapshots.save_arrays(scheduled.state_saves)
         try:
-            inputs.state_slots, inputs.state_rows = self.state_rows(new)
+            inputs.state_slots, inputs.state_rows = padded_state_rows(new, self.model_config.vocab_size,
+                                                                      self.config.max_num_seqs)
             shape = self.programs.shape_to_run(self.shape_for(scheduled.rows))
             (inputs.ints, inputs.floats), inputs.shape = self.host_batch(scheduled.rows, shape), shape
         finally:  # what was built runs, also when the rest raised
@@ -197,32 +211,27 @@ class ModelRunner:
         preemptions = [item.seq.num_preemptions for item in scheduled.rows]
         return InFlightStep(step_id, scheduled, preemptions, output, args)
 
-    def state_rows(self, seqs) -> tuple[np.ndarray | None, dict[str, np.ndarray] | None]:
-        """The slots and LogitsState rows of sequences that ask for logits processing and
-        were admitted since their last step, padded to a power of two (few compiled shapes)."""
-        if not seqs:
-            return None, None
-        size = 1 << (len(seqs) - 1).bit_length()
-        rows = state_rows(seqs, self.model_config.vocab_size)
-        rows = {name: np.concatenate([row, np.zeros((size - len(seqs),) + row.shape[1:], row.dtype)]) for name, row in rows.items()}
-        slots = np.full(size, self.config.max_num_seqs, np.int32)
-        slots[: len(seqs)] = [seq.state_slot for seq in seqs]
-        return slots, rows
-
     def apply(self, inputs: StepInputs) -> tuple[tuple | None, StepOutput | None]:
         """Run a step's device work; returns the step's arguments after params, cache and
         carry (placed, for replays) and its output, or (None, None) without a batch, or
         (args, None) for a masked shape, whose second program waits for apply_masks."""
         if self.peers is not None:
             self.peers.send_step(inputs)
+        if self.snapshots is not None:
+            self.snapshots.run_due_saves(self.recurrent)
         for src, dst in inputs.page_copies:
             self.cache = copy_pages(self.cache, src, dst)
+        if inputs.state_restores is not None:
+            self.recurrent = self.snapshots.restore(self.recurrent, inputs.state_restores)
         if inputs.state_slots is not None:
             self.logits_state = write_rows(self.logits_state, *put_replicated((inputs.state_slots, inputs.state_rows), self.mesh))
         if inputs.shape is None:
             return None, None
         args = (*put_replicated((inputs.ints, inputs.floats), self.mesh), self.oracle_tokens, inputs.shape)
-        return args, self._run(args)
+        output = self._run(args)
+        if inputs.state_saves is not None:  # once the step ran (it may raise)
+            self.snapshots.due_saves = inputs.state_saves
+        return args, output
 
     def apply_masks(self, token_bitmask: np.ndarray) -> StepOutput:
         """Run the second program of the masked step apply() began, with its requests'
@@ -310,6 +319,8 @@ class ModelRunner:
         kinds = [self.buckets.largest(*kind) for kind in OTHER_KINDS]
         if with_page_copies:  # all padding, it changes nothing
             self.cache = copy_pages(self.cache, *page_copy_arrays([], self.num_pages))
+        if self.snapshots is not None:
+            self.recurrent = self.snapshots.warm(self.recurrent)
         self.programs.warmed_up = True
         if background:
             self.programs.compile_all([self.buckets.largest()])

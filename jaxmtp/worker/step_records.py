@@ -35,11 +35,17 @@ class InFlightStep:
 
 @dataclasses.dataclass
 class StepInputs:
-    """A step's device work as host arrays, run in this order: page copies, the
-    LogitsState rows of newly admitted requests, the step (no shape: its batch could not
-    be built). What rank 0 sends the other processes each step."""
+    """A step's device work as host arrays, run in this order: page copies, recurrent-state
+    restores, the LogitsState rows of newly admitted requests, the step (no shape: its
+    batch could not be built); its recurrent-state saves run before the next step's
+    work, once every program of this step is queued. What rank 0 sends the other
+    processes each step."""
 
     page_copies: list[tuple[np.ndarray, np.ndarray]]  # (src, dst), PAGE_COPY_BATCH each (cache.page_copy_arrays)
+    # a hybrid model's snapshots (engine/state_snapshots.py): (snapshot, slot) and
+    # (slot, snapshot) [max_num_seqs] each (cache.copy_arrays), or None
+    state_restores: tuple[np.ndarray, np.ndarray] | None = None
+    state_saves: tuple[np.ndarray, np.ndarray] | None = None
     state_slots: np.ndarray | None = None  # [N]: the rows' slots (N a power of two; padding: past the last)
     state_rows: dict[str, np.ndarray] | None = None  # LogitsState field -> [N, ...]
     ints: np.ndarray | None = None  # the packed batch (batch.pack_batch)
