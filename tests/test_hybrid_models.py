@@ -470,23 +470,30 @@ TP_SCRIPT = """
 import json, sys
 from jaxmtp import LLM, SamplingParams
 result = {}
+prompts = [[1, 5, 9, 33, 7, 3, 8, 9, 10, 11], [1] + list(range(10, 22))]
+trim = lambda spec: list(spec)[:max([i + 1 for i, axis in enumerate(spec) if axis], default=0)]  # the same sharding
 for tp in (1, 2):
     llm = LLM(sys.argv[1], tensor_parallel_size=tp, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8,
-              num_speculative_tokens=2, page_size=4, prefill_chunk_size=7)
-    outs = llm.generate([[1, 5, 9, 33, 7, 3, 8, 9, 10, 11], [1] + list(range(10, 22))],
-                        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    state = llm.engine.runner.recurrent
-    result[tp] = {"tokens": [o.outputs[0].token_ids for o in outs],
-                  "specs": [list(state.conv[0].sharding.spec), list(state.ssm[0].sharding.spec)]}
+              num_speculative_tokens=2, page_size=4, prefill_chunk_size=7, enable_prefix_caching=True,
+              num_state_snapshots=8)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    # the same prompts with new tails: hits that start from snapshots
+    outs += llm.generate([p[:9] + [2, 4] for p in prompts], greedy, use_tqdm=False)
+    runner = llm.engine.runner
+    result[tp] = {"tokens": [o.outputs[0].token_ids for o in outs], "hits": [o.num_cached_tokens for o in outs],
+                  "specs": [[trim(t[0].sharding.spec) for t in (state.conv, state.ssm)]
+                            for state in (runner.recurrent, runner.snapshots.table)]}
 print(json.dumps(result))
 """
 
 
 def test_tensor_parallel_gives_one_devices_tokens_with_the_state_split_by_heads(tmp_path, rng):
     """TP=2 on two forced CPU devices (Qwen3-Next: linear attention, gated attention,
-    experts with a gated shared expert, MTP k=2, prompts in chunks of 7): each device holds
-    its key heads' conv channels and value heads' states, placed so and kept so by every
-    step, and the tokens are one device's."""
+    experts with a gated shared expert, MTP k=2, prompts in chunks of 7, prefix caching):
+    each device holds its key heads' conv channels and value heads' states, in the slots
+    and in the snapshots, placed so and kept so by every step, save and restore, and the
+    tokens and prefix-cache hits are one device's."""
     import os
     import subprocess
     import sys
@@ -501,4 +508,5 @@ def test_tensor_parallel_gives_one_devices_tokens_with_the_state_split_by_heads(
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["2"]["tokens"] == result["1"]["tokens"]
-    assert result["2"]["specs"] == [[None, None, None, "tp"], [None, None, "tp"]]
+    assert result["2"]["hits"] == result["1"]["hits"] and min(result["1"]["hits"][2:]) > 0
+    assert result["2"]["specs"] == [[[None, None, None, "tp"], [None, None, "tp"]]] * 2

@@ -10,19 +10,16 @@ read by every restore queued before the save that overwrites it."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.worker.cache import copy_arrays
-from jaxmtp.worker.recurrent import RecurrentState, allocate_recurrent
+from jaxmtp.worker.recurrent import RecurrentState, allocate_recurrent, recurrent_shardings
 from jaxmtp.worker.sharding import put_replicated
 
 
-@functools.partial(jax.jit, donate_argnums=0)
 def copy_committed(dst: RecurrentState, src: RecurrentState, src_index: jax.Array, dst_index: jax.Array) -> RecurrentState:
     """dst with entry dst_index[i]'s committed state set to src's entry src_index[i]'s
     (padding: a dst_index past the table, dropped)."""
@@ -34,10 +31,13 @@ def copy_committed(dst: RecurrentState, src: RecurrentState, src_index: jax.Arra
 
 
 class SnapshotTable:
-    def __init__(self, cfg: ModelConfig, num_snapshots: int, num_slots: int, mesh: Mesh | None):
+    def __init__(self, cfg: ModelConfig, num_snapshots: int, num_slots: int, mesh: Mesh):
         self.cfg, self.num_snapshots, self.num_slots, self.mesh = cfg, num_snapshots, num_slots, mesh
         self.table = allocate_recurrent(cfg, num_snapshots, 1, mesh)
         self.due_saves = None  # the last step's saves (copy_arrays), not yet queued
+        # either way the tables come out split by heads as they were placed (both have
+        # one table per linear-attention layer, so one set of shardings serves both)
+        self._copy = jax.jit(copy_committed, donate_argnums=0, out_shardings=recurrent_shardings(self.table, mesh))
 
     def restore_arrays(self, restores: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(snapshot, state slot) copies, padded to one per slot."""
@@ -48,12 +48,12 @@ class SnapshotTable:
         return copy_arrays(saves, self.num_slots, self.num_snapshots)
 
     def restore(self, recurrent: RecurrentState, restores: tuple[np.ndarray, np.ndarray]) -> RecurrentState:
-        return copy_committed(recurrent, self.table, *put_replicated(restores, self.mesh))
+        return self._copy(recurrent, self.table, *put_replicated(restores, self.mesh))
 
     def run_due_saves(self, recurrent: RecurrentState) -> None:
         if self.due_saves is not None:
             saves, self.due_saves = self.due_saves, None
-            self.table = copy_committed(self.table, recurrent, *put_replicated(saves, self.mesh))
+            self.table = self._copy(self.table, recurrent, *put_replicated(saves, self.mesh))
 
     def warm(self, recurrent: RecurrentState) -> RecurrentState:
         """Compile both copies, all padding (they change nothing)."""
