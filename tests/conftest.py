@@ -324,15 +324,15 @@ def _seed_of_the_loop(request, monkeypatch):
 
 def record_drafts(engine) -> list:
     """Wrap engine.step to record, after each step read, the proposals of every request
-    that has output: (tokens so far, drafts)."""
+    that has output: (its prompt, tokens so far, drafts)."""
     history, step = [], engine.step
 
     def recording():
         steps = engine.stats.steps
         outputs = step()
         if engine.stats.steps != steps:
-            history.extend((len(r.seq.output_token_ids), tuple(r.seq.drafts)) for r in engine.last_schedule
-                           if r.seq.output_token_ids)
+            history.extend((tuple(r.seq.prompt_token_ids), len(r.seq.output_token_ids), tuple(r.seq.drafts))
+                           for r in engine.last_schedule if r.seq.output_token_ids)
         return outputs
 
     engine.step = recording

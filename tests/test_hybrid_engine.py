@@ -283,6 +283,30 @@ def test_spec_equals_plain_under_chunking_partial_acceptance_and_preemption(chec
     assert_no_leaks(plain)
 
 
+def test_chunk_boundary_gives_the_unchunked_drafts_and_the_ablation_does_not(checkpoints, engines):
+    """Four prompts at once in chunks of 3 and 5 (and cut by the 16-token budget), MTP
+    k=1: every request's drafts at every step equal those of the prompt run alone and
+    whole; with the pre-fix boundary (mtp_boundary="sampled": the MTP row at a chunk's
+    end built from the main model's sample) some request's drafts change."""
+    _, _, prompt = checkpoints["qwen3_next"]
+    prompts = [prompt, prompt[:11][::-1], prompt[1:], prompt[:9]]
+    alone = engines("qwen3_next", 1)
+    set_chunk_size(alone, ENGINE["max_num_batched_tokens"])
+    want = record_drafts(alone.engine)
+    for p in prompts:
+        alone.generate([p], greedy(), use_tqdm=False)
+    del alone.engine.step
+    for boundary in ("next_chunk", "sampled"):
+        llm = engines("qwen3_next", 1, **({} if boundary == "next_chunk" else dict(mtp_boundary="sampled")))
+        for size in (3, 5):
+            set_chunk_size(llm, size)
+            got = record_drafts(llm.engine)
+            llm.generate(prompts, greedy(), use_tqdm=False)
+            del llm.engine.step
+            assert (sorted(got) == sorted(want)) == (boundary == "next_chunk"), (boundary, size)
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_prefix_cache_hits_start_from_the_snapshotted_state(checkpoints, engines, k):
     """Prefix caching with the recurrent state snapshotted at page boundaries: once a
