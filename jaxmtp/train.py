@@ -22,12 +22,13 @@ from tqdm import tqdm
 
 from jaxmtp.engine.allocator import pages_for
 from jaxmtp.loading.loader import save_checkpoint
-from jaxmtp.models import model
+from jaxmtp.models import hybrid, model
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.params import MTPParams, Params, pytree_dataclass
 from jaxmtp.worker import mtp
 from jaxmtp.worker.batch import Batch, slot_of, unprocessed
 from jaxmtp.worker.cache import allocate_cache
+from jaxmtp.worker.recurrent import allocate_recurrent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,9 @@ class TrainState:
     opt_state: optax.OptState
 
 
-def init_module(params: Params, cfg: ModelConfig, key: jax.Array) -> MTPParams:
-    """Start from the base model's last block and final norm, the hidden path an identity
+def init_module(params: Params, cfg: ModelConfig, key: jax.Array, block=None) -> MTPParams:
+    """Start from the base model's last block (or `block`: a hybrid model's MTP layer is
+    a full-attention layer of its own kind) and final norm, the hidden path an identity
     and the token path small, so training begins near 'one more layer of the base'."""
     h = cfg.hidden_size
     dtype = cfg.jnp_dtype
@@ -63,7 +65,7 @@ def init_module(params: Params, cfg: ModelConfig, key: jax.Array) -> MTPParams:
         hidden_norm=jnp.ones((h,), dtype),
         proj_token=(0.02 * jax.random.normal(key, (h, h))).astype(dtype),
         proj_hidden=jnp.eye(h, dtype=dtype),
-        block=jax.tree.map(jnp.copy, params.layers[-1]),
+        block=jax.tree.map(jnp.copy, params.layers[-1] if block is None else block),
         final_norm=jnp.copy(params.final_norm),
     )
 
@@ -99,6 +101,16 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
     )
 
 
+def base_forward(params: Params, cfg: ModelConfig, batch: Batch, cache, ops):
+    """The frozen main model's last hidden state [T, H] and the cache. A hybrid model's
+    sequences start at position 0, so from zeros: they share one recurrent-state slot,
+    whose states after them are dropped."""
+    if cfg.hybrid is None:
+        return model.forward(params, cfg, batch, cache, ops)
+    hidden, cache, _ = hybrid.forward(params, cfg, batch, cache, allocate_recurrent(cfg, 1, 1), ops)
+    return hidden, cache
+
+
 def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: jax.Array, depths: int, page_size: int):
     """tokens [S, L] -> (draft logits, teacher logits), each [depths, S, L, V]: depth d at
     position i predicts token i+d+1, and the teacher is the frozen main model's
@@ -108,7 +120,7 @@ def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: ja
     batch = dataclasses.replace(batch, input_ids=tokens.reshape(-1))
     ops = model.layer_ops(cfg, "reference")
     cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=1)
-    hidden, cache = model.forward(params, cfg, batch, cache, ops)
+    hidden, cache = base_forward(params, cfg, batch, cache, ops)
     hidden = jax.lax.stop_gradient(hidden)
     main_logits = model.logits(params.head(), params.final_norm, cfg, hidden).reshape(s, length, -1)
     prev = mtp.main_hidden_for_mtp(params, cfg, hidden)
@@ -219,6 +231,11 @@ class Trainer:
             raise ValueError("training an MTP module on an fp8 (quantization_config) base model is not implemented")
         if cfg.mtp_layout is None:
             cfg = dataclasses.replace(cfg, mtp_layout="deepseek", num_mtp_modules=1)
+        # a hybrid model's MTP block differs from its layers: the checkpoint's is the start
+        self._block = params.mtp[0].block if cfg.hybrid is not None and params.mtp else None
+        if cfg.hybrid is not None and self._block is None:
+            raise ValueError(f"training an MTP module for the hybrid model {cfg.model_type} needs a checkpoint with "
+                             "one (mtp.*), whose full-attention layer it starts from")
         self.params = dataclasses.replace(params, mtp=[])
         self.cfg = cfg
         self.config = config
@@ -239,7 +256,7 @@ class Trainer:
         self.eval_accuracy = jax.jit(lambda m, t, n: accuracy(self.params, m, cfg, t, n, depths, page))
 
     def init_state(self) -> TrainState:
-        module = init_module(self.params, self.cfg, jax.random.key(self.config.seed))
+        module = init_module(self.params, self.cfg, jax.random.key(self.config.seed), self._block)
         return TrainState(jnp.zeros((), jnp.int32), module, self.optimizer.init(module))
 
     def fit(self, train_tokens, train_lengths, eval_tokens, eval_lengths, checkpoint_dir: Path | None = None,

@@ -53,3 +53,43 @@ def test_train_resume_and_export(tmp_path):
     drafted = sum(o.spec_stats["num_steps"] for o in a)
     accepted_first = sum(o.spec_stats["accepted_per_position"][0] for o in a)
     assert accepted_first / drafted > 0.12, (accepted_first, drafted)
+
+
+def test_hybrid_base_model_trains_and_exports(tmp_path):
+    """A Qwen3-Next base (linear attention with its recurrent state, gated attention,
+    experts): the trainer's frozen main model gives transformers' logits for a batch of
+    sequences (each from a zero state), a few steps train its MTP layer (starting from the
+    checkpoint's block), and the exported checkpoint drafts with it in the engine with
+    plain decoding's output."""
+    import jax.numpy as jnp
+    import torch
+
+    from conftest import fresh_rng
+    from jaxmtp.loading.loader import load_params
+    from jaxmtp.models.registry import load_config
+    from jaxmtp.train import depth_logits
+    from test_hybrid_models import make_hybrid
+
+    rng = fresh_rng()
+    folder, model = make_hybrid(tmp_path / "next", "qwen3_next", rng)
+    cfg = load_config(folder)
+    params = load_params(folder, cfg)
+    tokens, lengths = pad_sequences([rng.integers(3, 128, 24).tolist() for _ in range(3)], 24)
+    config = TrainConfig(steps=4, batch_size=2, seq_len=24, depths=1, warmup_steps=1, eval_every=4, checkpoint_every=4)
+    trainer = Trainer(params, cfg, config, page_size=4)
+    _, teacher = depth_logits(trainer.params, trainer.init_state().module, trainer.cfg, jnp.asarray(tokens), 1, 4)
+    with torch.no_grad():
+        want = model(torch.tensor(tokens)).logits.numpy()
+    # teacher[0][:, i] is the main model's logits at i + 1 (the token depth 1 predicts)
+    got = np.asarray(teacher[0])[:, :-1]
+    np.testing.assert_allclose(got, want[:, 1:], rtol=0, atol=1e-4 * np.abs(want).max())
+    state, history = trainer.fit(tokens, lengths, tokens, lengths, progress=False)
+    assert np.isfinite(history["loss"]).all()
+    out = trainer.export(state.module, tmp_path / "ckpt", folder)
+    engine = dict(max_num_seqs=2, max_num_batched_tokens=32, page_size=4, max_model_len=56)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [row[:10].tolist() for row in tokens[:2]]
+    spec = LLM(out, num_speculative_tokens=1, **engine).generate(prompts, params, use_tqdm=False)
+    plain = LLM(folder, **engine).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert all(o.spec_stats["drafted"] > 0 for o in spec)
