@@ -243,14 +243,20 @@ def robust_greedy_weights(params):
     from a plain one (batch rows), so a plain run's tokens would not be the oracle for
     the spec run. A step costs the same whatever the weights' values; the MTP module is
     left random. Expert layers have their routed and shared experts' down projections
-    scaled instead of the dense one."""
+    scaled instead of the dense one. An fp8 weight has its scales scaled."""
+    from jaxmtp.models.params import Fp8Weight
+
+    def small(w):
+        if isinstance(w, Fp8Weight):
+            return dataclasses.replace(w, scale_inv=w.scale_inv * 1e-3)
+        return None if w is None else w * 1e-3
+
     def scaled(layer):
         if layer.moe is None:
-            return dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, down_proj=layer.down_proj * 1e-3)
-        moe = layer.moe
-        moe = dataclasses.replace(moe, experts_down=moe.experts_down * 1e-3,
-                                  shared_down=None if moe.shared_down is None else moe.shared_down * 1e-3)
-        return dataclasses.replace(layer, o_proj=layer.o_proj * 1e-3, moe=moe)
+            return dataclasses.replace(layer, o_proj=small(layer.o_proj), down_proj=small(layer.down_proj))
+        moe = dataclasses.replace(layer.moe, experts_down=small(layer.moe.experts_down),
+                                  shared_down=small(layer.moe.shared_down))
+        return dataclasses.replace(layer, o_proj=small(layer.o_proj), moe=moe)
 
     return dataclasses.replace(params, layers=[scaled(layer) for layer in params.layers], lm_head=params.embed.T)
 

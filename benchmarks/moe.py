@@ -4,16 +4,18 @@ same run (device copy bandwidth, bf16 matmul rate) and against torch on the same
 
     python benchmarks/moe.py --tag _a                          # everything
     python benchmarks/moe.py --parts checks,experts,mla --sweep  # kernels, with tilings
+    python benchmarks/moe.py --parts e2e --models glm45_air_fp8  # one model end to end
     python benchmarks/moe.py --tiny                            # CPU smoke test
 
 Parts, in this order: checks (the compiled kernels against their references on the
 GPU), experts (the routed-expert layer at 1..8192 tokens and its gate/up projection
 alone: ours, XLA's ragged_dot, JAX's Mosaic GPU ragged dot, torch._grouped_mm), mla
 (absorbed decode and verify over the latent cache, batch 1/32/128 at context 1k/4k/16k,
-against F.scaled_dot_product_attention over expanded K/V), e2e (the Moonlight-shaped
-model with dummy weights: batch-1 and batch-32 decode against their bytes floors, MTP
-k=1 with oracle drafts). Each timed program runs its kernel on several input sets (the
-weights and pages together larger than L2), so dispatch is amortised and the cache cold.
+against F.scaled_dot_product_attention over expanded K/V), e2e (per --models, the
+Moonlight-shaped model and a GLM-4.5-Air-FP8-shaped one, from their config.json, with
+dummy weights: batch-1 and batch-32 decode against their bytes floors, MTP k=1 with
+oracle drafts). Each timed program runs its kernel on several input sets (the weights
+and pages together larger than L2), so dispatch is amortised and the cache cold.
 Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names dated) and
 prints the table last; --tiny runs the kernels in interpret mode on a tiny model.
 """
@@ -54,10 +56,33 @@ MOONLIGHT = {
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
     "num_nextn_predict_layers": 1,
 }
-TINY_MODEL = {**MOONLIGHT, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
-              "num_experts_per_tok": 2, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
-              "v_head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512}
+# zai-org/GLM-4.5-Air-FP8's config.json: GQA 96/8 heads of 128, half the head rotary,
+# 128 experts top-8 plus a shared one, fp8 weights in 128 x 128 blocks
+GLM_45_AIR_FP8 = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
+    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
+    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
+    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                            "weight_block_size": [128, 128]},
+}
+TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512,
+              "max_position_embeddings": 512}
+# the end-to-end models: name -> (config.json, its tiny version for --tiny)
+MODELS = {
+    "moonlight": (MOONLIGHT, {**MOONLIGHT, **TINY_SIZES, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                              "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16}),
+    "glm45_air_fp8": (GLM_45_AIR_FP8, {**GLM_45_AIR_FP8, **TINY_SIZES, "num_key_value_heads": 2, "head_dim": 16,
+                                       "eos_token_id": 2, "pad_token_id": 0,
+                                       "quantization_config": {**GLM_45_AIR_FP8["quantization_config"],
+                                                               "weight_block_size": [32, 16]}}),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +306,7 @@ def engine_check(run: Run):
     from jaxmtp import LLM, SamplingParams
 
     folder = tempfile.mkdtemp()
-    Path(folder, "config.json").write_text(json.dumps(TINY_MODEL))
+    Path(folder, "config.json").write_text(json.dumps(MODELS["moonlight"][1]))
     prompts = [np.random.default_rng(i).integers(3, 500, size=n).tolist() for i, n in enumerate((37, 90, 5))]
     runs = {}
     for backend in ("pallas_interpret" if run.args.tiny else "pallas", "reference"):
@@ -563,28 +588,42 @@ def mla_cases(s: Shapes):
 
 
 def step_bytes(params, cfg, batch: int, context: int) -> float:
-    """A decode step's fewest bytes: every weight but the embedding, the MTP modules and
-    the routed experts no row picks (expected distinct picks under uniform routing), plus
-    the batch's latent cache."""
+    """A decode step's fewest bytes: every weight (fp8 ones with their scales) but the
+    embedding, the MTP modules and the routed experts no row picks (expected distinct
+    picks under uniform routing), plus the batch's cache (MLA's latent, or GQA's K and V)."""
     import jax
 
+    def nbytes(tree):
+        return sum(x.nbytes for x in jax.tree.leaves(tree))
+
     moe = cfg.moe
-    routed = sum(layer.moe.experts_gate_up.nbytes + layer.moe.experts_down.nbytes
+    routed = sum(nbytes((layer.moe.experts_gate_up, layer.moe.experts_down))
                  for layer in params.layers if layer.moe is not None)
-    total = sum(x.nbytes for x in jax.tree.leaves(params.layers)) + params.final_norm.nbytes
-    total += 0 if params.lm_head is None else params.lm_head.nbytes
+    total = nbytes(params.layers) + params.final_norm.nbytes + (0 if params.lm_head is None else params.lm_head.nbytes)
     picked = moe.num_experts * (1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** batch)
-    kv = cfg.num_layers * context * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) * 2 * batch
+    per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) if cfg.mla is not None \
+        else 2 * cfg.num_kv_heads * cfg.head_dim
+    kv = cfg.num_layers * context * per_token * 2 * batch
     return total - routed + routed * picked / moe.num_experts + kv
 
 
 def part_e2e(run: Run):
+    for name in run.args.models.split(","):
+        if run.budget_left() <= 90:
+            run.results.setdefault("skipped_over_budget", []).append(f"e2e {name}")
+            continue
+        model_e2e(run, name)
+
+
+def model_e2e(run: Run, model: str):
+    """One model with dummy weights: batch-1 and batch-32 decode against their bytes
+    floors, MTP k=1 with oracle drafts over plain; its rows are named after it."""
     import numpy as np
     from e2e import device_step_time, robust_greedy_weights, run_decode, write_bpe_tokenizer
 
     from jaxmtp import LLM
 
-    s, config = run.shapes, TINY_MODEL if run.args.tiny else MOONLIGHT
+    s, config = run.shapes, MODELS[model][1 if run.args.tiny else 0]
     folder = tempfile.mkdtemp()
     Path(folder, "config.json").write_text(json.dumps(config))
     write_bpe_tokenizer(Path(folder), config["vocab_size"])
@@ -609,36 +648,36 @@ def part_e2e(run: Run):
     prompt = prompts(1, s.prompt)
     t = time.perf_counter()
     run_decode(plain, prompt, 4)
-    run.results["e2e_b1_first_run_with_compiles_s"] = time.perf_counter() - t
+    run.results[f"e2e_{model}_b1_first_run_with_compiles_s"] = time.perf_counter() - t
     step_s, _, tokens, _ = run_decode(plain, prompt, s.new_tokens)
     floor = floors[1]
     device_s = device_step_time(plain.engine, 20)
-    run.row("e2e", f"b1 decode (prompt {s.prompt}), async scheduling", step_s * 1e3, floor * 1e3, unit="ms/token",
-            target="<= 1.35x bytes floor", note=f"bytes floor {floor * 1e3:.2f} ms; jitted step alone "
+    run.row("e2e", f"{model} b1 decode (prompt {s.prompt}), async scheduling", step_s * 1e3, floor * 1e3, unit="ms/token",
+            target=">= 50% of bytes floor", note=f"bytes floor {floor * 1e3:.2f} ms; jitted step alone "
                                                  f"{device_s * 1e3:.2f} ms ({floor / device_s:.2f} of floor)")
     del plain
     skipped = run.results.setdefault("skipped_over_budget", [])
     if run.budget_left() <= 90:
-        skipped.append("e2e b1 MTP k=1")
+        skipped.append(f"e2e {model} b1 MTP k=1")
     else:
         spec = engine(max_num_seqs=1, max_num_batched_tokens=s.prompt, num_speculative_tokens=1)
         run_decode(spec, prompt, 4)
         spec_s, _, spec_tokens, outs = run_decode(spec, prompt, s.new_tokens, oracle=tokens)
         acc = outs[0].spec_stats["mean_acceptance_length"]
-        run.row("e2e", "b1 MTP k=1 oracle drafts: tokens/s over plain", acc * step_s / spec_s, unit="x",
-                target=">= 1.7x", note=f"acceptance length {acc:.2f}; {spec_s * 1e3:.2f} ms/step; output equal to "
+        run.row("e2e", f"{model} b1 MTP k=1 oracle drafts: tokens/s over plain", acc * step_s / spec_s, unit="x",
+                target=">= 1.8x", note=f"acceptance length {acc:.2f}; {spec_s * 1e3:.2f} ms/step; output equal to "
                                       f"plain: {spec_tokens == tokens}")
         del spec
     if run.budget_left() <= 90:
-        skipped.append(f"e2e b{s.batch} decode")
+        skipped.append(f"e2e {model} b{s.batch} decode")
     else:
         batched = engine(max_num_seqs=s.batch, max_num_batched_tokens=max(512, s.batch_prompt) if not run.args.tiny
                          else 64)
         step_s, tps, _, _ = run_decode(batched, prompts(s.batch, s.batch_prompt), s.batch_new_tokens)
         if step_s is not None:
             floor = floors[s.batch]
-            run.row("e2e", f"b{s.batch} decode (prompt {s.batch_prompt}), async scheduling", step_s * 1e3,
-                    floor * 1e3, unit="ms/step", target=">= 60% of bytes floor",
+            run.row("e2e", f"{model} b{s.batch} decode (prompt {s.batch_prompt}), async scheduling", step_s * 1e3,
+                    floor * 1e3, unit="ms/step", target=">= 75% of bytes floor" if model == "moonlight" else "",
                     note=f"{tps:.0f} tokens/s; bytes floor {floor * 1e3:.2f} ms")
         del batched
     gc.collect()
@@ -684,7 +723,12 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="experts part: also the layer with fp8 experts")
     parser.add_argument("--no-peer", action="store_true", help="skip torch")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret-mode kernels, a tiny model")
+    parser.add_argument("--models", default="moonlight,glm45_air_fp8", help="e2e part: comma list of: "
+                        + ", ".join(MODELS))
     args = parser.parse_args()
+    unknown = sorted(set(args.models.split(",")) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"unknown models {unknown}; choose from {list(MODELS)}")
     run = Run(args)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))

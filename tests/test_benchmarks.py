@@ -118,11 +118,13 @@ def test_moe_tp_times_both_ways_of_meeting_the_experts(tmp_path):
     assert rows[0]["gathered (psum) ms"] > 0 and rows[0]["all-to-all ms"] > 0
 
 
-def test_moe_kernels_and_the_moonlight_shaped_model_end_to_end(tmp_path):
+def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     """The MoE/MLA benchmark's rows: the kernels (interpret mode; the expert layer also
-    with fp8 experts) and the tiny DeepSeek-V3 engine, MTP k=1 with oracle drafts
-    accepting every draft."""
-    run_script("moe.py", "--tiny", "--parts", "experts,mla,e2e", "--fp8", "--out", str(tmp_path), "--tag", "_smoke")
+    with fp8 experts) and the tiny GLM-4.5-Air-FP8-shaped engine (fp8 weights and
+    experts; the Moonlight one runs the same code), MTP k=1 with oracle drafts accepting
+    every draft."""
+    run_script("moe.py", "--tiny", "--parts", "experts,mla,e2e", "--fp8", "--models", "glm45_air_fp8", "--out",
+               str(tmp_path), "--tag", "_smoke")
     results = json.loads((tmp_path / "moe_smoke.json").read_text())
     rows = {row["scenario"]: row for row in results["rows"]}
     assert {row["part"] for row in rows.values()} == {"experts", "mla", "e2e"}
@@ -130,10 +132,10 @@ def test_moe_kernels_and_the_moonlight_shaped_model_end_to_end(tmp_path):
     assert any(name.startswith("expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("fp8 expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("MLA verify k+1=2") for name in rows)
-    mtp = rows["b1 MTP k=1 oracle drafts: tokens/s over plain"]
+    mtp = rows["glm45_air_fp8 b1 MTP k=1 oracle drafts: tokens/s over plain"]
     assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]
     assert not results.get("failed_parts") and not results.get("skipped_over_budget")
-    assert "| e2e | b3 decode" in (tmp_path / "moe_smoke.md").read_text()
+    assert "| e2e | glm45_air_fp8 b3 decode" in (tmp_path / "moe_smoke.md").read_text()
 
 
 def test_host_measures_both_output_kinds_and_the_stream(tmp_path):
