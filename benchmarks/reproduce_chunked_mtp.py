@@ -1,6 +1,6 @@
 """Reproduction: MTP acceptance under chunked prefill, the fix against the pre-fix behaviour.
 
-CPU, a few minutes:  python benchmarks/reproduce_chunked_mtp.py
+CPU, a few minutes:  python benchmarks/reproduce_chunked_mtp.py [--family qwen3_next|deepseek_v3]
 
 On held-out long prompts (200-450 tokens of sampled, not greedy, text) it runs greedy
 MTP decoding with k in {1, 2} for every prefill_chunk_size in {8, 16, 32, 64, 128, 256,
@@ -8,7 +8,9 @@ whole} under mtp_boundary="next_chunk" (the fix) and "sampled" (the pre-fix beha
 and reports per-position acceptance, mean acceptance length, how many requests match
 the unchunked run exactly, the draft-KV difference at chunk boundaries, and how often
 the first draft after prefill changes. Writes docs/reproductions/chunked-prefill-mtp.md,
-a JSON of the raw numbers and a PNG plot, and prints the table last.
+a JSON of the raw numbers and a PNG plot, and prints the table last. --family: the same
+for a tiny model of that family trained here first (benchmarks/tiny_mtp_models.py: a
+Qwen3-Next-shaped hybrid, or a DeepSeek-V3-shaped MoE), files suffixed with its name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import argparse
 import datetime
 import json
 import platform
+import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -26,6 +30,7 @@ from jaxmtp import LLM, SamplingParams
 from jaxmtp.train import HELD_OUT_NAMES, HELD_OUT_OPENINGS, story_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 CHUNKS = [8, 16, 32, 64, 128, 256, None]
 MODES = ["next_chunk", "sampled"]
 
@@ -73,6 +78,13 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     return [records[str(i)] for i in range(len(prompts))]
 
 
+def row_diff(result: dict, baseline: dict) -> np.ndarray:
+    """Per prompt position, the largest difference of the draft KV (K's heads, or MLA's
+    latent) between a run and the baseline."""
+    diff = np.abs(result["draft_k"] - baseline["draft_k"])
+    return diff.reshape(len(diff), -1).max(axis=1)
+
+
 def summarise(results: list[dict], baseline: list[dict], chunk: int | None, prompts) -> dict:
     k = len(baseline[0]["first_drafts"])
     per_position = np.zeros(k)
@@ -84,7 +96,7 @@ def summarise(results: list[dict], baseline: list[dict], chunk: int | None, prom
         accepted += spec["accepted"]
     boundary_diffs, boundary_rows, boundary_mismatch = [], 0, 0
     for r, b, prompt in zip(results, baseline, prompts):
-        diff = np.abs(r["draft_k"] - b["draft_k"]).max(axis=(1, 2))
+        diff = row_diff(r, b)
         if chunk is not None:
             rows = np.arange(chunk - 1, len(prompt) - 1, chunk)
             boundary_rows += len(rows)
@@ -104,8 +116,7 @@ def summarise(results: list[dict], baseline: list[dict], chunk: int | None, prom
         "boundary_rows_with_different_draft_kv": boundary_mismatch,
         "max_draft_kv_diff_at_boundaries": max(boundary_diffs, default=0.0),
         "max_draft_kv_diff_elsewhere": max(
-            float(np.delete(np.abs(r["draft_k"] - b["draft_k"]).max(axis=(1, 2)),
-                            np.arange(chunk - 1, len(p) - 1, chunk) if chunk else []).max(initial=0.0))
+            float(np.delete(row_diff(r, b), np.arange(chunk - 1, len(p) - 1, chunk) if chunk else []).max(initial=0.0))
             for r, b, p in zip(results, baseline, prompts)
         ),
     }
@@ -142,7 +153,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=1000)
     parser.add_argument("--out", default=str(ROOT / "docs" / "reproductions"))
+    parser.add_argument("--family", choices=("qwen3_next", "deepseek_v3"),
+                        help="a tiny model of this family trained first (in place of --model)")
     args = parser.parse_args()
+    suffix = ""
+    if args.family is not None:
+        from tiny_mtp_models import make_trained_model
+
+        args.model, suffix = str(make_trained_model(args.family, Path(tempfile.mkdtemp()) / args.family)), f"-{args.family}"
     engine_args = dict(page_size=16, max_num_seqs=8, max_num_batched_tokens=512)
     prompts = held_out_prompts(LLM(args.model, **engine_args), args.num_prompts, args.seed)
     rows = []
@@ -162,16 +180,16 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "device": f"CPU ({platform.machine()}, {jax.device_count()} JAX device)",
         "jax": jax.__version__,
-        "model": Path(args.model).name,
+        "model": args.family and f"tiny {args.family}, trained by benchmarks/tiny_mtp_models.py" or Path(args.model).name,
         "prompts": len(prompts),
         "prompt_lengths": [len(p) for p in prompts],
         "max_tokens": args.max_tokens,
-        "command": "python benchmarks/reproduce_chunked_mtp.py",
+        "command": "python benchmarks/reproduce_chunked_mtp.py" + (f" --family {args.family}" if args.family else ""),
     }
-    (out / "chunked-prefill-mtp.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    plot(rows, out / "chunked-prefill-mtp.png")
+    (out / f"chunked-prefill-mtp{suffix}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    plot(rows, out / f"chunked-prefill-mtp{suffix}.png")
     table = format_table(rows)
-    (out / "chunked-prefill-mtp-table.md").write_text(table + "\n")
+    (out / f"chunked-prefill-mtp{suffix}-table.md").write_text(table + "\n")
     print(f"\n{meta['date']}, {meta['device']}, jax {meta['jax']}, {meta['model']}, "
           f"{meta['prompts']} held-out prompts of {min(meta['prompt_lengths'])}-{max(meta['prompt_lengths'])} tokens, "
           f"{args.max_tokens} greedy tokens each\n")

@@ -6,11 +6,15 @@ engine's chained draft steps do) and the embedding of token i+d, and predicts to
 i+d+1 (DeepSeek-V3 section 2.2). Training runs the module through the same paged code
 path as inference, on sequences packed one per page range, so what is trained is what
 the engine runs.
+
+train_base trains a small base model itself (the reproductions' tiny models of other
+families, whose random weights write text no MTP module can learn to draft).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -145,6 +149,41 @@ def targets_and_mask(tokens: jax.Array, lengths: jax.Array, depths: int):
         targets.append(jnp.concatenate([tokens[:, d + 1 :], jnp.zeros((s, d + 1), tokens.dtype)], axis=1))
         masks.append(pos + d + 1 < lengths[:, None])
     return jnp.stack(targets), jnp.stack(masks)
+
+
+def base_loss(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, page_size: int):
+    """The main model's mean next-token cross-entropy over each sequence's tokens."""
+    s, length = tokens.shape
+    batch = dataclasses.replace(jax.tree.map(jnp.asarray, packed_batch(s, length, page_size)),
+                                input_ids=tokens.reshape(-1))
+    cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=0)
+    hidden, _ = base_forward(params, cfg, batch, cache, model.layer_ops(cfg, "reference"))
+    logits = model.logits(params.head(), params.final_norm, cfg, hidden).reshape(s, length, -1)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
+    mask = jnp.arange(1, length)[None, :] < lengths[:, None]
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def train_base(params: Params, cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray, config: TrainConfig,
+               page_size: int = 16, progress: bool = True) -> tuple[Params, list[float]]:
+    """Train every weight of a small base model but its MTP modules on token sequences
+    [N, L] (for the reproductions' tiny models, whose random weights write text no MTP
+    module can learn to draft); returns the params and the loss per step."""
+    optimizer = make_optimizer(config)
+    trainable = jax.tree.map(jnp.copy, dataclasses.replace(params, mtp=[]))  # each step donates its weights
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(weights, opt_state, batch_tokens, batch_lengths):
+        loss, grads = jax.value_and_grad(base_loss)(weights, cfg, batch_tokens, batch_lengths, page_size)
+        updates, opt_state = optimizer.update(grads, opt_state, weights)
+        return optax.apply_updates(weights, updates), opt_state, loss
+
+    opt_state, losses = optimizer.init(trainable), []
+    for i in tqdm(range(config.steps), desc="train-base", disable=not progress):
+        idx = np.random.default_rng([config.seed, i]).integers(0, len(tokens), size=config.batch_size)
+        trainable, opt_state, loss = step(trainable, opt_state, jnp.asarray(tokens[idx]), jnp.asarray(lengths[idx]))
+        losses.append(float(loss))
+    return dataclasses.replace(trainable, mtp=params.mtp), losses
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
