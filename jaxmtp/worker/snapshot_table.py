@@ -56,9 +56,9 @@ class SnapshotTable:
             self.table = self._copy(self.table, recurrent, *put_replicated(saves, self.mesh))
 
     def warm(self, recurrent: RecurrentState) -> RecurrentState:
-        """Compile both copies, all padding (they change nothing)."""
-        self.due_saves = self.save_arrays([])
+        """Compile both copies, all padding (they change nothing), after any saves due."""
         self.run_due_saves(recurrent)
+        self.table = self._copy(self.table, recurrent, *put_replicated(self.save_arrays([]), self.mesh))
         return self.restore(recurrent, self.restore_arrays([]))
 
     def reset(self) -> None:
