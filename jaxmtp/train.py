@@ -164,6 +164,12 @@ def base_loss(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
+def committed_like(params: Params, tree):
+    """tree committed to the device of params, as a jitted step's outputs are: left
+    uncommitted, the second step would compile again."""
+    return jax.device_put(tree, next(iter(jax.tree.leaves(params)[0].sharding.device_set)))
+
+
 def train_base(params: Params, cfg: ModelConfig, tokens: np.ndarray, lengths: np.ndarray, config: TrainConfig,
                page_size: int = 16, progress: bool = True) -> tuple[Params, list[float]]:
     """Train every weight of a small base model but its MTP modules on token sequences
@@ -178,7 +184,8 @@ def train_base(params: Params, cfg: ModelConfig, tokens: np.ndarray, lengths: np
         updates, opt_state = optimizer.update(grads, opt_state, weights)
         return optax.apply_updates(weights, updates), opt_state, loss
 
-    opt_state, losses = optimizer.init(trainable), []
+    trainable, opt_state = committed_like(params, (trainable, optimizer.init(trainable)))
+    losses = []
     for i in tqdm(range(config.steps), desc="train-base", disable=not progress):
         idx = np.random.default_rng([config.seed, i]).integers(0, len(tokens), size=config.batch_size)
         trainable, opt_state, loss = step(trainable, opt_state, jnp.asarray(tokens[idx]), jnp.asarray(lengths[idx]))
@@ -296,7 +303,8 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         module = init_module(self.params, self.cfg, jax.random.key(self.config.seed), self._block)
-        return TrainState(jnp.zeros((), jnp.int32), module, self.optimizer.init(module))
+        state = TrainState(jnp.zeros((), jnp.int32), module, self.optimizer.init(module))
+        return committed_like(self.params, state)
 
     def fit(self, train_tokens, train_lengths, eval_tokens, eval_lengths, checkpoint_dir: Path | None = None,
             progress: bool = True, stop_at: int | None = None) -> tuple[TrainState, dict]:

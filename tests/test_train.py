@@ -5,8 +5,6 @@ early, scores well on its own evaluation but its drafts are rarely accepted)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
@@ -60,9 +58,9 @@ def test_train_resume_and_export(tmp_path):
 def test_hybrid_base_model_trains_and_exports(tmp_path):
     """A Qwen3-Next base (linear attention with its recurrent state, gated attention,
     experts): the trainer's frozen main model gives transformers' logits for a batch of
-    sequences (each from a zero state), a few steps train its MTP layer (starting from the
-    checkpoint's block) and, apart, the base itself (train_base), and the exported
-    checkpoint drafts with the MTP layer in the engine."""
+    sequences (each from a zero state; the MTP layer's loss runs on it, as for the other
+    families), a few steps of train_base lower the base's own loss, and an exported MTP
+    layer (started from the checkpoint's block) drafts in the engine."""
     import jax.numpy as jnp
     import torch
 
@@ -77,22 +75,20 @@ def test_hybrid_base_model_trains_and_exports(tmp_path):
     cfg = load_config(folder)
     params = load_params(folder, cfg)
     tokens, lengths = pad_sequences([rng.integers(3, 128, 24).tolist() for _ in range(3)], 24)
-    config = TrainConfig(steps=4, batch_size=2, seq_len=24, depths=1, warmup_steps=1, eval_every=4, checkpoint_every=4)
+    config = TrainConfig(steps=6, batch_size=3, seq_len=24, depths=1, warmup_steps=1, learning_rate=1e-2)
     trainer = Trainer(params, cfg, config, page_size=4)
-    _, teacher = depth_logits(trainer.params, trainer.init_state().module, trainer.cfg, jnp.asarray(tokens), 1, 4)
+    logits_of = jax.jit(depth_logits, static_argnums=(2, 4, 5))  # compiled: eager runs op by op, slower
+    _, teacher = logits_of(trainer.params, trainer.init_state().module, trainer.cfg, jnp.asarray(tokens), 1, 4)
     with torch.no_grad():
         want = model(torch.tensor(tokens)).logits.numpy()
     # teacher[0][:, i] is the main model's logits at i + 1 (the token depth 1 predicts)
     got = np.asarray(teacher[0])[:, :-1]
     np.testing.assert_allclose(got, want[:, 1:], rtol=0, atol=1e-4 * np.abs(want).max())
-    state, history = trainer.fit(tokens, lengths, tokens, lengths, progress=False)
-    assert np.isfinite(history["loss"]).all()
     # the base itself: a few steps on the same three sequences lower its loss on them
-    base_config = dataclasses.replace(config, steps=6, batch_size=3, learning_rate=1e-2)
-    trained, losses = train_base(params, cfg, tokens, lengths, base_config, page_size=4, progress=False)
+    trained, losses = train_base(params, cfg, tokens, lengths, config, page_size=4, progress=False)
     assert losses[-1] < 0.85 * losses[0], losses
     assert trained.mtp is params.mtp  # the MTP module is not the base's to train
-    out = trainer.export(state.module, tmp_path / "ckpt", folder)
+    out = trainer.export(trainer.init_state().module, tmp_path / "ckpt", folder)
     llm = LLM(out, num_speculative_tokens=1, max_num_seqs=2, max_num_batched_tokens=32, page_size=4, max_model_len=56)
     spec = llm.generate([row[:10].tolist() for row in tokens[:2]],
                         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
