@@ -58,19 +58,7 @@ MOONLIGHT = {
 }
 # zai-org/GLM-4.5-Air-FP8's config.json: GQA 96/8 heads of 128, half the head rotary,
 # 128 experts top-8 plus a shared one, fp8 weights in 128 x 128 blocks
-GLM_45_AIR_FP8 = {
-    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
-    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
-    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
-    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
-    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
-    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
-    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128]},
-}
+GLM_45_AIR_FP8 = json.loads((ROOT / "benchmarks" / "configs" / "GLM-4.5-Air-FP8.json").read_text())
 TINY_SIZES = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
               "num_attention_heads": 4, "n_routed_experts": 8, "num_experts_per_tok": 2, "vocab_size": 512,
               "max_position_embeddings": 512}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_logits_bound, prompt_logits
+from conftest import ROOT, hf_logits_bound, prompt_logits
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.models.registry import load_config
 from jaxmtp.models.moe import route
@@ -178,17 +178,9 @@ DEEPSEEK_V3_CONFIG = {
     "ep_size": 1,
 }
 
-GLM_45_AIR_CONFIG = {
-    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 10944,
-    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1408,
-    "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 128,
-    "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
-    "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None,
-    "rope_theta": 1000000, "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.54.0", "use_cache": True, "use_qk_norm": False, "vocab_size": 151552,
-}
+# zai-org/GLM-4.5-Air-FP8's config.json (benchmarks/moe.py's GLM model), without its fp8 quantization_config
+GLM_45_AIR_CONFIG = {key: value for key, value in json.loads(
+    (ROOT / "benchmarks" / "configs" / "GLM-4.5-Air-FP8.json").read_text()).items() if key != "quantization_config"}
 
 
 @pytest.mark.parametrize("hf_config, main, mtp", [
