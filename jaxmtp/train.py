@@ -105,14 +105,21 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
     )
 
 
-def base_forward(params: Params, cfg: ModelConfig, batch: Batch, cache, ops):
-    """The frozen main model's last hidden state [T, H] and the cache. A hybrid model's
-    sequences start at position 0, so from zeros: they share one recurrent-state slot,
-    whose states after them are dropped."""
+def base_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, page_size: int):
+    """tokens [S, L], each sequence in pages of its own -> the frozen main model's last
+    hidden state [S * L, H], the cache it wrote (with one MTP layer's pages, empty) and
+    the batch. A hybrid model's sequences start at position 0, so from zeros: they share
+    one recurrent-state slot, whose states after them are dropped."""
+    s, length = tokens.shape
+    batch = dataclasses.replace(jax.tree.map(jnp.asarray, packed_batch(s, length, page_size)),
+                                input_ids=tokens.reshape(-1))
+    cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=1)
+    ops = model.layer_ops(cfg, "reference")
     if cfg.hybrid is None:
-        return model.forward(params, cfg, batch, cache, ops)
-    hidden, cache, _ = hybrid.forward(params, cfg, batch, cache, allocate_recurrent(cfg, 1, 1), ops)
-    return hidden, cache
+        hidden, cache = model.forward(params, cfg, batch, cache, ops)
+    else:
+        hidden, cache, _ = hybrid.forward(params, cfg, batch, cache, allocate_recurrent(cfg, 1, 1), ops)
+    return hidden, cache, batch
 
 
 def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: jax.Array, depths: int, page_size: int):
@@ -120,12 +127,9 @@ def depth_logits(params: Params, module: MTPParams, cfg: ModelConfig, tokens: ja
     position i predicts token i+d+1, and the teacher is the frozen main model's
     prediction of that same token (its logits at position i+d)."""
     s, length = tokens.shape
-    batch = jax.tree.map(jnp.asarray, packed_batch(s, length, page_size))
-    batch = dataclasses.replace(batch, input_ids=tokens.reshape(-1))
-    ops = model.layer_ops(cfg, "reference")
-    cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=1)
-    hidden, cache = base_forward(params, cfg, batch, cache, ops)
+    hidden, cache, batch = base_forward(params, cfg, tokens, page_size)
     hidden = jax.lax.stop_gradient(hidden)
+    ops = model.layer_ops(cfg, "reference")
     main_logits = model.logits(params.head(), params.final_norm, cfg, hidden).reshape(s, length, -1)
     prev = mtp.main_hidden_for_mtp(params, cfg, hidden)
     drafts, teachers = [], []
@@ -154,10 +158,7 @@ def targets_and_mask(tokens: jax.Array, lengths: jax.Array, depths: int):
 def base_loss(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array, page_size: int):
     """The main model's mean next-token cross-entropy over each sequence's tokens."""
     s, length = tokens.shape
-    batch = dataclasses.replace(jax.tree.map(jnp.asarray, packed_batch(s, length, page_size)),
-                                input_ids=tokens.reshape(-1))
-    cache = allocate_cache(cfg, batch.page_table.size, page_size, num_mtp_layers=0)
-    hidden, _ = base_forward(params, cfg, batch, cache, model.layer_ops(cfg, "reference"))
+    hidden, _, _ = base_forward(params, cfg, tokens, page_size)
     logits = model.logits(params.head(), params.final_norm, cfg, hidden).reshape(s, length, -1)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
     mask = jnp.arange(1, length)[None, :] < lengths[:, None]

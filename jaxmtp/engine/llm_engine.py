@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from jaxmtp.engine.allocator import PageAllocator, pages_for
 from jaxmtp.engine.engine_config import EngineConfig
 from jaxmtp.engine.intake import RequestIntake
-from jaxmtp.engine.model_options import (check_model_options, log_start, max_model_len, num_state_snapshots,
-                                         sampling_defaults, tokenizer_folder)
+from jaxmtp.engine.model_options import (check_model_options, log_start, max_model_len, sampling_defaults,
+                                         tokenizer_folder)
 from jaxmtp.engine.output_processor import OutputProcessor, Request
 from jaxmtp.engine.outputs import EngineStats, RequestMetrics, RequestOutput
 from jaxmtp.engine.prefix_cache import PrefixCache, PrefixCacheStats, model_salt
@@ -66,7 +66,7 @@ class LLMEngine:
         # the salt: what besides the tokens decides a page's KV in this engine
         self._salt = model_salt(str(model_dir.resolve()), cfg.dtype, config.load_format, config.seed, config.mtp_boundary)
         if config.enable_prefix_caching:
-            snapshots = num_state_snapshots(config, cfg)
+            snapshots = self.runner.num_state_snapshots  # the device table's entries
             self.prefix_cache = PrefixCache(self.page_size, k > 0, config.prefix_cache_boundary, m,
                                             StateSnapshots(snapshots) if snapshots else None)
         self.allocator = PageAllocator(self.runner.num_pages, self.page_size, self.prefix_cache)

@@ -81,6 +81,8 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.prefix_cache = prefix_cache
+        # a hybrid model's recurrent-state snapshots (engine/state_snapshots.py), else None
+        self.snapshots = prefix_cache.snapshots if prefix_cache else None
         # which waiting sequences may be admitted now; the others keep their place in
         # the queue while those behind them are admitted
         self.admissible = admissible
@@ -148,12 +150,11 @@ class Scheduler:
     def _state_saves(self, scheduled: list[ScheduledRows]) -> list[tuple[int, int]]:
         """With snapshots: one after each prefill chunk that ends on a page boundary (its
         committed state is then the state there)."""
-        snapshots = self.prefix_cache.snapshots if self.prefix_cache else None
         saves = []
-        for item in scheduled if snapshots else ():
+        for item in scheduled if self.snapshots else ():
             end = item.start + len(item.token_ids)
             if item.seq.in_prefill and end % self.config.page_size == 0:
-                snapshot = snapshots.pending(item.seq, end // self.config.page_size)
+                snapshot = self.snapshots.pending(item.seq, end // self.config.page_size)
                 if snapshot is not None:
                     saves.append((item.seq.state_slot, snapshot))
         return saves
@@ -258,7 +259,7 @@ class Scheduler:
             return None
         end = seq.num_computed + size
         boundary = end // self.config.page_size * self.config.page_size
-        if self.prefix_cache and self.prefix_cache.snapshots and boundary > seq.num_computed:
+        if self.snapshots and boundary > seq.num_computed:
             end = boundary  # a chunk that crosses a page boundary ends there: a snapshot is saved
         has_output = end == len(tokens)
         ahead = max(self.config.num_draft_modules, 1)
@@ -322,14 +323,14 @@ class Scheduler:
         later step, which runs after it)."""
         if self.prefix_cache:
             self.prefix_cache.register(seq.token_ids, seq.num_computed, seq.pages, seq.cached_prefix, seq.cache_salt)
-            if self.prefix_cache.snapshots:
-                self.prefix_cache.snapshots.attach(seq)
+            if self.snapshots:
+                self.snapshots.attach(seq)
 
     def _release(self, seq: Sequence) -> None:
         """Give back seq's pages; what it computed stays in the prefix cache."""
         self.register_cached(seq)
-        if self.prefix_cache and self.prefix_cache.snapshots:
-            self.prefix_cache.snapshots.release(seq)
+        if self.snapshots:
+            self.snapshots.release(seq)
         self.allocator.free(seq.pages)
         seq.pages, seq.cached_prefix = [], []
         if seq.state_slot is not None:
