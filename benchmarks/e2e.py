@@ -22,6 +22,7 @@ at batch 1), mtp32 (k = 1, 3 at batch 32; --mtp32-batches for others), batch (ba
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import datetime
 import gc
@@ -155,6 +156,25 @@ def set_async(llm, overlap: bool) -> None:
     llm.engine.config = dataclasses.replace(llm.engine.config, async_scheduling=overlap)
 
 
+def timed_steps(spent, step_walls: list[float]) -> dict[str, float]:
+    """Milliseconds a timed step: runner_phases' split of `spent` and the steps' median and
+    slowest wall times."""
+    import numpy as np
+
+    from timing import compiled_calls, host_work
+
+    per_step = 1e3 / len(step_walls)
+    return {"dispatch_ms": compiled_calls(spent) * per_step, "read_back_ms": spent["read"] * per_step,
+            "host_work_ms": host_work(spent) * per_step, "median_ms": float(np.median(step_walls)) * 1e3,
+            "slowest_ms": max(step_walls) * 1e3}
+
+
+def phases_note(replayed: dict) -> str:
+    t = replayed["timed_steps"]
+    return (f"a step: dispatch {t['dispatch_ms']:.2f}, read-back {t['read_back_ms']:.2f}, host {t['host_work_ms']:.2f} ms; "
+            f"median {t['median_ms']:.2f}, slowest {t['slowest_ms']:.1f} ms")
+
+
 def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True, replayed=None):
     """Greedy decode; returns (seconds per decode step, output tokens per second,
     tokens, outputs). The clock runs over pure decode steps of the full batch: from the
@@ -164,8 +184,13 @@ def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True, replayed=Non
     earlier plain run, one list per prompt, which replace the MTP module's drafts inside
     the step (engine.oracle_tokens), with async or sync scheduling as the plain runs.
     replayed: a dict that gets "device_step_s", the last timed (full-batch) step replayed
-    alone, taken when the clock stops (later steps have fewer requests)."""
+    alone, taken when the clock stops (later steps have fewer requests), and "timed_steps":
+    the timed steps' host phases in ms a step (the compiled calls' dispatch, the read-back,
+    which waits for the device, and the host's own work) and their median and slowest
+    wall time, which tell a steady host cost from a one-off stall."""
     import jax
+
+    from timing import runner_phases
 
     from jaxmtp import SamplingParams
     from jaxmtp.engine.sampling_params import RequestOutputKind
@@ -189,25 +214,34 @@ def run_decode(llm, prompts, new_tokens, oracle=None, overlap=True, replayed=Non
 
     start = elapsed = None
     decode_steps_seen = tokens_at_start = tokens_timed = steps = 0
-    while engine.has_unfinished_requests():
-        finished = [out for out in engine.step() if out.finished]
-        for out in finished:
-            outputs[out.request_id] = out
-        if start is not None and elapsed is None:
-            steps += 1
-            if finished:
-                elapsed = time.perf_counter() - start
-                tokens_timed = produced() - tokens_at_start
-                if replayed is not None:
-                    replayed["device_step_s"] = device_step_time(engine, 20)
-        elif start is None and len(engine.requests) == len(prompts) and all(
-            s.output_token_ids for r in engine.requests.values() for s in r.seqs
-        ):
-            decode_steps_seen += 1
-            if decode_steps_seen == 2:
-                jax.block_until_ready(engine.cache.k[0])
-                start = time.perf_counter()
-                tokens_at_start = produced()
+    step_walls, spent_at_start = [], {}
+    with runner_phases(engine) as spent:
+        while engine.has_unfinished_requests():
+            step_start = time.perf_counter()
+            finished = [out for out in engine.step() if out.finished]
+            for out in finished:
+                outputs[out.request_id] = out
+            if start is not None and elapsed is None:
+                steps += 1
+                step_walls.append(time.perf_counter() - step_start)
+                if finished:
+                    elapsed = time.perf_counter() - start
+                    tokens_timed = produced() - tokens_at_start
+                    if replayed is not None:
+                        spent = collections.Counter(spent)
+                        spent.subtract(spent_at_start)
+                        spent["whole"] = elapsed
+                        replayed["timed_steps"] = timed_steps(spent, step_walls)
+                        replayed["device_step_s"] = device_step_time(engine, 20)
+            elif start is None and len(engine.requests) == len(prompts) and all(
+                s.output_token_ids for r in engine.requests.values() for s in r.seqs
+            ):
+                decode_steps_seen += 1
+                if decode_steps_seen == 2:
+                    jax.block_until_ready(engine.cache.k[0])
+                    start = time.perf_counter()
+                    spent_at_start = dict(spent)
+                    tokens_at_start = produced()
     engine.oracle_tokens = None
     set_async(llm, True)
     ordered = [outputs[f"r{i}"] for i in range(len(prompts))]
@@ -375,13 +409,15 @@ def scenario_b1(bench: Bench) -> None:
     t = time.perf_counter()
     run_decode(plain, prompt, 8)
     bench.results["b1_first_run_with_compiles_s"] = time.perf_counter() - t
-    step_s, _, tokens, _ = run_decode(plain, prompt, s.new_tokens)
+    timed = {}
+    step_s, _, tokens, _ = run_decode(plain, prompt, s.new_tokens, replayed=timed)
     floor = bench.floor_s(1, s.prompt + s.new_tokens // 2)
     peer = bench.results["peer"].get("b1_dynamic")
     bench.row(f"b1 decode (prompt {s.prompt}, {s.new_tokens} tokens), async scheduling", step_s * 1e3,
               "ms/token", floor / step_s, peer=ratio(1 / step_s, peer),
               target=">= 0.85 of floor; >= 10x transformers dynamic cache",
-              note=versus("transformers static cache (torch.compile)", 1 / step_s, bench.results["peer"].get("b1_static")))
+              note="; ".join(filter(None, [versus("transformers static cache (torch.compile)", 1 / step_s,
+                                                  bench.results["peer"].get("b1_static")), phases_note(timed)])))
     sync_s, _, sync_tokens, _ = run_decode(plain, prompt, s.new_tokens, overlap=False)
     bench.row("b1 decode, sync scheduling (read each step before the next)", sync_s * 1e3, "ms/token",
               floor / sync_s, note=f"same tokens as async: {sync_tokens == tokens}")
@@ -413,7 +449,7 @@ def scenario_mtp(bench: Bench) -> None:
         bench.row(f"b1 MTP k={k} random head: step time / plain step", step_s / base["step_s"], "x",
                   target=target, note=f"acceptance length {acc:.2f}; {step_s * 1e3:.2f} ms/step (replayed alone "
                   f"{replayed['device_step_s'] * 1e3:.2f}); tokens/s {acc / step_s * base['step_s']:.2f}x plain; "
-                  f"output equal to plain: {toks == base['tokens']}")
+                  f"output equal to plain: {toks == base['tokens']}; {phases_note(replayed)}")
         if k == 2 and bench.results.get("hlo_cache_copies_b1_k2") is None:
             bench.results["hlo_cache_copies_b1_k2"] = len(spec.engine.runner.cache_copies(spec.engine.runner.buckets.shape_for(3, 1)))
         step_s, tps, toks, outs = run_decode(spec, base["prompt"], s.new_tokens, oracle=base["tokens"],
@@ -423,7 +459,8 @@ def scenario_mtp(bench: Bench) -> None:
         bench.row(f"b1 MTP k={k} oracle drafts: tokens/s / plain tokens/s (both async)",
                   acc / step_s * base["step_s"], "x", target=target,
                   note=f"acceptance length {acc:.2f}; {step_s * 1e3:.2f} ms/step (replayed alone "
-                       f"{o_replayed['device_step_s'] * 1e3:.2f}); output equal to plain: {toks == base['tokens']}")
+                       f"{o_replayed['device_step_s'] * 1e3:.2f}); output equal to plain: {toks == base['tokens']}; "
+                       f"{phases_note(o_replayed)}")
 
 
 def scenario_mtp32(bench: Bench) -> None:
@@ -482,14 +519,15 @@ def mtp32_rows(bench: Bench, batch, k, prompts, new, common, step_s, tps, plain_
               target=MTP32_TARGETS["random"].get((batch, k), ""),
               note=f"acceptance length {acc:.2f}; {r_step * 1e3:.2f} ms/step vs {step_s * 1e3:.2f}; replayed alone "
                    f"{replayed['device_step_s'] * 1e3:.2f} vs {plain_device_s * 1e3:.2f} ms "
-                   f"({replayed['device_step_s'] / plain_device_s:.3f}x); tokens/s {r_tps / tps:.3f}x plain")
+                   f"({replayed['device_step_s'] / plain_device_s:.3f}x); tokens/s {r_tps / tps:.3f}x plain; "
+                   f"{phases_note(replayed)}")
     o_replayed = {}
     o_step, o_tps, o_tokens, outs = run_decode(spec, prompts, new, oracle=tokens, replayed=o_replayed)
     acc = sum(o.spec_stats["mean_acceptance_length"] for o in outs) / len(outs)
     bench.row(f"b{batch} MTP k={k} oracle drafts: tokens/s / plain (both async)", o_tps / tps, "x",
               target=MTP32_TARGETS["oracle"].get((batch, k), ""),
               note=f"acceptance length {acc:.2f}; {o_step * 1e3:.2f} ms/step (replayed alone "
-                   f"{o_replayed['device_step_s'] * 1e3:.2f}); output equal: {o_tokens == tokens}")
+                   f"{o_replayed['device_step_s'] * 1e3:.2f}); output equal: {o_tokens == tokens}; {phases_note(o_replayed)}")
     bench.row(f"b{batch} MTP k={k}: all-accepted step / all-rejected step", o_step / r_step, "x", target="<= 1.0",
               note=f"replayed alone: {o_replayed['device_step_s'] / replayed['device_step_s']:.3f}x")
 
