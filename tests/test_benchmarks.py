@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,8 @@ def test_e2e_decode_and_mtp_rows_with_outputs_equal_to_plain(tmp_path):
     mtp = [row for name, row in rows.items() if "MTP" in name]
     # k = 1 (random head and oracle drafts); deeper chains: tests/test_mtp.py
     assert len(mtp) == 2 and all("output equal to plain: True" in row["note"] for row in mtp)
+    # each timed run's host phases and its median and slowest step
+    assert all(re.search(r"host \d+\.\d+ ms; median \d+\.\d+, slowest", row["note"]) for row in mtp)
     oracle = {int(row["scenario"].split("k=")[1][0]): row for row in mtp if "oracle" in row["scenario"]}
     assert sorted(oracle) == [1]
     # drafts taken from the plain run are all accepted: k + 1 tokens a step
