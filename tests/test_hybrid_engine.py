@@ -18,6 +18,7 @@ import torch
 import conftest
 from conftest import fresh_rng, record_drafts
 from jaxmtp import LLM, SamplingParams
+from jaxmtp.worker.programs import num_compiles
 from test_hybrid_models import FAMILIES, make_hybrid
 
 PAGE = 4
@@ -71,8 +72,9 @@ def checkpoints(tmp_path_factory, checkpoint_seed):
 @pytest.fixture(scope="module")
 def engines(checkpoints):
     """LLMs by (family, k), made when first asked for, each with one compiled step: its
-    largest shape, which every batch then runs on (a warm-up's fallback). oracle: the
-    engine's oracle table (its programs are those compiled for the table's shape)."""
+    largest shape, which every batch then runs on (a warm-up's fallback), and the state
+    snapshots' copies compiled as warm-up compiles them. oracle: the engine's oracle table
+    (its programs are those compiled for the table's shape)."""
     made = {}
 
     def get(family: str, k: int = 0, oracle: np.ndarray | None = None, **extra) -> LLM:
@@ -83,6 +85,8 @@ def engines(checkpoints):
             runner = llm.engine.runner
             runner.programs.compile(runner.buckets.largest())
             runner.programs.warmed_up = True
+            if runner.snapshots is not None:
+                runner.recurrent = runner.snapshots.warm(runner.recurrent)
         return made[key]
 
     return get
@@ -315,12 +319,14 @@ def test_prefix_cache_hits_start_from_the_snapshotted_state(checkpoints, engines
     whole prompt hit the cache through the last page that has a snapshot and, with MTP,
     the version their next token needs (docs/prefix-cache.md), and give the tokens,
     drafts and acceptance of an engine without the cache that takes each prompt in one
-    chunk. (Restoring no snapshot, or saving none, fails it.)"""
+    chunk, compiling nothing after the warm-up's copies. (Restoring no snapshot, or
+    saving none, fails it.)"""
     _, _, prompt = checkpoints["qwen3_next"]
     cold = engines("qwen3_next", k)
     set_chunk_size(cold, ENGINE["max_num_batched_tokens"])
     llm = engines("qwen3_next", k, enable_prefix_caching=True, num_state_snapshots=16)
     set_chunk_size(llm, 5)
+    compiled = num_compiles()
     llm.generate([prompt], greedy(), use_tqdm=False)
     # prompt length shared -> (the new request's tail, its hit without MTP, with MTP): a
     # page whose next token differs is reused whole only without draft KV
@@ -334,6 +340,7 @@ def test_prefix_cache_hits_start_from_the_snapshotted_state(checkpoints, engines
         assert got.num_cached_tokens == (spec_hit if k else hit), (shared, got.num_cached_tokens)
         assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids), shared
         assert got.spec_stats == want.spec_stats and drafts == cold_drafts, shared
+    assert num_compiles() == compiled  # the snapshots' saves and restores ran on warm-up's copies
     assert_no_leaks(llm)
 
 
