@@ -324,6 +324,46 @@ def test_a_request_whose_masks_fail_fails_alone(spec):
     assert got == want[1:]
 
 
+def test_a_steps_masks_fill_on_a_worker_while_the_next_step_is_scheduled(spec, monkeypatch):
+    """With async scheduling, a constrained step's masks are filled off the engine's
+    thread, started as soon as the step before it is read, so that llguidance's fill runs
+    beside the host's scheduling and batch building: on the engine's thread each fill is
+    started before the next step is scheduled, and that step's sampling is queued after.
+    Outputs as before (test_json_schema_outputs_are_valid_and_spec_equals_plain)."""
+    import threading
+
+    import jaxmtp.engine.llm_engine as llm_engine
+
+    engine, events, fill_threads = spec.engine, [], []
+    fill, submit = llm_engine.step_bitmask, engine._mask_worker.submit
+    schedule, complete = engine.scheduler.schedule, engine.runner.complete
+
+    def recorded(name, method):
+        def wrapper(*args, **kwargs):
+            events.append(name)
+            return method(*args, **kwargs)
+        return wrapper
+
+    def recorded_fill(*args):
+        fill_threads.append(threading.current_thread().name)
+        return fill(*args)
+
+    monkeypatch.setattr(llm_engine, "step_bitmask", recorded_fill)
+    monkeypatch.setattr(engine._mask_worker, "submit", recorded("start fill", submit))
+    monkeypatch.setattr(engine.scheduler, "schedule", recorded("schedule", schedule))
+    monkeypatch.setattr(engine.runner, "complete", recorded("queue sampling", complete))
+    params = constrained({"json": {**SCHEMAS["nested"], **COMPACT}})
+    got = texts(spec, params)
+    if engine._masks is not None:  # the last step's fill, started after the last output
+        engine._masks.result()
+    fills = [i for i, event in enumerate(events) if event == "start fill"]
+    assert len(fills) > 10 and len(fill_threads) == len(fills), (len(fills), len(fill_threads))
+    assert all(name.startswith("jaxmtp-masks") for name in fill_threads), fill_threads
+    assert all(events[i + 1 : i + 3] == ["schedule", "queue sampling"] for i in fills[:-1]), events[:12]
+    monkeypatch.undo()
+    assert got == texts(spec, params)
+
+
 def test_constrained_sampling_follows_the_masked_distribution_with_mtp(spec, rng):
     """At temperature 0.8 a constrained request's outputs with k = 2 follow the model's
     distribution restricted to the grammar's tokens at every step and renormalised (k = 0

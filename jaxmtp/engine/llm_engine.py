@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,12 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._in_flight: deque[InFlightStep] = deque()
         self._awaiting: InFlightStep | None = None  # the masked step in flight whose second part is not queued yet
+        # the awaiting step's masks, filled on a worker thread from when the step before it
+        # has been read (its grammars are final) until the next step is built: llguidance
+        # fills without the GIL, so the masks run beside the host's scheduling and building.
+        # Taken (and waited for) whenever _awaiting is, so it is always _awaiting's.
+        self._masks: Future | None = None
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="jaxmtp-masks")
         self._step_ids = 0
         self.usable = True  # False once a failed step could not be recovered from
         # the last step read: its record (schedule and device arguments), rows and output,
@@ -226,6 +233,8 @@ class LLMEngine:
             self._complete_awaiting(outputs)
         while len(self._in_flight) > keep:
             outputs += self._postprocess(self._in_flight.popleft())
+        if self._awaiting is not None and self._masks is None:  # every step before it is read
+            self._masks = self._mask_worker.submit(self._step_bitmask, self._awaiting)
         return [out for out in outputs if out is not None]
 
     def _admit_and_abort(self) -> list[RequestOutput | None]:
@@ -278,11 +287,13 @@ class LLMEngine:
         fails alone. False when the step failed and took the cache with it: every running
         request failed, and a step scheduled since must not run."""
         record, self._awaiting = self._awaiting, None
+        masks_job, self._masks = self._masks, None
         if record is None or not any(item is record for item in self._in_flight):
+            if masks_job is not None:  # no fill may still run on the grammars
+                masks_job.exception()
             return True
         try:
-            masks, failed = step_bitmask(record.scheduled.rows, record.preemptions, self.config.num_speculative_tokens,
-                                         self.runner.mask_width)
+            masks, failed = masks_job.result() if masks_job is not None else self._step_bitmask(record)
             outputs += [self._end_request(self.requests[seq.request_id], "error", err) for seq, err in failed]
             self.runner.complete(record, masks)
         except Exception as err:  # noqa: BLE001
@@ -291,6 +302,10 @@ class LLMEngine:
             outputs += self._recover(record.scheduled, err)
             return not lost
         return True
+
+    def _step_bitmask(self, record: InFlightStep):
+        return step_bitmask(record.scheduled.rows, record.preemptions, self.config.num_speculative_tokens,
+                            self.runner.mask_width)
 
     def _postprocess(self, record: InFlightStep) -> list[RequestOutput | None]:
         """Read a dispatched step back and apply it to its sequences."""
