@@ -222,9 +222,10 @@ class LLMEngine:
         A step with constrained requests goes in two parts: its forward, queued as any
         step; then, once step N's tokens have advanced the grammars, its sampling with
         the masks they give, queued on the next call just before step N+2 (_awaiting).
-        The host's turn (reading step N, the masks in one llguidance call, scheduling and
-        building step N+2) then runs under the forward, and the device runs the second
-        part and the next forward back to back."""
+        The host's turn (reading step N, scheduling and building step N+2, with the
+        masks filled meanwhile on a worker thread in one llguidance call) then runs
+        under the forward, and the device runs the second part and the next forward
+        back to back."""
         outputs = self._admit_and_abort()
         scheduled = self.scheduler.schedule()
         dispatched = self._dispatch(scheduled, outputs) if scheduled.rows else None
