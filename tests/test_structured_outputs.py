@@ -324,6 +324,41 @@ def test_a_request_whose_masks_fail_fails_alone(spec):
     assert got == want[1:]
 
 
+def test_a_request_aborted_while_its_failing_masks_fill_fails_no_other(spec):
+    """The masks fill on a worker thread while the engine admits and aborts: a request
+    whose masks fail and that is aborted before the engine takes the fill's result ends
+    as aborted, and the others give the outputs they give alone."""
+    import time
+
+    so = {"json": {**SCHEMAS["array"], **COMPACT}}
+    params = [constrained(so), constrained(so), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
+    want = [texts(spec, p)[i] for i, p in enumerate(params)]
+    engine = spec.engine
+    for i, p in enumerate(params):
+        engine.add_request(f"aborted{i}", PROMPTS[i], p)
+    for _ in range(4):  # past the prefills, into constrained decoding
+        engine.step()
+    seq = engine.requests["aborted0"].seqs[0]
+    if engine._masks is not None:  # the fill the last step started runs unbroken
+        engine._masks.result()
+
+    def fail_once_aborted(*args):  # the fill runs into the abort, then fails
+        deadline = time.monotonic() + 30
+        while not seq.finished and time.monotonic() < deadline:
+            time.sleep(0.001)
+        raise RuntimeError("llguidance fell over")
+
+    seq.grammar.row_drafts = fail_once_aborted
+    outputs = {o.request_id: o for o in engine.step() if o.finished}  # ends by starting the next step's fill
+    engine.abort_request("aborted0")
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outputs["aborted0"].outputs[0].finish_reason == "abort", outputs["aborted0"].error
+    got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+           for o in (outputs["aborted1"], outputs["aborted2"])]
+    assert got == want[1:]
+
+
 def test_a_steps_masks_fill_on_a_worker_while_the_next_step_is_scheduled(spec, monkeypatch):
     """With async scheduling, a constrained step's masks are filled off the engine's
     thread, started as soon as the step before it is read, so that llguidance's fill runs

@@ -295,7 +295,9 @@ class LLMEngine:
             return True
         try:
             masks, failed = masks_job.result() if masks_job is not None else self._step_bitmask(record)
-            outputs += [self._end_request(self.requests[seq.request_id], "error", err) for seq, err in failed]
+            # (a request aborted since its fill began has ended already)
+            outputs += [self._end_request(self.requests[seq.request_id], "error", err) for seq, err in failed
+                        if seq.request_id in self.requests]
             self.runner.complete(record, masks)
         except Exception as err:  # noqa: BLE001
             self._in_flight.remove(record)
