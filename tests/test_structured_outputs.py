@@ -297,13 +297,21 @@ def test_rows_after_a_refused_draft_allow_every_token(spec, rng):
         np.testing.assert_array_equal(got, want, err_msg=f"seed={seed} drafts={drafts}")
 
 
-def test_a_request_whose_masks_fail_fails_alone(spec):
+@pytest.fixture(scope="module")
+def failure_requests(spec):
+    """The failure tests' requests (two constrained, one free; PROMPTS in order) and the
+    (text, tokens, finish) each gives alone."""
+    so = {"json": {**SCHEMAS["array"], **COMPACT}}
+    params = [constrained(so), constrained(so), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
+    alone = [spec.generate([prompt], p, use_tqdm=False)[0].outputs[0] for prompt, p in zip(PROMPTS, params)]
+    return params, [(o.text, o.token_ids, o.finish_reason) for o in alone]
+
+
+def test_a_request_whose_masks_fail_fails_alone(spec, failure_requests):
     """A grammar whose masks raise while a step's bitmask is filled ends its own request
     with the error; the step runs, and the other requests, constrained or not, give the
     outputs they give alone."""
-    so = {"json": {**SCHEMAS["array"], **COMPACT}}
-    params = [constrained(so), constrained(so), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
-    want = [texts(spec, p)[i] for i, p in enumerate(params)]
+    params, want = failure_requests
     engine = spec.engine
     for i, p in enumerate(params):
         engine.add_request(f"masks{i}", PROMPTS[i], p)
@@ -324,15 +332,13 @@ def test_a_request_whose_masks_fail_fails_alone(spec):
     assert got == want[1:]
 
 
-def test_a_request_aborted_while_its_failing_masks_fill_fails_no_other(spec):
+def test_a_request_aborted_while_its_failing_masks_fill_fails_no_other(spec, failure_requests):
     """The masks fill on a worker thread while the engine admits and aborts: a request
     whose masks fail and that is aborted before the engine takes the fill's result ends
     as aborted, and the others give the outputs they give alone."""
     import time
 
-    so = {"json": {**SCHEMAS["array"], **COMPACT}}
-    params = [constrained(so), constrained(so), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
-    want = [texts(spec, p)[i] for i, p in enumerate(params)]
+    params, want = failure_requests
     engine = spec.engine
     for i, p in enumerate(params):
         engine.add_request(f"aborted{i}", PROMPTS[i], p)
