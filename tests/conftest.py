@@ -295,6 +295,18 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(("random seeds", f"seeds {seeds}; replay with JAXMTP_TEST_SEED={_SEEDS[0]}"))
 
 
+# The files that take a minute or more of a worker on 2 cores (a fresh-clone run of
+# 2026-12-03), largest first: they start the run, so that under `--dist loadfile`
+# (files handed to workers in collection order) the short files fill its end.
+LONGEST_FILES = ("test_mtp.py", "test_multi_host.py", "test_benchmarks.py", "test_hybrid_engine.py",
+                 "test_tensor_parallel.py", "test_moe_tensor_parallel.py", "test_server.py", "test_train.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: files keep their order
+
+
 def pytest_unconfigure(config):
     if _OWN_XLA_CACHE:  # the process that named it: the run's controller, or a run without workers
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
