@@ -51,9 +51,22 @@ def spec():
     return LLM(MTP_MODEL, num_speculative_tokens=2, **ENGINE)
 
 
-def texts(llm, params) -> list[tuple[str, list[int]]]:
-    return [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+def summary(completion) -> tuple[str, list[int], str]:
+    return completion.text, completion.token_ids, completion.finish_reason
+
+
+def texts(llm, params) -> list[tuple[str, list[int], str]]:
+    return [summary(o.outputs[0]) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def started(engine, params, prefix: str):
+    """The failure tests' requests added as prefix0.. and stepped past their prefills
+    into constrained decoding; returns the first one's sequence."""
+    for i, p in enumerate(params):
+        engine.add_request(f"{prefix}{i}", PROMPTS[i], p)
+    for _ in range(4):
+        engine.step()
+    return engine.requests[f"{prefix}0"].seqs[0]
 
 
 @pytest.mark.parametrize("name", SCHEMAS)
@@ -227,7 +240,7 @@ def test_constraints_survive_preemption_and_prefix_cache_hits(spec):
         assert engine.scheduler.num_preemptions > before
     finally:
         engine.allocator.free(held)
-    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs[:3]] == want
+    assert [summary(o.outputs[0]) for o in outs[:3]] == want
     assert any(o.num_cached_tokens for o in outs[:3])  # the prompts were cached by the first run
 
 
@@ -303,8 +316,7 @@ def failure_requests(spec):
     (text, tokens, finish) each gives alone."""
     so = {"json": {**SCHEMAS["array"], **COMPACT}}
     params = [constrained(so), constrained(so), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)]
-    alone = [spec.generate([prompt], p, use_tqdm=False)[0].outputs[0] for prompt, p in zip(PROMPTS, params)]
-    return params, [(o.text, o.token_ids, o.finish_reason) for o in alone]
+    return params, [summary(spec.generate([prompt], p, use_tqdm=False)[0].outputs[0]) for prompt, p in zip(PROMPTS, params)]
 
 
 def test_a_request_whose_masks_fail_fails_alone(spec, failure_requests):
@@ -313,11 +325,7 @@ def test_a_request_whose_masks_fail_fails_alone(spec, failure_requests):
     outputs they give alone."""
     params, want = failure_requests
     engine = spec.engine
-    for i, p in enumerate(params):
-        engine.add_request(f"masks{i}", PROMPTS[i], p)
-    for _ in range(4):  # past the prefills, into constrained decoding
-        engine.step()
-    broken = engine.requests["masks0"].seqs[0].grammar
+    broken = started(engine, params, "masks").grammar
 
     def fail(*args):
         raise RuntimeError("llguidance fell over")
@@ -327,8 +335,7 @@ def test_a_request_whose_masks_fail_fails_alone(spec, failure_requests):
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
     assert outputs["masks0"].outputs[0].finish_reason == "error" and "fell over" in outputs["masks0"].error
-    got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in (outputs["masks1"], outputs["masks2"])]
+    got = [summary(outputs[name].outputs[0]) for name in ("masks1", "masks2")]
     assert got == want[1:]
 
 
@@ -340,11 +347,7 @@ def test_a_request_aborted_while_its_failing_masks_fill_fails_no_other(spec, fai
 
     params, want = failure_requests
     engine = spec.engine
-    for i, p in enumerate(params):
-        engine.add_request(f"aborted{i}", PROMPTS[i], p)
-    for _ in range(4):  # past the prefills, into constrained decoding
-        engine.step()
-    seq = engine.requests["aborted0"].seqs[0]
+    seq = started(engine, params, "aborted")
     if engine._masks is not None:  # the fill the last step started runs unbroken
         engine._masks.result()
 
@@ -360,8 +363,7 @@ def test_a_request_aborted_while_its_failing_masks_fill_fails_no_other(spec, fai
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
     assert outputs["aborted0"].outputs[0].finish_reason == "abort", outputs["aborted0"].error
-    got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
-           for o in (outputs["aborted1"], outputs["aborted2"])]
+    got = [summary(outputs[name].outputs[0]) for name in ("aborted1", "aborted2")]
     assert got == want[1:]
 
 
