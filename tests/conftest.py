@@ -11,6 +11,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+# The repository's kernels/ folder (installed as jaxmtp.kernels) would shadow PyPI's
+# `kernels`, which transformers >= 5.25 imports when it is installed: `python -m pytest`
+# puts the repository root on the import path, so the tests take it off again.
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != ROOT]
+
 
 def _fast_compile_flags() -> str:
     """XLA CPU flags for a suite whose time is XLA compile time: LLVM at optimisation
@@ -48,7 +54,6 @@ import functools  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 STORIES = ROOT / "checkpoints" / "stories260K"
 MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"  # stories260K with its trained MTP head
 
