@@ -18,11 +18,20 @@ products at full float32 precision (no TF32)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
 import jax
 import jax.numpy as jnp
 
+from jaxmtp.models.config import HybridConfig, check_attention_backend
+
 F32 = jnp.float32
 L2NORM_EPS = 1e-6  # transformers' l2norm (as the FLA library's)
+# rows per chunk of the chunked form: each request's rows are cut from its own first row
+# (_chunk_layout), so a request's chunks do not depend on the batch around it
+CHUNK = 64
 
 
 def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
@@ -37,7 +46,7 @@ def _row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
     return jnp.minimum(jnp.searchsorted(query_start[1:], rows, side="right"), query_start.shape[0] - 2)
 
 
-def _stored(table: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
+def stored_states(table: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
     """Each request's starting state [B, ...] in float32: its table row, or zeros when
     fresh (whatever the table holds there, NaN included)."""
     start = table[slots].astype(F32)
@@ -55,7 +64,7 @@ def _conv_inputs(x, conv_state, query_start, slots, fresh, owner, last, width):
     history = conv_state.shape[1]
     pos = last[:, None] - (width - 1) + jnp.arange(width)  # [n, width]
     rows = jnp.clip(query_start[owner][:, None] + pos, 0, x.shape[0] - 1)
-    stored = _stored(conv_state, slots, fresh)[owner[:, None], jnp.clip(history + pos, 0, history - 1)]
+    stored = stored_states(conv_state, slots, fresh)[owner[:, None], jnp.clip(history + pos, 0, history - 1)]
     return jnp.where((pos >= 0)[..., None], x[rows].astype(F32), stored)
 
 
@@ -108,7 +117,7 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
 
 
-def _prepare(q, k, v, g, beta):
+def prepare_inputs(q, k, v, g, beta):
     """float32 inputs per value head: q and k l2-normalised (use_qk_l2norm_in_kernel),
     q scaled by 1/sqrt(dk), key heads repeated to the value heads (repeat_interleave:
     value head h reads key head h // (Hv // Hk))."""
@@ -128,23 +137,12 @@ def _delta_step(state, q, k, v, g, beta):
     return state, _einsum("hk,hkv->hv", q, state)
 
 
-def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
-                          query_start: jax.Array, slots: jax.Array, fresh: jax.Array, keep: int
-                          ) -> tuple[jax.Array, jax.Array]:
-    """The gated delta rule one row at a time (a scan over the T rows): for decode and
-    MTP verification, whose few rows per request may each be the last one committed.
-
-    q, k [T, Hk, dk] and v [T, Hv, dv] the conv's outputs split into heads (q and k not
-    yet normalised); g, beta [T, Hv] from gates(); state [N, Hv, dk, dv] the recurrent
-    table; query_start, slots, fresh as the module docstring says; keep (static) how many
-    of each request's last states to return.
-    Returns o [T, Hv, dv] float32 (zeros on padding rows) and tail [B, keep, Hv, dk, dv]:
-    tail[b, i] is request b's state after its row query_start[b+1] - keep + i, or where
-    that row precedes its first, its starting state (stored, or zeros when fresh).
-    jaxmtp.worker.recurrent writes them and commits the one the caller keeps."""
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+def scan_rows(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+              query_start: jax.Array, slots: jax.Array, fresh: jax.Array, keep: int) -> tuple[jax.Array, jax.Array]:
+    """gated_delta_recurrent over prepared inputs (prepare_inputs': q, k [T, Hv, dk]), as
+    one scan over the batch's rows (kernels/gated_delta.py runs the requests side by side)."""
     num_rows, num_requests = v.shape[0], slots.shape[0]
-    start = _stored(state, slots, fresh)
+    start = stored_states(state, slots, fresh)
     rows = jnp.arange(num_rows)
     owner = _row_owner(query_start, num_rows)
     valid = rows < query_start[-1]
@@ -167,25 +165,42 @@ def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
     return o, tail
 
 
+OverRows = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
+                          query_start: jax.Array, slots: jax.Array, fresh: jax.Array, keep: int,
+                          over_rows: OverRows = scan_rows) -> tuple[jax.Array, jax.Array]:
+    """The gated delta rule one row at a time: for decode and MTP verification, whose few
+    rows per request may each be the last one committed. over_rows (scan_rows or a kernel
+    of its contract) runs the rows.
+
+    q, k [T, Hk, dk] and v [T, Hv, dv] the conv's outputs split into heads (q and k not
+    yet normalised); g, beta [T, Hv] from gates(); state [N, Hv, dk, dv] the recurrent
+    table; query_start, slots, fresh as the module docstring says; keep (static) how many
+    of each request's last states to return.
+    Returns o [T, Hv, dv] float32 (zeros on padding rows) and tail [B, keep, Hv, dk, dv]:
+    tail[b, i] is request b's state after its row query_start[b+1] - keep + i, or where
+    that row precedes its first, its starting state (stored, or zeros when fresh).
+    jaxmtp.worker.recurrent writes them and commits the one the caller keeps."""
+    return over_rows(*prepare_inputs(q, k, v, g, beta), state, query_start, slots, fresh, keep)
+
+
 def _chunk_layout(query_start: jax.Array, num_rows: int, chunk: int):
     """Each request's rows cut into chunks of `chunk` from its own first row (its last
     chunk padded), all requests' chunks back to back. Returns: num_chunks (static, the
     most B requests of T rows can need), dest [T] each row's place in the flat
-    [num_chunks * chunk] layout (padding rows: past it), and per chunk its request,
-    whether it holds rows and whether it is its request's first (the chunks past the
-    last that holds rows belong to the last request, and may count as its first: they
-    hold zero rows and write nothing)."""
+    [num_chunks * chunk] layout (padding rows: past it) and chunk_start [B + 1]: request
+    b owns chunks chunk_start[b]:chunk_start[b+1] (the chunks past chunk_start[B] hold
+    no rows)."""
     num_requests = query_start.shape[0] - 1
     num_chunks = (num_rows + min(num_requests, num_rows) * (chunk - 1)) // chunk
     per_request = (query_start[1:] - query_start[:-1] + chunk - 1) // chunk
-    ends = jnp.cumsum(per_request)
-    starts = ends - per_request
+    chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_request).astype(jnp.int32)])
     rows = jnp.arange(num_rows)
     owner = _row_owner(query_start, num_rows)
-    dest = jnp.where(rows < query_start[-1], starts[owner] * chunk + rows - query_start[owner], num_chunks * chunk)
-    chunks = jnp.arange(num_chunks)
-    chunk_owner = jnp.minimum(jnp.searchsorted(ends, chunks, side="right"), num_requests - 1)
-    return num_chunks, dest, chunk_owner, chunks < ends[-1], chunks == starts[chunk_owner]
+    dest = jnp.where(rows < query_start[-1], chunk_start[owner] * chunk + rows - query_start[owner], num_chunks * chunk)
+    return num_chunks, dest, chunk_start
 
 
 def _to_chunks(x: jax.Array, dest: jax.Array, num_chunks: int, chunk: int) -> jax.Array:
@@ -211,14 +226,23 @@ def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(1, size, row, -lower) + jnp.eye(size)
 
 
-def _intra_chunk(q, k, v, g, beta):
+class ChunkTerms(NamedTuple):
+    """What the scan over chunks reads, per chunk and value head ([n, Hv, C, ...] float32,
+    decay [n, Hv])."""
+
+    u: jax.Array  # [n, Hv, C, dv] the new values, before the old state's read is added
+    w: jax.Array  # [n, Hv, C, dk] the keys that read the old state
+    q_decayed: jax.Array  # [n, Hv, C, dk]
+    attn: jax.Array  # [n, Hv, C, C] the intra-chunk attention, decays applied
+    k_to_end: jax.Array  # [n, Hv, C, dk] the keys decayed to the chunk's end
+    decay: jax.Array  # [n, Hv] the chunk's total decay
+
+
+def _intra_chunk(q, k, v, g, beta) -> ChunkTerms:
     """The first phase of torch_chunk_gated_delta_rule, for every chunk at once (inputs
     [n, Hv, C, ...]). Within a chunk, with cum the cumulative log-decay and
     D[i, j] = exp(cum_i - cum_j) for j <= i, the UT transform (I + strictly_lower(beta_i
-    k_i.k_j D[i, j]))^-1 turns the C delta updates into u (the new values, to which the
-    old state's read is still to be added) and w (the keys that read the old state).
-    Returns what the scan over chunks reads: u, w, the decayed queries, the intra-chunk
-    attention, the keys decayed to the chunk's end and the chunk's total decay."""
+    k_i.k_j D[i, j]))^-1 turns the C delta updates into u and w."""
     size = g.shape[-1]
     cum = jnp.cumsum(g, axis=-1)
     causal = jnp.tril(jnp.ones((size, size), bool))
@@ -226,46 +250,118 @@ def _intra_chunk(q, k, v, g, beta):
     k_beta = k * beta[..., None]
     strictly_lower = jnp.tril(jnp.ones((size, size), bool), -1)
     ut = _unit_lower_inverse(jnp.where(strictly_lower, _einsum("nhid,nhjd->nhij", k_beta, k) * decay, 0.0))
-    u = _einsum("nhij,nhjv->nhiv", ut, v * beta[..., None])
-    w = _einsum("nhij,nhjk->nhik", ut, k_beta * jnp.exp(cum)[..., None])
-    attn = _einsum("nhid,nhjd->nhij", q, k) * decay
-    q_decayed = q * jnp.exp(cum)[..., None]
-    k_to_end = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    return u, w, q_decayed, attn, k_to_end, jnp.exp(cum[..., -1])
+    return ChunkTerms(
+        u=_einsum("nhij,nhjv->nhiv", ut, v * beta[..., None]),
+        w=_einsum("nhij,nhjk->nhik", ut, k_beta * jnp.exp(cum)[..., None]),
+        q_decayed=q * jnp.exp(cum)[..., None],
+        attn=_einsum("nhid,nhjd->nhij", q, k) * decay,
+        k_to_end=k * jnp.exp(cum[..., -1:] - cum)[..., None],
+        decay=jnp.exp(cum[..., -1]),
+    )
+
+
+def scan_chunks(terms: ChunkTerms, chunk_start: jax.Array, state: jax.Array, slots: jax.Array, fresh: jax.Array
+                ) -> tuple[jax.Array, jax.Array]:
+    """The second phase: each request's chunks in order, carrying its state from its
+    starting one (its table row, zeros when fresh): per chunk, v_new = u - w S, the
+    outputs q_decayed S + attn v_new, then S <- decay S + k_to_end^T v_new. A scan over all
+    chunks, restarting at each request's first (kernels/gated_delta.py runs the requests
+    side by side).
+
+    terms [n, ...] from _intra_chunk; chunk_start [B + 1] as _chunk_layout's; state,
+    slots, fresh as gated_delta_recurrent's. Returns the chunks' outputs [n, Hv, C, dv]
+    (any values in chunks no request owns) and final [B, Hv, dk, dv]: each request's
+    state after its last chunk (its starting state if it has none)."""
+    num_requests, num_chunks = slots.shape[0], terms.decay.shape[0]
+    start = stored_states(state, slots, fresh)
+    chunks = jnp.arange(num_chunks)
+    chunk_owner = jnp.minimum(jnp.searchsorted(chunk_start[1:], chunks, side="right"), num_requests - 1)
+    real = chunks < chunk_start[-1]
+    first = chunks == chunk_start[chunk_owner]
+
+    def one_chunk(carry, xs):
+        current, final = carry
+        t, b, is_real, is_first = xs
+        current = jnp.where(is_first, start[b], current)
+        v_new = t.u - _einsum("hck,hkv->hcv", t.w, current)
+        o = _einsum("hck,hkv->hcv", t.q_decayed, current) + _einsum("hij,hjv->hiv", t.attn, v_new)
+        current = current * t.decay[:, None, None] + _einsum("hck,hcv->hkv", t.k_to_end, v_new)
+        final = final.at[b].set(jnp.where(is_real, current, final[b]))
+        return (current, final), o
+
+    (_, final), o = jax.lax.scan(one_chunk, (jnp.zeros_like(start[0]), start), (terms, chunk_owner, real, first))
+    return o, final
+
+
+AcrossChunks = Callable[[ChunkTerms, jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def gated_delta_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, state: jax.Array,
-                        query_start: jax.Array, slots: jax.Array, fresh: jax.Array, chunk: int = 64
-                        ) -> tuple[jax.Array, jax.Array]:
+                        query_start: jax.Array, slots: jax.Array, fresh: jax.Array, chunk: int = CHUNK,
+                        across_chunks: AcrossChunks = scan_chunks) -> tuple[jax.Array, jax.Array]:
     """The gated delta rule in chunks (the WY / UT-transform form of
     torch_chunk_gated_delta_rule), for prefill: the same result as gated_delta_recurrent
     within float32 rounding, with matrix products in place of one step per row. Each
-    request's rows are cut into chunks from its own first row (_chunk_layout); a scan over
-    the chunks carries the state, restarting at each request's first chunk.
+    request's rows are cut into chunks from its own first row (_chunk_layout); the
+    chunks' terms are computed all at once, then across_chunks (scan_chunks or a kernel
+    of its contract) carries each request's state through its chunks.
 
     Arguments as gated_delta_recurrent's; chunk (static) the chunk length.
     Returns o [T, Hv, dv] float32 (zeros on padding rows) and final [B, Hv, dk, dv]: each
     request's state after its last row (its starting state if it has none)."""
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta)
     num_rows = v.shape[0]
-    start = _stored(state, slots, fresh)
-    num_chunks, dest, chunk_owner, real, first = _chunk_layout(query_start, num_rows, chunk)
+    num_chunks, dest, chunk_start = _chunk_layout(query_start, num_rows, chunk)
     q, k, v, g, beta = (_to_chunks(x, dest, num_chunks, chunk) for x in (q, k, v, g, beta))
-    u, w, q_decayed, attn, k_to_end, chunk_decay = _intra_chunk(q, k, v, g, beta)
-
-    def one_chunk(carry, xs):
-        current, final = carry
-        u_c, w_c, q_c, attn_c, k_c, decay_c, b, is_real, is_first = xs
-        current = jnp.where(is_first, start[b], current)
-        v_new = u_c - _einsum("hck,hkv->hcv", w_c, current)
-        o = _einsum("hck,hkv->hcv", q_c, current) + _einsum("hij,hjv->hiv", attn_c, v_new)
-        current = current * decay_c[:, None, None] + _einsum("hck,hcv->hkv", k_c, v_new)
-        final = final.at[b].set(jnp.where(is_real, current, final[b]))
-        return (current, final), o
-
-    (_, final), o = jax.lax.scan(one_chunk, (jnp.zeros_like(start[0]), start),
-                                 (u, w, q_decayed, attn, k_to_end, chunk_decay, chunk_owner, real, first))
+    o, final = across_chunks(_intra_chunk(q, k, v, g, beta), chunk_start, state, slots, fresh)
     o = jnp.moveaxis(o, 2, 1)  # [chunks, C, Hv, dv]
     o = o.reshape((num_chunks * chunk,) + o.shape[2:])
     rows_valid = jnp.arange(num_rows) < query_start[-1]
     return jnp.where(rows_valid[:, None, None], o[jnp.minimum(dest, num_chunks * chunk - 1)], 0.0), final
+
+
+@dataclasses.dataclass(frozen=True)
+class DeltaRule:
+    """What a backend runs of the rule: the rows of the recurrent form (scan_rows'
+    contract) and the chunked form's scan over chunks (scan_chunks')."""
+
+    over_rows: OverRows = scan_rows
+    across_chunks: AcrossChunks = scan_chunks
+
+
+def delta_rule_fn(backend: str, cfg: HybridConfig, mesh=None) -> DeltaRule:
+    """The rule's forms for an attention backend: "reference" the jnp forms here;
+    "pallas" / "pallas_interpret" the kernels (kernels/gated_delta.py); "auto": on one
+    GPU, each call takes the kernel where benchmarks/gated_delta.py measured it faster
+    than the jnp form (its table, per shape and size, read at trace time), the jnp form
+    elsewhere. Under a mesh the heads are split by XLA's partitioner, which runs the jnp
+    forms (a kernel has no partitioning rule)."""
+    check_attention_backend(backend)
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if backend == "reference" or mesh is not None or (backend == "auto" and jax.default_backend() != "gpu"):
+        return DeltaRule()
+    from jaxmtp.kernels import gated_delta as kernels  # Pallas: imported only where used
+
+    if not kernels.supports(dk, dv, CHUNK):
+        if backend == "auto":
+            return DeltaRule()
+        raise ValueError(f"the Pallas gated delta kernels need linear_key_head_dim and linear_value_head_dim "
+                         f"powers of two >= 16, got {dk} and {dv}")
+    if backend != "auto":
+        interpret = backend == "pallas_interpret"
+        return DeltaRule(functools.partial(kernels.scan_rows_kernel, interpret=interpret),
+                         functools.partial(kernels.scan_chunks_kernel, interpret=interpret))
+
+    def over_rows(q, k, v, g, beta, state, query_start, slots, fresh, keep):
+        tiling = kernels.measured_tiling("rows", *state.shape[1:], slots.shape[0])
+        if tiling is None:
+            return scan_rows(q, k, v, g, beta, state, query_start, slots, fresh, keep)
+        return kernels.scan_rows_kernel(q, k, v, g, beta, state, query_start, slots, fresh, keep, config=tiling)
+
+    def across_chunks(terms, chunk_start, state, slots, fresh):
+        tiling = kernels.measured_tiling("chunks", *state.shape[1:], terms.u.shape[0] * terms.u.shape[2])
+        if tiling is None:
+            return scan_chunks(terms, chunk_start, state, slots, fresh)
+        return kernels.scan_chunks_kernel(terms, chunk_start, state, slots, fresh, config=tiling)
+
+    return DeltaRule(over_rows, across_chunks)

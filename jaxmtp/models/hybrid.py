@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.gated_delta import (
-    causal_conv1d, conv_tail, gated_delta_chunked, gated_delta_recurrent, gates,
+    CHUNK, DeltaRule, causal_conv1d, conv_tail, gated_delta_chunked, gated_delta_recurrent, gates,
 )
 from jaxmtp.models.linear import linear
 from jaxmtp.models.model import LayerOps, decoder_layer, feed_forward
@@ -30,11 +30,6 @@ from jaxmtp.models.params import LinearAttentionParams, Params
 from jaxmtp.worker.batch import Batch, row_owner
 from jaxmtp.worker.cache import KVCache
 from jaxmtp.worker.recurrent import RecurrentState, committed, write_tails
-
-# rows per chunk of the chunked form: each request's rows are cut from its own first row
-# (gated_delta._chunk_layout), so a request's chunks do not depend on the batch around it
-CHUNK = 64
-
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentRows:
@@ -76,10 +71,11 @@ def gated_rms_norm(o: jax.Array, z: jax.Array, weight: jax.Array, eps: float) ->
 
 
 def linear_attention(p: LinearAttentionParams, cfg: ModelConfig, h: jax.Array, where: RecurrentRows,
-                     conv_table: jax.Array, ssm_table: jax.Array, query_start: jax.Array
+                     conv_table: jax.Array, ssm_table: jax.Array, query_start: jax.Array, rule: DeltaRule
                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gated DeltaNet over normed rows h [T, H] (Qwen3NextGatedDeltaNet). Returns its
-    output [T, H] and the tables with each request's tail states written."""
+    """Gated DeltaNet over normed rows h [T, H] (Qwen3NextGatedDeltaNet), its recurrence
+    run by `rule`'s forms. Returns its output [T, H] and the tables with each request's
+    tail states written."""
     la, t = cfg.hybrid, h.shape[0]
     hk, r, dk, dv = la.linear_num_key_heads, la.value_heads_per_key, la.linear_key_head_dim, la.linear_value_head_dim
     hv, width, keep = la.linear_num_value_heads, la.conv_group_width, conv_table.shape[1]
@@ -99,12 +95,12 @@ def linear_attention(p: LinearAttentionParams, cfg: ModelConfig, h: jax.Array, w
     bulk = ~where.in_tail
     o, before_tail = gated_delta_chunked(
         q, k * bulk[:, None, None], v * bulk[:, None, None], g * bulk[:, None], beta * bulk[:, None],
-        committed(ssm_table), query_start, where.slots, where.fresh, CHUNK)
+        committed(ssm_table), query_start, where.slots, where.fresh, CHUNK, rule.across_chunks)
     src = where.tail_source
     num_requests = where.slots.shape[0]
     o_tail, ssm_tail = gated_delta_recurrent(
         q[src], k[src], v[src], g[src], beta[src], before_tail, where.tail_start, jnp.arange(num_requests),
-        jnp.zeros((num_requests,), bool), keep)
+        jnp.zeros((num_requests,), bool), keep, rule.over_rows)
     o = o.at[jnp.where(where.tail_valid, src, t)].set(o_tail, mode="drop")
     conv_tails = conv_tail(mixed, conv_state, query_start, where.slots, where.fresh, keep)
     conv_table = write_tails(conv_table, conv_tails, where.slots, where.has_rows)
@@ -132,7 +128,7 @@ def forward(params: Params, cfg: ModelConfig, batch: Batch, cache: KVCache, stat
             continue
         n = linear_layer
         out, conv[n], ssm[n] = linear_attention(layer.linear_attention, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps),
-                                                where, conv[n], ssm[n], batch.query_start)
+                                                where, conv[n], ssm[n], batch.query_start, ops.delta_rule)
         x = x + out
         x = x + feed_forward(layer, cfg, x, ops)
         linear_layer += 1

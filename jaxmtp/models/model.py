@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxmtp.models.attention import AttentionFn, attention_fn, resolve_backend
 from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.gated_delta import DeltaRule, delta_rule_fn
 from jaxmtp.models.layers import apply_rope, gated_mlp, rms_norm
 from jaxmtp.models.linear import linear
 from jaxmtp.models.mla import mla_attention, mla_attention_fn, resolve_mla_backend
@@ -24,11 +25,13 @@ from jaxmtp.worker.cache import KVCache
 @dataclasses.dataclass(frozen=True)
 class LayerOps:
     """What a decoder layer runs that depends on the backend and the mesh: attention
-    (GQA's, jaxmtp.models.attention, or MLA's, jaxmtp.models.mla) and the routed experts (jaxmtp.models.moe).
+    (GQA's, jaxmtp.models.attention, or MLA's, jaxmtp.models.mla), the routed experts (jaxmtp.models.moe)
+    and the hybrid models' linear-attention recurrence (jaxmtp.models.gated_delta).
     Without a mesh, experts run on one device."""
 
     attention: AttentionFn
     experts: ExpertsFn = experts_fn()
+    delta_rule: DeltaRule = DeltaRule()
 
 
 def check_backend(cfg: ModelConfig, backend: str) -> None:
@@ -38,16 +41,20 @@ def check_backend(cfg: ModelConfig, backend: str) -> None:
         resolve_backend(backend, cfg.head_dim)
     else:
         resolve_mla_backend(backend, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim)
+    if cfg.hybrid is not None:
+        delta_rule_fn(backend, cfg.hybrid)
 
 
 def layer_ops(cfg: ModelConfig, backend: str, mesh=None, decode_rows: int = 1) -> LayerOps:
     """The layers' attention (MLA: rows of sequences with at most decode_rows rows take
-    the absorbed form) and experts, run per device over mesh when one is given."""
+    the absorbed form), experts and linear-attention recurrence, run per device over
+    mesh when one is given."""
     if cfg.mla is None:
         attention = attention_fn(backend, cfg.head_dim, mesh)
     else:
         attention = mla_attention_fn(backend, decode_rows, mesh)
-    return LayerOps(attention, experts_fn(mesh))
+    delta_rule = DeltaRule() if cfg.hybrid is None else delta_rule_fn(backend, cfg.hybrid, mesh)
+    return LayerOps(attention, experts_fn(mesh), delta_rule)
 
 
 def gqa_attention(
