@@ -167,41 +167,9 @@ class Sweep:
 
     def time_all(self, programs: dict, x, weights) -> dict:
         """name -> (kernel microseconds per matmul, kernels per matmul, wall microseconds
-        per matmul) for each program, run `calls` times back to back; kernel times from
-        one profiler trace in which the variants are told apart by the idle gaps between
-        them."""
-        jax = self.jax
-        calls = 3 if self.tiny else 10
-        per_call = len(weights)
-        wall = {}
-        for name, program in programs.items():
-            best = float("inf")
-            for _ in range(3):
-                t = time.perf_counter()
-                for _ in range(calls):
-                    out = program(x, *weights)
-                jax.block_until_ready(out)
-                best = min(best, time.perf_counter() - t)
-            wall[name] = best / (calls * per_call) * 1e6
-        if self.tiny:  # no trace on the CPU: the wall time stands in, for the smoke test
-            return {name: (us, None, us) for name, us in wall.items()}
-        from profile_step import trace_events
-
-        def run_each():
-            for program in programs.values():
-                for _ in range(calls):
-                    out = program(x, *weights)
-                jax.block_until_ready(out)
-                time.sleep(4 * GAP_US / 1e6)
-            return out
-
-        groups = idle_separated(trace_events(run_each, 1))
-        if len(groups) != len(programs):
-            return {name: (None, None, us) for name, us in wall.items()} | {
-                "trace_error": f"{len(groups)} kernel groups for {len(programs)} variants"}
-        matmuls = calls * per_call
-        return {name: (sum(e["us"] for e in group) / matmuls, len(group) / matmuls, wall[name])
-                for name, group in zip(programs, groups)}
+        per matmul) for each program (device_times)."""
+        calls = {name: functools.partial(program, x, *weights) for name, program in programs.items()}
+        return device_times(calls, 3 if self.tiny else 10, len(weights), self.tiny)
 
     # ----- one shape -------------------------------------------------------------------
 
@@ -282,6 +250,45 @@ def fastest(rows: list[dict], count: int, config_class=None) -> list:
 
     timed = sorted((r for r in rows if r["config"] and r.get("ok") and r.get("us") is not None), key=lambda r: r["us"])
     return [(config_class or MatmulConfig)(**r["config"]) for r in timed[:count]]
+
+
+def device_times(calls: dict, repeats: int, per_call: int, tiny: bool) -> dict:
+    """name -> (kernel microseconds per unit, kernels per unit, wall microseconds per
+    unit) for each zero-argument call (a unit: one of the per_call it does), run
+    `repeats` times back to back; kernel times from one profiler trace in which the
+    variants are told apart by the idle gaps between them (tiny, on the CPU: no trace,
+    the wall time stands in, for the smoke tests)."""
+    import jax
+
+    wall = {}
+    for name, call in calls.items():
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(repeats):
+                out = call()
+            jax.block_until_ready(out)
+            best = min(best, time.perf_counter() - t)
+        wall[name] = best / (repeats * per_call) * 1e6
+    if tiny:
+        return {name: (us, None, us) for name, us in wall.items()}
+    from profile_step import trace_events
+
+    def run_each():
+        for call in calls.values():
+            for _ in range(repeats):
+                out = call()
+            jax.block_until_ready(out)
+            time.sleep(4 * GAP_US / 1e6)
+        return out
+
+    groups = idle_separated(trace_events(run_each, 1))
+    if len(groups) != len(calls):
+        return {name: (None, None, us) for name, us in wall.items()} | {
+            "trace_error": f"{len(groups)} kernel groups for {len(calls)} variants"}
+    units = repeats * per_call
+    return {name: (sum(e["us"] for e in group) / units, len(group) / units, wall[name])
+            for name, group in zip(calls, groups)}
 
 
 def idle_separated(events: list[dict]) -> list[list[dict]]:

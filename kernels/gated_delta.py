@@ -51,8 +51,8 @@ CHUNKS_CONFIG = DeltaKernelConfig(32, 4, 2)
 
 # gated_delta_paths.json, as benchmarks/gated_delta.py writes it: (form: 0 for "rows",
 # 1 for "chunks", Hv, dk, dv) -> {bucket: the kernel's tiling, where it beat XLA's
-# reference, or "xla"}; the bucket: requests (rows) or rows (chunks), rounded up to a
-# power of 2. Shapes and buckets it has not measured run XLA's reference.
+# reference, or "xla"}; the bucket: the batch's requests (rows) or chunks (chunks, as
+# gated_delta._chunk_layout counts them), rounded up to a power of 2. Shapes and buckets it has not measured run XLA's reference.
 FORMS = ("rows", "chunks")
 MEASURED_PATHS = read_tilings("gated_delta_paths.json", DeltaKernelConfig)
 

@@ -62,6 +62,27 @@ def test_grouped_sweep_checks_xla_and_the_tilings_and_writes_the_table(tmp_path)
     assert all(key.count(",") == 3 for key in table)
 
 
+def test_gated_delta_times_both_forms_and_writes_the_table_the_engine_reads(tmp_path):
+    """The gated delta benchmark on tiny heads (interpret mode): per case XLA's form and
+    the kernel's tilings, each checked against XLA's and timed, and a table in
+    kernels/gated_delta_paths.json's form whose buckets are those the engine looks up
+    (2 requests; 20 rows in 2 request slots: (20 + 2 x 15) // 16 = 3 chunks, bucket 4)."""
+    from jaxmtp.kernels.gated_delta import DeltaKernelConfig
+
+    run_script("gated_delta.py", "--tiny", "--batches", "2", "--rows", "2", "--prefill", "20", "--prefill-seqs", "2",
+               "--out", str(tmp_path))
+    cases = json.loads((tmp_path / "gated_delta.json").read_text())["cases"]["tiny"]
+    assert sorted(cases) == ["chunks B=2 rows=20", "rows B=2 rows=2"]
+    for case in cases.values():
+        assert case["variants"][0]["config"] is None and len(case["variants"]) > 1
+        assert all(v["ok"] and v["us"] > 0 for v in case["variants"])
+    table = json.loads((tmp_path / "gated_delta_paths.json").read_text())
+    assert sorted(k for k in table if not k.startswith("_")) == ["0,4,16,16", "1,4,16,16"]
+    assert list(table["0,4,16,16"]) == ["2"] and list(table["1,4,16,16"]) == ["4"]
+    for entry in (*table["0,4,16,16"].values(), *table["1,4,16,16"].values()):
+        assert entry == "xla" or DeltaKernelConfig(*entry)
+
+
 def test_grouped_sweep_of_fp8_experts_keys_its_table_by_the_scale_block(tmp_path):
     run_script("grouped_sweep.py", "--tiny", "--fp8", "--tokens", "1", "--kernels", "down", "--out", str(tmp_path))
     (case,) = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]

@@ -359,7 +359,7 @@ def delta_rule_fn(backend: str, cfg: HybridConfig, mesh=None) -> DeltaRule:
         return kernels.scan_rows_kernel(q, k, v, g, beta, state, query_start, slots, fresh, keep, config=tiling)
 
     def across_chunks(terms, chunk_start, state, slots, fresh):
-        tiling = kernels.measured_tiling("chunks", *state.shape[1:], terms.u.shape[0] * terms.u.shape[2])
+        tiling = kernels.measured_tiling("chunks", *state.shape[1:], terms.decay.shape[0])
         if tiling is None:
             return scan_chunks(terms, chunk_start, state, slots, fresh)
         return kernels.scan_chunks_kernel(terms, chunk_start, state, slots, fresh, config=tiling)
