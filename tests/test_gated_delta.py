@@ -21,6 +21,7 @@ a wrong gate is off by about M."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -32,6 +33,7 @@ import pytest
 from conftest import fresh_rng
 from tolerances import NONLINEAR_ROUNDING, SILU_SLOPE, assert_within, gamma
 
+from jaxmtp.kernels import gated_delta as kg
 from jaxmtp.models import gated_delta as gd
 from jaxmtp.worker.recurrent import RecurrentState, committed, write_tails
 from jaxmtp.worker.recurrent import commit as commit_versions
@@ -44,8 +46,13 @@ DELTA_STAGES = 8
 
 conv = jax.jit(gd.causal_conv1d)
 conv_tail = jax.jit(gd.conv_tail, static_argnames="keep")
-recurrent = jax.jit(gd.gated_delta_recurrent, static_argnames="keep")
-chunked = jax.jit(gd.gated_delta_chunked, static_argnames="chunk")
+recurrent = jax.jit(gd.gated_delta_recurrent, static_argnames=("keep", "over_rows"))
+chunked = jax.jit(gd.gated_delta_chunked, static_argnames=("chunk", "across_chunks"))
+# the Pallas kernels (kernels/gated_delta.py) in interpret mode, each head's state
+# columns split over two programs
+SPLIT_COLUMNS = kg.DeltaKernelConfig(block_dv=DV // 2, num_warps=4, num_stages=1)
+KERNELS = gd.DeltaRule(functools.partial(kg.scan_rows_kernel, interpret=True, config=SPLIT_COLUMNS),
+                       functools.partial(kg.scan_chunks_kernel, interpret=True, config=SPLIT_COLUMNS))
 
 
 
@@ -167,14 +174,15 @@ def delta_float64(q, k, v, g, beta, state, lay: Layout, chunk: int = 0):
     return out, out_bound, histories, np.array(state_bound)
 
 
-def run_delta(form: str, inputs, state, lay: Layout, keep: int = 1, chunk: int = CHUNK):
+def run_delta(form: str, inputs, state, lay: Layout, keep: int = 1, chunk: int = CHUNK,
+              rule: gd.DeltaRule = gd.DeltaRule()):
     """o and, per request, its state after its last row ([B, Hv, dk, dv]); with the
-    recurrent form also its tail."""
+    recurrent form also its tail. rule: the jnp forms, or KERNELS."""
     args = (*inputs, state, lay.query_start, lay.slots, lay.fresh)
     if form == "chunked":
-        o, final = chunked(*args, chunk=chunk)
+        o, final = chunked(*args, chunk=chunk, across_chunks=rule.across_chunks)
         return np.asarray(o), np.asarray(final), None
-    o, tail = recurrent(*args, keep=keep)
+    o, tail = recurrent(*args, keep=keep, over_rows=rule.over_rows)
     return np.asarray(o), np.asarray(tail[:, -1]), np.asarray(tail)
 
 
@@ -214,15 +222,19 @@ def test_conv_matches_float64():
     assert_others_unchanged(new_table, conv_table, lay, "conv_tail, write_tails and commit")
 
 
+@pytest.mark.parametrize("rule", [gd.DeltaRule(), KERNELS], ids=["jnp", "kernels"])
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
-def test_delta_rule_matches_float64(form):
+def test_delta_rule_matches_float64(form, rule):
+    """Ragged requests with padding requests and rows, fresh ones whose table rows hold
+    NaN, and tails longer than some requests (which then start with the starting state):
+    the jnp forms and the kernels (interpret mode)."""
     rng = fresh_rng()
     lay = layout(rng, RAGGED)
     _, state = tables(rng, lay)
     inputs = delta_inputs(rng, RAGGED_ROWS, lay.query_start[-1])
     want, out_bound, histories, state_bound = delta_float64(*inputs, state, lay, CHUNK if form == "chunked" else 0)
     keep = 4
-    o, final, tail = run_delta(form, inputs, state, lay, keep=keep)
+    o, final, tail = run_delta(form, inputs, state, lay, keep=keep, rule=rule)
     assert_close(o, want, out_bound, f"{form} outputs")
     # a request without rows: its starting state (bound 0)
     assert_close(final, np.stack([h[-1] for h in histories]), state_bound[:, None, None, None], f"{form} final states")

@@ -1,15 +1,11 @@
-"""Gated DeltaNet's Pallas kernels (kernels/gated_delta.py; interpret mode on the CPU)
-against the float64 NumPy evaluation of tests/test_gated_delta.py, with its derived
-bounds (the kernels compute the same float32 arithmetic in another order): ragged
-batches with padding requests and rows, fresh requests whose table rows hold NaN, tails
-shorter than keep, and state columns split over programs. Then their Triton lowering at
-Qwen3-Next's shapes (what interpret mode does not check), the backend's choice of the
-kernels or the jnp forms, and the hybrid layer running its recurrence through the chosen
-forms."""
+"""Gated DeltaNet's Pallas kernels (kernels/gated_delta.py) beyond their numbers (which
+tests/test_gated_delta.py checks against float64, in interpret mode, beside the jnp
+forms): their Triton lowering at Qwen3-Next's shapes (what interpret mode does not
+check), the backend's choice of the kernels or the jnp forms, and the hybrid layer
+running its recurrence through the chosen forms."""
 
 from __future__ import annotations
 
-import functools
 import types
 
 import jax
@@ -18,57 +14,11 @@ import numpy as np
 import pytest
 
 from conftest import fresh_rng
-from test_gated_delta import (
-    DV, NUM_SLOTS, RAGGED, RAGGED_ROWS, assert_close, commit, delta_float64, delta_inputs, layout, tables,
-)
+from test_gated_delta import KERNELS, NUM_SLOTS, SPLIT_COLUMNS
 
 from jaxmtp.kernels import gated_delta as kg
 from jaxmtp.models import gated_delta as gd
 from jaxmtp.models.config import HybridConfig
-
-SPLIT = kg.DeltaKernelConfig(block_dv=DV // 2, num_warps=4, num_stages=1)  # two programs per head
-KERNEL_CHUNK = 4  # chunks of 4 rows: requests of 1 to 17 rows take 1 to 5 chunks
-
-
-def kernel_forms(config: kg.DeltaKernelConfig | None) -> gd.DeltaRule:
-    return gd.DeltaRule(functools.partial(kg.scan_rows_kernel, interpret=True, config=config),
-                        functools.partial(kg.scan_chunks_kernel, interpret=True, config=config))
-
-
-@pytest.mark.parametrize("config", [SPLIT, None], ids=["split-columns", "default"])
-def test_recurrent_kernel_matches_float64(config):
-    rng = fresh_rng()
-    lay = layout(rng, RAGGED)
-    _, state = tables(rng, lay)
-    inputs = delta_inputs(rng, RAGGED_ROWS, lay.query_start[-1])
-    want, out_bound, histories, state_bound = delta_float64(*inputs, state, lay)
-    keep = 4  # requests of 1 and 3 rows: tails that start with their starting state
-    o, tail = gd.gated_delta_recurrent(*inputs, state, *lay, keep, kernel_forms(config).over_rows)
-    assert_close(o, want, out_bound, "outputs")  # zeros, exactly, on padding rows
-    for b in range(len(lay.slots)):
-        n = lay.lengths[b]
-        want_tail = histories[b][[max(n - keep + i + 1, 0) for i in range(keep)]]
-        assert_close(tail[b], want_tail, state_bound[b], f"tail of request {b}")
-    rejected = np.array([rng.integers(0, keep) for _ in lay.slots], np.int32)
-    new_state = commit(state, tail, lay.slots, rejected, lay.lengths > 0)
-    for b in np.flatnonzero(lay.lengths):
-        assert_close(new_state[lay.slots[b]], histories[b][max(lay.lengths[b] - rejected[b], 0)], state_bound[b],
-                     f"committed state of request {b}")
-
-
-@pytest.mark.parametrize("config", [SPLIT, None], ids=["split-columns", "default"])
-def test_chunk_scan_kernel_matches_float64(config):
-    """The chunked form with the kernel's scan over chunks: requests side by side, each
-    from its own first chunk; a padding request's final state is its starting one."""
-    rng = fresh_rng()
-    lay = layout(rng, RAGGED)
-    _, state = tables(rng, lay)
-    inputs = delta_inputs(rng, RAGGED_ROWS, lay.query_start[-1])
-    want, out_bound, histories, state_bound = delta_float64(*inputs, state, lay, KERNEL_CHUNK)
-    o, final = gd.gated_delta_chunked(*inputs, state, *lay, KERNEL_CHUNK, kernel_forms(config).across_chunks)
-    assert_close(o, want, out_bound, "outputs")
-    assert_close(final, np.stack([h[-1] for h in histories]), state_bound[:, None, None, None], "final states")
-
 
 def test_kernels_lower_to_triton_at_qwen3_next_shapes():
     """Both kernels through the Triton lowering, from the CPU: Qwen3-Next's linear heads
@@ -105,8 +55,8 @@ def test_the_backend_picks_the_forms(monkeypatch):
         gd.delta_rule_fn("triton", cfg)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
-    monkeypatch.setitem(kg.MEASURED_PATHS, (0, 4, 16, 32), {8: SPLIT, 16: "xla"})
-    assert kg.measured_tiling("rows", 4, 16, 32, 5) == SPLIT  # 5 requests: bucket 8
+    monkeypatch.setitem(kg.MEASURED_PATHS, (0, 4, 16, 32), {8: SPLIT_COLUMNS, 16: "xla"})
+    assert kg.measured_tiling("rows", 4, 16, 32, 5) == SPLIT_COLUMNS  # 5 requests: bucket 8
     assert kg.measured_tiling("rows", 4, 16, 32, 9) is None  # XLA's was faster
     assert kg.measured_tiling("rows", 4, 16, 32, 64) is None  # not measured
     assert kg.measured_tiling("chunks", 4, 16, 32, 5) is None
@@ -121,9 +71,9 @@ def test_the_backend_picks_the_forms(monkeypatch):
         starts = jnp.arange(requests + 1, dtype=jnp.int32)
         return rule.over_rows(*rows, *gates, state, starts, jnp.zeros(requests, jnp.int32), jnp.ones(requests, bool), 1)
 
-    assert run(5) == "kernel" and calls == [SPLIT]
+    assert run(5) == "kernel" and calls == [SPLIT_COLUMNS]
     o, tail = run(9)  # the jnp form
-    assert o.shape == (9, 4, 32) and tail.shape == (9, 1, 4, 16, 32) and calls == [SPLIT]
+    assert o.shape == (9, 4, 32) and tail.shape == (9, 1, 4, 16, 32) and calls == [SPLIT_COLUMNS]
 
 
 def test_the_hybrid_layer_runs_its_recurrence_through_the_chosen_forms():
@@ -154,7 +104,7 @@ def test_the_hybrid_layer_runs_its_recurrence_through_the_chosen_forms():
                                   recurrent_slot=jnp.asarray(slots, jnp.int32))
     conv = weight(4, keep, 3, hk * la.conv_group_width)
     ssm = weight(4, keep, hv, 16, 16)
-    kernels, seen = kernel_forms(None), {}
+    seen = {}
 
     def recorded(name, fn):
         def call(*args):
@@ -162,7 +112,7 @@ def test_the_hybrid_layer_runs_its_recurrence_through_the_chosen_forms():
             return seen[name][1]
         return call
 
-    rule = gd.DeltaRule(recorded("rows", kernels.over_rows), recorded("chunks", kernels.across_chunks))
+    rule = gd.DeltaRule(recorded("rows", KERNELS.over_rows), recorded("chunks", KERNELS.across_chunks))
     out, _, new_ssm = hybrid.linear_attention(p, cfg, weight(16, hidden), hybrid.recurrent_rows(batch, keep), conv,
                                               ssm, query_start, rule)
     assert np.isfinite(np.asarray(out)).all()
