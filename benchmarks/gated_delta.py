@@ -66,7 +66,7 @@ def tilings(form: str, dv: int, tiny: bool) -> list:
     from jaxmtp.kernels.gated_delta import DeltaKernelConfig
 
     if tiny:
-        return [DeltaKernelConfig(8, 4, 1), DeltaKernelConfig(16, 4, 1)]
+        return [DeltaKernelConfig(8, 4, 1)]
     if form == "rows":  # no matrix products: narrow column blocks, few warps
         grid = itertools.product((8, 16, 32, 64), (1, 2, 4, 8), (1,))
     else:
