@@ -302,12 +302,18 @@ def test_max_tokens_and_stop_tokens_inside_an_accepted_run(plain, rng):
 
 
 def test_head_accepts_often_on_held_out_text(plain, rng):
-    """The shipped head is good enough that a boundary error would show."""
-    prompts = sampled_prompts(plain, rng, [30, 40, 50, 60])
+    """The shipped head is good enough that a boundary error would show: over 8 sampled
+    prompts its greedy drafts are accepted more than 40% of the time. Per prompt the
+    rate was 0.40-0.90 (mean 0.72) on 240 prompts, except where greedy decoding falls
+    into a loop inside a word ("fancy fancy ...", 0.09): 2 of 408 prompts seen. The
+    pooled rate drops to 0.4 only when 4 or more of the 8 prompts loop: at a loop rate
+    of 2% (above the 0.5% seen) that is 70 * 0.02^4 ~ 1e-5 a run. A head that drafts
+    at random is accepted about 1/512 of the time."""
+    prompts = sampled_prompts(plain, rng, [30, 40, 50, 60] * 2)
     outs = make_llm(num_speculative_tokens=1).generate(prompts, SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)
     drafted = sum(o.spec_stats["drafted"] for o in outs)
     accepted = sum(o.spec_stats["accepted"] for o in outs)
-    assert accepted / drafted > 0.5
+    assert accepted / drafted > 0.4
 
 
 # ----- invariant 6: temperature > 0 ------------------------------------------------------
