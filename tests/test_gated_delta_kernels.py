@@ -19,6 +19,7 @@ from test_gated_delta import KERNELS, NUM_SLOTS, SPLIT_COLUMNS
 from jaxmtp.kernels import gated_delta as kg
 from jaxmtp.models import gated_delta as gd
 from jaxmtp.models.config import HybridConfig
+from jaxmtp.worker.sharding import make_mesh
 
 def test_kernels_lower_to_triton_at_qwen3_next_shapes():
     """Both kernels through the Triton lowering, from the CPU: Qwen3-Next's linear heads
@@ -40,13 +41,13 @@ def hybrid_config(dk: int, dv: int) -> HybridConfig:
 
 
 def test_the_backend_picks_the_forms(monkeypatch):
-    """reference, and auto off the GPU or under a mesh: the jnp forms; pallas_interpret:
-    the kernels; auto on a GPU: the kernel only at the shapes and sizes the measured table
+    """reference, and auto off the GPU: the jnp forms (under a mesh too: XLA partitions
+    them); pallas_interpret: the kernels; auto on a GPU: the kernel only at the shapes and sizes the measured table
     gives it, with its tiling; pallas refuses sizes the kernels cannot tile, by name."""
     cfg = hybrid_config(16, 32)
     assert gd.delta_rule_fn("reference", cfg) == gd.DeltaRule()
     assert gd.delta_rule_fn("auto", cfg) == gd.DeltaRule()  # on the CPU
-    assert gd.delta_rule_fn("pallas_interpret", cfg, mesh=object()) == gd.DeltaRule()
+    assert gd.delta_rule_fn("reference", cfg, mesh=make_mesh(1)) == gd.DeltaRule()
     assert gd.delta_rule_fn("pallas_interpret", cfg).over_rows.func is kg.scan_rows_kernel
     assert gd.delta_rule_fn("pallas_interpret", cfg).across_chunks.func is kg.scan_chunks_kernel
     with pytest.raises(ValueError, match="linear_key_head_dim and linear_value_head_dim powers of two >= 16, got 8 and 12"):
@@ -123,3 +124,38 @@ def test_the_hybrid_layer_runs_its_recurrence_through_the_chosen_forms():
     assert tail_keep == keep and np.asarray(tail_start).tolist() == [0, 3, 6] and rows[0].shape[0] == 2 * keep
     np.testing.assert_array_equal(start, seen["chunks"][1][1])
     np.testing.assert_array_equal(np.asarray(new_ssm)[slots], np.asarray(tail))
+
+
+def test_a_hybrid_engine_on_the_kernels_emits_the_reference_engines_tokens(tmp_path, rng):
+    """The whole engine with attention_backend pallas_interpret (the gated delta kernels
+    for every linear-attention layer's prefill bulk and its decode, verify and draft
+    rows, the GQA kernel for the full-attention ones, in interpret mode) against the jnp
+    reference: a tiny dense Qwen3.5 with its MTP layer (heads of 16, as the kernels
+    tile), k = 2, prompts in chunks of 5, a batch of a prefill and a decode. Greedy
+    tokens and per-position acceptance equal up to the first step whose top two tokens
+    the reference holds within NEAR_TIE of each other (two float32 evaluations may order
+    those either way); from there on nothing is compared."""
+    from jaxmtp import LLM, SamplingParams
+    from test_hybrid_engine import NEAR_TIE, long_memory
+    from test_hybrid_models import make_hybrid
+
+    seed = int(rng.integers(1 << 30))
+    folder, _ = make_hybrid(tmp_path / "qwen3_5", "qwen3_5", np.random.default_rng(seed), adjust=long_memory,
+                            head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
+    prompts = [rng.integers(3, 128, 13).tolist(), rng.integers(3, 128, 6).tolist()]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    runs = {}
+    for backend in ("reference", "pallas_interpret"):
+        llm = LLM(folder, attention_backend=backend, num_speculative_tokens=2, prefill_chunk_size=5, page_size=4,
+                  max_num_seqs=2, max_num_batched_tokens=16, max_model_len=40, dtype="float32")
+        assert llm.engine.runner.step_config.attention_backend == backend
+        runs[backend] = llm.generate(prompts, params, use_tqdm=False)
+    for ref, got in zip(runs["reference"], runs["pallas_interpret"]):
+        want, have = ref.outputs[0].token_ids, got.outputs[0].token_ids
+        same = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), len(want))
+        if same < len(want):
+            top_two = sorted((lp.logprob for lp in ref.outputs[0].logprobs[same].values()), reverse=True)[:2]
+            assert top_two[0] - top_two[1] < NEAR_TIE, f"seed={seed}: tokens part at {same} without a near-tie"
+    accepted = [o.spec_stats["accepted_per_position"] for o in runs["reference"]]
+    if all(r.outputs[0].token_ids == g.outputs[0].token_ids for r, g in zip(*runs.values())):
+        assert accepted == [o.spec_stats["accepted_per_position"] for o in runs["pallas_interpret"]], f"seed={seed}"

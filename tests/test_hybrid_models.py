@@ -153,31 +153,32 @@ VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hi
 FAMILIES = ("qwen3_next", "qwen3_5_moe", "qwen3_5")
 
 
-def tiny_model(family: str):
+def tiny_model(family: str, **fields):
     """Qwen3-Next as its release spells the pattern (full_attention_interval; 2 here);
     Qwen3.5-MoE as its release's class, the text model beside a vision tower; dense
-    Qwen3.5 as the text model alone, an explicit layer_types."""
+    Qwen3.5 as the text model alone, an explicit layer_types. fields: TEXT's to change."""
+    text = {**TEXT, **fields}
     if family == "qwen3_next":
-        config = transformers.Qwen3NextConfig(**TEXT, **EXPERTS, intermediate_size=48, full_attention_interval=2)
+        config = transformers.Qwen3NextConfig(**text, **EXPERTS, intermediate_size=48, full_attention_interval=2)
         return transformers.Qwen3NextForCausalLM(config)
     if family == "qwen3_5_moe":
-        config = transformers.Qwen3_5MoeConfig(text_config={**TEXT, **EXPERTS}, vision_config=VISION)
+        config = transformers.Qwen3_5MoeConfig(text_config={**text, **EXPERTS}, vision_config=VISION)
         return transformers.Qwen3_5MoeForConditionalGeneration(config)
     layer_types = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
-    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT, intermediate_size=48,
+    return transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text, intermediate_size=48,
                                                                          layer_types=layer_types))
 
 
-def make_hybrid(folder, family: str, rng, adjust=None):
+def make_hybrid(folder, family: str, rng, adjust=None, **fields):
     """A tiny random checkpoint of one family saved by transformers, every norm away from
     its initial value (so that a missed 1 + w shows), plus one MTP layer under mtp.*
     (vLLM's names): random fc and norms, and a full-attention layer. Qwen3.5-MoE's main
     layers get their experts fused into experts.gate_up_proj and experts.down_proj, as
     its release stores them (the MTP layer's stay one tensor per expert, as there).
     adjust(name, parameter), where given, may change each parameter in place before the
-    save. Returns the folder and the torch model."""
+    save. fields: TEXT's to change. Returns the folder and the torch model."""
     torch.manual_seed(int(rng.integers(1 << 30)))
-    model = tiny_model(family).eval()
+    model = tiny_model(family, **fields).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

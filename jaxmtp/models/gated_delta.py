@@ -26,6 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.models.config import HybridConfig, check_attention_backend
+from jaxmtp.worker.sharding import (
+    CHUNK_ATTN_AXES, CHUNK_KEY_AXES, CHUNK_VALUE_AXES, DELTA_GATE_AXES, DELTA_KEY_AXES, DELTA_STATE_AXES,
+    DELTA_TAIL_AXES, DELTA_VALUE_AXES, shard_per_device,
+)
 
 F32 = jnp.float32
 L2NORM_EPS = 1e-6  # transformers' l2norm (as the FLA library's)
@@ -334,11 +338,11 @@ def delta_rule_fn(backend: str, cfg: HybridConfig, mesh=None) -> DeltaRule:
     "pallas" / "pallas_interpret" the kernels (kernels/gated_delta.py); "auto": on one
     GPU, each call takes the kernel where benchmarks/gated_delta.py measured it faster
     than the jnp form (its table, per shape and size, read at trace time), the jnp form
-    elsewhere. Under a mesh the heads are split by XLA's partitioner, which runs the jnp
-    forms (a kernel has no partitioning rule)."""
+    elsewhere. With a mesh (the engine always has one) the kernels run per device on its
+    value heads (shard_over_value_heads); the jnp forms are left to XLA's partitioner."""
     check_attention_backend(backend)
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    if backend == "reference" or mesh is not None or (backend == "auto" and jax.default_backend() != "gpu"):
+    if backend == "reference" or (backend == "auto" and jax.default_backend() != "gpu"):
         return DeltaRule()
     from jaxmtp.kernels import gated_delta as kernels  # Pallas: imported only where used
 
@@ -349,8 +353,9 @@ def delta_rule_fn(backend: str, cfg: HybridConfig, mesh=None) -> DeltaRule:
                          f"powers of two >= 16, got {dk} and {dv}")
     if backend != "auto":
         interpret = backend == "pallas_interpret"
-        return DeltaRule(functools.partial(kernels.scan_rows_kernel, interpret=interpret),
+        rule = DeltaRule(functools.partial(kernels.scan_rows_kernel, interpret=interpret),
                          functools.partial(kernels.scan_chunks_kernel, interpret=interpret))
+        return rule if mesh is None else shard_over_value_heads(rule, mesh)
 
     def over_rows(q, k, v, g, beta, state, query_start, slots, fresh, keep):
         tiling = kernels.measured_tiling("rows", *state.shape[1:], slots.shape[0])
@@ -364,4 +369,24 @@ def delta_rule_fn(backend: str, cfg: HybridConfig, mesh=None) -> DeltaRule:
             return scan_chunks(terms, chunk_start, state, slots, fresh)
         return kernels.scan_chunks_kernel(terms, chunk_start, state, slots, fresh, config=tiling)
 
-    return DeltaRule(over_rows, across_chunks)
+    rule = DeltaRule(over_rows, across_chunks)
+    return rule if mesh is None else shard_over_value_heads(rule, mesh)
+
+
+def shard_over_value_heads(rule: DeltaRule, mesh) -> DeltaRule:
+    """The rule's forms run per device on its own value heads and their states (as the
+    recurrent tables split): a head's rows never read another's, so a kernel sees one
+    shard's arrays, exactly as on one device, and needs no collective. The size a
+    measured table is looked up with is then the device's (its heads)."""
+    rows = shard_per_device(
+        lambda *args, keep: rule.over_rows(*args, keep), mesh,
+        (DELTA_KEY_AXES, DELTA_KEY_AXES, DELTA_VALUE_AXES, DELTA_GATE_AXES, DELTA_GATE_AXES, DELTA_STATE_AXES, (), (), ()),
+        (DELTA_VALUE_AXES, DELTA_TAIL_AXES))
+    chunks = shard_per_device(
+        lambda *args: rule.across_chunks(ChunkTerms(*args[:6]), *args[6:]), mesh,
+        (CHUNK_VALUE_AXES, CHUNK_KEY_AXES, CHUNK_KEY_AXES, CHUNK_ATTN_AXES, CHUNK_KEY_AXES, DELTA_GATE_AXES, (),
+         DELTA_STATE_AXES, (), ()),
+        (CHUNK_VALUE_AXES, DELTA_STATE_AXES))
+    return DeltaRule(lambda q, k, v, g, beta, state, query_start, slots, fresh, keep:
+                     rows(q, k, v, g, beta, state, query_start, slots, fresh, keep=keep),
+                     lambda terms, *args: chunks(*terms, *args))

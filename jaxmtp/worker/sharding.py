@@ -122,6 +122,17 @@ CACHE_AXES = ("pages", "page_slots", "kv_heads", "head_dim")  # one layer's K or
 LATENT_CACHE_AXES = ("pages", "page_slots", "latent_heads", "latent")
 HIDDEN_PAGE_AXES = ("pages", "page_slots", "embed")  # one MTP module's output hidden states, paged
 QUERY_AXES = ("tokens", "heads", "head_dim")  # attention's q rows and its output
+# Gated DeltaNet's forms (jaxmtp.models.gated_delta): per value head, as the recurrent
+# tables split (jaxmtp.worker.recurrent.SSM_AXES)
+DELTA_KEY_AXES = ("tokens", "heads", "key_dim")  # q and k, spread over the value heads
+DELTA_VALUE_AXES = ("tokens", "heads", "value_dim")  # v, the outputs
+DELTA_GATE_AXES = ("tokens", "heads")  # g, beta
+DELTA_STATE_AXES = ("slots", "heads", "key_dim", "value_dim")
+DELTA_TAIL_AXES = ("slots", "versions", "heads", "key_dim", "value_dim")
+# the chunked form's terms ([chunks, Hv, C, ...]; gated_delta.ChunkTerms)
+CHUNK_VALUE_AXES = ("tokens", "heads", "tokens", "value_dim")  # u, the outputs
+CHUNK_KEY_AXES = ("tokens", "heads", "tokens", "key_dim")  # w, q_decayed, k_to_end
+CHUNK_ATTN_AXES = ("tokens", "heads", "tokens", "tokens")
 NEW_KV_AXES = ("tokens", "kv_heads", "head_dim")  # this step's K/V rows, before the write
 NEW_LATENT_AXES = ("tokens", "latent")  # this step's MLA latent or rope key rows, before the write
 MLA_UP_AXES = ("latent", "heads", "head_dim")  # kv_b_proj per head (W_UK, W_UV)
@@ -340,3 +351,4 @@ def shard_mla_over_heads(write_and_attend, mesh: Mesh):
         + ((),) * 4 + (MLA_UP_AXES, MLA_UP_AXES),
         (QUERY_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES),
     )
+
