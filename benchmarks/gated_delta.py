@@ -100,7 +100,7 @@ class Bench:
 
     # ----- inputs ---------------------------------------------------------------------
 
-    def inputs(self, shape, case: Case, chunk: int):
+    def inputs(self, shape, case: Case):
         """Random rule inputs for the case (q and k already normalised and spread over the
         value heads for the rows form, raw for the chunked one), the state table and a
         few slot assignments that together cover more states than the L2 cache holds."""
@@ -163,17 +163,16 @@ class Bench:
 
     def run(self, model: str, shape, case: Case, chunk: int) -> None:
         jax, jnp = self.jax, self.jnp
-        x, table, query_start, slot_sets, fresh = self.inputs(shape, case, chunk)
+        x, table, query_start, slot_sets, fresh = self.inputs(shape, case)
         floor = self.floor_us(shape, case, chunk)
         rows, calls = [], {}
-        reference = None
+        reference = scale = None  # XLA's outputs, the first program's
         for name, program in self.programs(case, chunk, tilings(case.form, shape[3], self.tiny)).items():
             row = {"config": None if name == "xla" else dataclasses.asdict(name)}
             try:
                 out = jax.block_until_ready(program(x, table, query_start, slot_sets[0], fresh))
                 if reference is None:
-                    reference = out
-                scale = max(float(jnp.abs(r).max()) for r in reference)
+                    reference, scale = out, max(float(jnp.abs(r).max()) for r in out)
                 row["rel_err"] = max(float(jnp.abs(o - r).max()) for o, r in zip(out, reference)) / scale
                 row["ok"] = bool(row["rel_err"] < 1e-4)
                 turn = itertools.cycle(slot_sets)
@@ -192,20 +191,17 @@ class Bench:
 
     def enter(self, shape, case: Case, chunk: int, rows: list[dict]) -> None:
         """The case's table entry, under the bucket the engine looks up (requests for the
-        rows form; the chunk count, as gated_delta._chunk_layout sizes it, for chunks)."""
+        rows form; the chunk count, as gated_delta.chunk_count sizes it, for chunks)."""
         from jaxmtp.kernels.gated_delta import FORMS
         from jaxmtp.kernels.tiling_table import row_bucket
+        from jaxmtp.models.gated_delta import chunk_count
 
         xla = rows[0].get("us")
         kernels = [r for r in rows if r["config"] and r.get("ok") and r.get("us") is not None]
         if xla is None:
             return
         best = min(kernels, key=lambda r: r["us"], default=None)
-        if case.form == "rows":
-            size = case.requests
-        else:
-            num_rows = case.rows
-            size = (num_rows + min(case.requests, num_rows) * (chunk - 1)) // chunk
+        size = case.requests if case.form == "rows" else chunk_count(case.rows, case.requests, chunk)
         key = ",".join(str(v) for v in (FORMS.index(case.form), *shape[1:]))
         won = best is not None and best["us"] * WIN < xla
         self.table.setdefault(key, {})[str(row_bucket(size))] = list(best["config"].values()) if won else "xla"

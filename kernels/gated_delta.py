@@ -5,12 +5,12 @@ chunked form's scan over chunks for prefill.
 Contracts: `scan_rows_kernel` is jaxmtp.models.gated_delta.scan_rows' (the recurrent
 form over inputs already normalised and spread over the value heads), `scan_chunks_kernel`
 that module's scan_chunks', the second phase of gated_delta_chunked (the first, every
-chunk's UT transform at once, is batched matrix products that XLA runs well). The references run the whole batch as one scan over rows
-or chunks; here one program takes one request, one value head and `block_dv` columns of
-its [dk, dv] state (the columns never mix: every update of S is a product with S on the
-right), keeps that block of the state in registers through the request's rows or
-chunks, and writes only what the contract returns. Requests, heads and column blocks
-run side by side.
+chunk's UT transform at once, is batched matrix products that XLA runs well). The
+references run the whole batch as one scan over rows or chunks; here one program takes
+one request, one value head and `block_dv` columns of its [dk, dv] state (the columns
+never mix: every update of S is a product with S on the right), keeps that block of the
+state in registers through the request's rows or chunks, and writes only what the
+contract returns. Requests, heads and column blocks run side by side.
 
 The state is float32 throughout, products at full float32 precision (no TF32), as the
 references. Every memory access is an explicit gather (index vectors), so the same
@@ -52,7 +52,8 @@ CHUNKS_CONFIG = DeltaKernelConfig(32, 4, 2)
 # gated_delta_paths.json, as benchmarks/gated_delta.py writes it: (form: 0 for "rows",
 # 1 for "chunks", Hv, dk, dv) -> {bucket: the kernel's tiling, where it beat XLA's
 # reference, or "xla"}; the bucket: the batch's requests (rows) or chunks (chunks, as
-# gated_delta._chunk_layout counts them), rounded up to a power of 2. Shapes and buckets it has not measured run XLA's reference.
+# jaxmtp.models.gated_delta.chunk_count counts them), rounded up to a power of 2.
+# Shapes and buckets it has not measured run XLA's reference.
 FORMS = ("rows", "chunks")
 MEASURED_PATHS = read_tilings("gated_delta_paths.json", DeltaKernelConfig)
 
@@ -69,9 +70,13 @@ def measured_tiling(form: str, num_heads: int, dk: int, dv: int, size: int) -> D
     return None if tiling is None or tiling == "xla" else tiling
 
 
-def _check_offsets(*arrays: jax.Array) -> None:
+def _check_shapes(dv: int, block_dv: int, *arrays: jax.Array) -> None:
+    """Column blocks must tile dv (the grid has dv // block_dv of them), and the kernels'
+    element offsets are int32."""
+    if dv % block_dv:
+        raise ValueError(f"the gated delta kernels' block_dv {block_dv} does not divide linear_value_head_dim {dv}")
     for a in arrays:
-        if a.size > 2**31 - 1:  # the kernels' element offsets are int32
+        if a.size > 2**31 - 1:
             raise ValueError(f"the gated delta kernels index in int32: an operand of {a.size} values is too large")
 
 
@@ -125,7 +130,7 @@ def scan_rows_kernel(q, k, v, g, beta, state, query_start, slots, fresh, keep: i
     dk, num_requests = q.shape[-1], slots.shape[0]
     config = config or ROWS_CONFIG
     block_dv = min(config.block_dv, dv)
-    _check_offsets(state, q)
+    _check_shapes(dv, block_dv, state, q)
     tail_rows = num_requests * keep * num_heads * dk
     o, tail = pl.pallas_call(
         functools.partial(_recurrent_kernel, num_heads=num_heads, keep=keep, block_dv=block_dv),
@@ -179,7 +184,7 @@ def scan_chunks_kernel(terms, chunk_start, state, slots, fresh, *, interpret: bo
     dk, num_requests = w.shape[-1], slots.shape[0]
     config = config or CHUNKS_CONFIG
     block_dv = min(config.block_dv, dv)
-    _check_offsets(state, attn)
+    _check_shapes(dv, block_dv, state, attn)
     rows = num_chunks * num_heads * chunk
     o, final = pl.pallas_call(
         functools.partial(_chunks_kernel, num_heads=num_heads, block_dv=block_dv),

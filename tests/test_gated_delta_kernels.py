@@ -21,6 +21,7 @@ from jaxmtp.models import gated_delta as gd
 from jaxmtp.models.config import HybridConfig
 from jaxmtp.worker.sharding import make_mesh
 
+
 def test_kernels_lower_to_triton_at_qwen3_next_shapes():
     """Both kernels through the Triton lowering, from the CPU: Qwen3-Next's linear heads
     (16 key heads of 128, 32 value heads of 128), bfloat16 rows, a verify batch of 8
@@ -30,10 +31,20 @@ def test_kernels_lower_to_triton_at_qwen3_next_shapes():
     args = (shape((rows, hk, d), jnp.bfloat16), shape((rows, hk, d), jnp.bfloat16), shape((rows, hv, d), jnp.bfloat16),
             shape((rows, hv), jnp.float32), shape((rows, hv), jnp.float32), shape((NUM_SLOTS, hv, d, d), jnp.float32),
             shape((requests + 1,), jnp.int32), shape((requests,), jnp.int32), shape((requests,), bool))
-    for name, fn in [("gated_delta_recurrent", lambda *a: gd.gated_delta_recurrent(*a, 4, kg.scan_rows_kernel)),
-                     ("gated_delta_scan_chunks", lambda *a: gd.gated_delta_chunked(*a, gd.CHUNK, kg.scan_chunks_kernel))]:
+    forms = [("gated_delta_recurrent", lambda *a: gd.gated_delta_recurrent(*a, 4, kg.scan_rows_kernel)),
+             ("gated_delta_scan_chunks", lambda *a: gd.gated_delta_chunked(*a, gd.CHUNK, kg.scan_chunks_kernel))]
+    for name, fn in forms:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "triton" in text and name in text, name
+
+
+def test_a_tiling_whose_column_blocks_do_not_tile_the_state_is_refused():
+    """block_dv must divide dv: the grid has dv // block_dv blocks, so the columns past
+    them would be left unwritten."""
+    q, v, gate = jnp.zeros((2, 4, 16)), jnp.zeros((2, 4, 24)), jnp.zeros((2, 4))
+    state, query_start, slots = jnp.zeros((3, 4, 16, 24)), jnp.array([0, 2], jnp.int32), jnp.zeros(1, jnp.int32)
+    with pytest.raises(ValueError, match="block_dv 16 does not divide linear_value_head_dim 24"):
+        kg.scan_rows_kernel(q, q, v, gate, gate, state, query_start, slots, jnp.ones(1, bool), 1, interpret=True)
 
 
 def hybrid_config(dk: int, dv: int) -> HybridConfig:
@@ -42,16 +53,19 @@ def hybrid_config(dk: int, dv: int) -> HybridConfig:
 
 def test_the_backend_picks_the_forms(monkeypatch):
     """reference, and auto off the GPU: the jnp forms (under a mesh too: XLA partitions
-    them); pallas_interpret: the kernels; auto on a GPU: the kernel only at the shapes and sizes the measured table
-    gives it, with its tiling; pallas refuses sizes the kernels cannot tile, by name."""
+    them); pallas_interpret: the kernels; auto on a GPU: the kernel only at the shapes and
+    sizes the measured table gives it, with its tiling; pallas and pallas_interpret refuse
+    sizes the kernels cannot tile, by name."""
     cfg = hybrid_config(16, 32)
     assert gd.delta_rule_fn("reference", cfg) == gd.DeltaRule()
     assert gd.delta_rule_fn("auto", cfg) == gd.DeltaRule()  # on the CPU
     assert gd.delta_rule_fn("reference", cfg, mesh=make_mesh(1)) == gd.DeltaRule()
     assert gd.delta_rule_fn("pallas_interpret", cfg).over_rows.func is kg.scan_rows_kernel
     assert gd.delta_rule_fn("pallas_interpret", cfg).across_chunks.func is kg.scan_chunks_kernel
-    with pytest.raises(ValueError, match="linear_key_head_dim and linear_value_head_dim powers of two >= 16, got 8 and 12"):
-        gd.delta_rule_fn("pallas", hybrid_config(8, 12))
+    refusal = "linear_key_head_dim and linear_value_head_dim powers of two >= 16, got 8 and 12"
+    for backend in ("pallas", "pallas_interpret"):
+        with pytest.raises(ValueError, match=refusal):
+            gd.delta_rule_fn(backend, hybrid_config(8, 12))
     with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
         gd.delta_rule_fn("triton", cfg)
 
@@ -96,7 +110,8 @@ def test_the_hybrid_layer_runs_its_recurrence_through_the_chosen_forms():
         return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
 
     p = LinearAttentionParams(
-        in_proj_qkvz=weight(hidden, hk, la.qkvz_group_width, scale=0.3), in_proj_ba=weight(hidden, hk, 2 * r, scale=0.3),
+        in_proj_qkvz=weight(hidden, hk, la.qkvz_group_width, scale=0.3),
+        in_proj_ba=weight(hidden, hk, 2 * r, scale=0.3),
         conv1d=weight(hk, la.conv_group_width, 4, scale=0.5), a_log=jnp.log(jnp.asarray(rng.uniform(0.02, 0.1, hv))),
         dt_bias=jnp.zeros(hv), norm=weight(16), out_proj=weight(hv * 16, hidden, scale=0.2))
     query_start = jnp.array([0, 9, 12], jnp.int32)

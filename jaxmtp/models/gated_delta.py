@@ -190,6 +190,12 @@ def gated_delta_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array
     return over_rows(*prepare_inputs(q, k, v, g, beta), state, query_start, slots, fresh, keep)
 
 
+def chunk_count(num_rows: int, num_requests: int, chunk: int) -> int:
+    """The most chunks of `chunk` rows that num_requests requests of num_rows rows in all
+    can need, each request cut from its own first row (static: the chunked form's size)."""
+    return (num_rows + min(num_requests, num_rows) * (chunk - 1)) // chunk
+
+
 def _chunk_layout(query_start: jax.Array, num_rows: int, chunk: int):
     """Each request's rows cut into chunks of `chunk` from its own first row (its last
     chunk padded), all requests' chunks back to back. Returns: num_chunks (static, the
@@ -197,8 +203,7 @@ def _chunk_layout(query_start: jax.Array, num_rows: int, chunk: int):
     [num_chunks * chunk] layout (padding rows: past it) and chunk_start [B + 1]: request
     b owns chunks chunk_start[b]:chunk_start[b+1] (the chunks past chunk_start[B] hold
     no rows)."""
-    num_requests = query_start.shape[0] - 1
-    num_chunks = (num_rows + min(num_requests, num_rows) * (chunk - 1)) // chunk
+    num_chunks = chunk_count(num_rows, query_start.shape[0] - 1, chunk)
     per_request = (query_start[1:] - query_start[:-1] + chunk - 1) // chunk
     chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_request).astype(jnp.int32)])
     rows = jnp.arange(num_rows)
@@ -380,7 +385,8 @@ def shard_over_value_heads(rule: DeltaRule, mesh) -> DeltaRule:
     measured table is looked up with is then the device's (its heads)."""
     rows = shard_per_device(
         lambda *args, keep: rule.over_rows(*args, keep), mesh,
-        (DELTA_KEY_AXES, DELTA_KEY_AXES, DELTA_VALUE_AXES, DELTA_GATE_AXES, DELTA_GATE_AXES, DELTA_STATE_AXES, (), (), ()),
+        (DELTA_KEY_AXES, DELTA_KEY_AXES, DELTA_VALUE_AXES, DELTA_GATE_AXES, DELTA_GATE_AXES, DELTA_STATE_AXES,
+         (), (), ()),
         (DELTA_VALUE_AXES, DELTA_TAIL_AXES))
     chunks = shard_per_device(
         lambda *args: rule.across_chunks(ChunkTerms(*args[:6]), *args[6:]), mesh,

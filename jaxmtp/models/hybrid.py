@@ -31,6 +31,7 @@ from jaxmtp.worker.batch import Batch, row_owner
 from jaxmtp.worker.cache import KVCache
 from jaxmtp.worker.recurrent import RecurrentState, committed, write_tails
 
+
 @dataclasses.dataclass(frozen=True)
 class RecurrentRows:
     """Where each request's recurrent state comes from, and its rows' split between the
@@ -127,8 +128,9 @@ def forward(params: Params, cfg: ModelConfig, batch: Batch, cache: KVCache, stat
             kv_layer += 1
             continue
         n = linear_layer
-        out, conv[n], ssm[n] = linear_attention(layer.linear_attention, cfg, rms_norm(x, layer.input_norm, cfg.rms_norm_eps),
-                                                where, conv[n], ssm[n], batch.query_start, ops.delta_rule)
+        h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        out, conv[n], ssm[n] = linear_attention(layer.linear_attention, cfg, h, where, conv[n], ssm[n],
+                                                batch.query_start, ops.delta_rule)
         x = x + out
         x = x + feed_forward(layer, cfg, x, ops)
         linear_layer += 1

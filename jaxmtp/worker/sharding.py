@@ -351,4 +351,3 @@ def shard_mla_over_heads(write_and_attend, mesh: Mesh):
         + ((),) * 4 + (MLA_UP_AXES, MLA_UP_AXES),
         (QUERY_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES),
     )
-
