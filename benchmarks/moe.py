@@ -1,4 +1,4 @@
-"""MoE and MLA on one NVIDIA H200: the grouped-matmul and MLA decode kernels alone, and a
+"""MoE and MLA on one NVIDIA H200: the grouped-matmul and MLA attention kernels alone, and a
 Moonlight-16B-A3B-shaped DeepSeek-V3 model end to end, against floors measured in the
 same run (device copy bandwidth, bf16 matmul rate) and against torch on the same GPU.
 
@@ -10,8 +10,9 @@ same run (device copy bandwidth, bf16 matmul rate) and against torch on the same
 Parts, in this order: checks (the compiled kernels against their references on the
 GPU), experts (the routed-expert layer at 1..8192 tokens and its gate/up projection
 alone: ours, XLA's ragged_dot, JAX's Mosaic GPU ragged dot, torch._grouped_mm), mla
-(absorbed decode and verify over the latent cache, batch 1/32/128 at context 1k/4k/16k,
-against F.scaled_dot_product_attention over expanded K/V), e2e (per --models, the
+(the absorbed kernel over the latent cache: decode and verify at batch 1/32/128 and
+context 1k/4k/16k, and an 8k prompt's first and last 2048-row prefill chunks, against
+F.scaled_dot_product_attention over expanded K/V), e2e (per --models, the
 Moonlight-shaped model and a GLM-4.5-Air-FP8-shaped one, from their config.json, with
 dummy weights: batch-1 and batch-32 decode against their bytes floors, MTP k=1 with
 oracle drafts). Each timed program runs its kernel on several input sets (the weights
@@ -86,6 +87,7 @@ class Shapes:
     rope: int = 64
     mla_batches: tuple = (1, 32, 128)
     mla_contexts: tuple = (1024, 4096, 16384)
+    mla_prefill: tuple = ((2048, 2048), (2048, 8192))  # (chunk rows, context): an 8k prompt's first and last chunks
     page_size: int = 16
     prompt: int = 512
     new_tokens: int = 64
@@ -95,12 +97,13 @@ class Shapes:
 
 
 TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(8,), heads=4, rank=32,
-              rope=16, mla_batches=(2,), mla_contexts=(40,), page_size=8, prompt=24, new_tokens=8, batch=3,
-              batch_prompt=16, batch_new_tokens=6)
+              rope=16, mla_batches=(2,), mla_contexts=(40,), mla_prefill=((12, 40),), page_size=8, prompt=24,
+              new_tokens=8, batch=3, batch_prompt=16, batch_new_tokens=6)
 
 PEER_SCRIPT = r"""
 import json, sys, time, torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 spec = json.loads(sys.argv[1]); out = {}
 def timed(fn, reps=20):
     for _ in range(3): fn()
@@ -143,12 +146,13 @@ for t in spec["expert_tokens"] + [-t for t in spec["gate_up_tokens"]]:
     print(t, out.get(f"layer_{n}") if t > 0 else out.get(f"gate_up_{n}"), flush=True)
 del gate_up, down
 Hq, Dn, Dr, Dv = spec["heads"], 128, spec["rope"], 128
-for b, ctx, rows in spec["mla"]:
+for b, ctx, rows, prefill in spec["mla"]:
     try:
         q = torch.randn(b, Hq, rows, Dn + Dr, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, Hq, ctx, Dn + Dr, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, Hq, ctx, Dv, device="cuda", dtype=torch.bfloat16)
-        out[f"mla_{b}_{ctx}_{rows}"] = timed(lambda: F.scaled_dot_product_attention(q, k, v), reps=10)
+        mask = causal_lower_right(rows, ctx) if prefill else None  # a prefill chunk ends the context
+        out[f"mla_{b}_{ctx}_{rows}"] = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), reps=10)
         del q, k, v
     except Exception as e:
         out[f"mla_{b}_{ctx}_{rows}"] = repr(e)[:300]
@@ -225,12 +229,13 @@ def relative_error(out, ref):
 def part_checks(run: Run):
     """The compiled kernels against their references on random bf16 inputs: ragged,
     empty experts, one expert taking every row, padding rows; MLA decode and verify over
-    shuffled pages with a prefill sequence in the batch (whose rows must come out 0)."""
+    shuffled pages with a prefill sequence in the batch (whose rows must come out 0), and
+    a prefill chunk beside decode rows (which must come out 0)."""
     import jax.numpy as jnp
     import numpy as np
 
     from jaxmtp.kernels import grouped_matmul as gm
-    from jaxmtp.kernels.mla_decode import mla_decode_attention
+    from jaxmtp.kernels.mla_attention import mla_absorbed_attention
     from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 
     rng, s, interpret = np.random.default_rng(1), run.shapes, run.args.tiny
@@ -263,13 +268,25 @@ def part_checks(run: Run):
         case = mla_inputs(rng, s, [rows_per_seq] * 5 + [7], [300, 17, 1000, 64, 1, 500], reps=1)
         args = (case["q_latent"][0], case["q_rope"][0], case["latent"], case["rope"], case["kv_lens"],
                 case["tables"][0], case["query_start"])
-        out = np.asarray(mla_decode_attention(*args, sm_scale=0.1, decode_rows=rows_per_seq, interpret=interpret),
+        out = np.asarray(mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=rows_per_seq, interpret=interpret),
                          np.float32)
         ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.1), np.float32)
         decode = 5 * rows_per_seq
         checks.append({"kernel": "mla decode", "case": f"{rows_per_seq} rows/seq + a 7-row prefill",
                        "rel_err": relative_error(out[:decode], ref[:decode]),
                        "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((out[decode:] == 0).all())})
+    chunk, context = (s.mla_prefill[0][0] // 4, s.mla_prefill[0][1] // 2) if not run.args.tiny else s.mla_prefill[0]
+    case = mla_inputs(rng, s, [1, chunk, 2, 1], [300, context, 64, 1], reps=1)
+    args = (case["q_latent"][0], case["q_rope"][0], case["latent"], case["rope"], case["kv_lens"],
+            case["tables"][0], case["query_start"])
+    out = np.asarray(mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=2, prefill=True, interpret=interpret),
+                     np.float32)
+    ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.1), np.float32)
+    rows = slice(1, 1 + chunk)
+    others = np.delete(out, np.arange(1, 1 + chunk), axis=0)
+    checks.append({"kernel": "mla prefill", "case": f"a {chunk}-row chunk at context {context} beside decode rows",
+                   "rel_err": relative_error(out[rows], ref[rows]), "finite": bool(np.isfinite(out).all()),
+                   "padding_rows_zero": bool((others == 0).all())})
     x, routing, _ = expert_inputs(rng, s, 300 if not run.args.tiny else 9, 1)
     from jaxmtp.models.moe import Routing, routed_experts
 
@@ -287,7 +304,7 @@ def part_checks(run: Run):
 
 def engine_check(run: Run):
     """A small DeepSeek-V3 engine (MLA, experts, one MTP layer, k=1), greedy, bf16, with
-    the MLA decode kernel and with the jnp reference (the MoE kernel in both, on the
+    the MLA kernel (decode and prefill rows) and with the jnp reference (the MoE kernel in both, on the
     GPU): tokens up to the first difference, and the logprobs of the shared prefix."""
     import numpy as np
 
@@ -485,7 +502,7 @@ def sweep_tiling(run: Run, tokens, x, routing, gate_up, down):
         print("sweep", name, tokens, times, flush=True)
 
 
-# ----- MLA decode ------------------------------------------------------------------------
+# ----- MLA attention ---------------------------------------------------------------------
 
 
 def mla_inputs(rng, s: Shapes, rows_per_seq, kv_lens, reps):
@@ -518,58 +535,91 @@ def mla_inputs(rng, s: Shapes, rows_per_seq, kv_lens, reps):
 
 
 MLA_SWEEP = [(16, 32, None, 4, 3), (16, 64, None, 8, 2), (16, 64, "half", 4, 2), (16, 64, "double", 4, 2)]
+# prefill tilings (block_q, block_h, block_kv, num_warps, num_stages), beside default_config's
+MLA_PREFILL_SWEEP = [(4, 16, 32, 8, 2), (1, 16, 64, 4, 3), (2, 16, 32, 4, 3), (4, 8, 64, 4, 2), (8, 8, 32, 8, 2)]
 
 
-def time_mla(run: Run, case, rows_per_seq, config=None):
-    from jaxmtp.kernels.mla_decode import mla_decode_attention
+def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None):
+    from jaxmtp.kernels.mla_attention import mla_absorbed_attention
 
     def call(latent, rope, kv_lens, query_start, q_latent, q_rope, table):
-        return mla_decode_attention(q_latent, q_rope, latent, rope, kv_lens, table, query_start, sm_scale=0.1,
-                                    decode_rows=rows_per_seq, interpret=run.args.tiny, config=config)
+        return mla_absorbed_attention(q_latent, q_rope, latent, rope, kv_lens, table, query_start, sm_scale=0.1,
+                                      decode_rows=1 if prefill else rows_per_seq, prefill=prefill,
+                                      interpret=run.args.tiny, config=config)
 
     shared = (case["latent"], case["rope"], case["kv_lens"], case["query_start"])
     return programs_over(call, shared, list(zip(case["q_latent"], case["q_rope"], case["tables"])))
 
 
+def mla_sweep_configs(base, prefill: bool):
+    """The tilings a sweep times beside the default one."""
+    from jaxmtp.kernels.mla_attention import MLAKernelConfig
+
+    if prefill:
+        return [MLAKernelConfig(q, h, kv, base.num_splits, w, st) for q, h, kv, w, st in MLA_PREFILL_SWEEP]
+    return [MLAKernelConfig(base.block_q, block_h, block_kv,
+                            {None: base.num_splits, "half": max(1, base.num_splits // 2),
+                             "double": 2 * base.num_splits}[splits], warps, stages)
+            for block_h, block_kv, splits, warps, stages in MLA_SWEEP]
+
+
+def prefill_flops(s: Shapes, chunk: int, context: int) -> tuple[float, float]:
+    """A prefill chunk's attention FLOPs (its rows see context - chunk cached tokens and
+    their own causal run): in the absorbed form the kernel computes (R + Dr scores, R
+    values a head), and in the expanded form (128 + Dr, 128: Moonlight's qk_nope and v
+    head dims), the least any form needs."""
+    seen = chunk * (context - chunk) + chunk * (chunk + 1) / 2
+    return (2 * seen * s.heads * (2 * s.rank + s.rope), 2 * seen * s.heads * (128 + s.rope + 128))
+
+
 def part_mla(run: Run, cases):
     import numpy as np
 
-    from jaxmtp.kernels.mla_decode import MLAKernelConfig, default_config
+    from jaxmtp.kernels.mla_attention import default_config
 
     s, rng, peer = run.shapes, np.random.default_rng(4), run.results["peer"]
-    for batch, context, rows in cases:
+    for batch, context, rows, prefill in cases:
         if run.budget_left() < 45:
-            run.results.setdefault("skipped_over_budget", []).append(f"mla {batch}x{context}")
+            run.results.setdefault("skipped_over_budget", []).append(f"mla {batch}x{context}x{rows}")
             continue
-        reps = int(np.clip(5e8 // (batch * context * (s.rank + s.rope) * 2), 2, 6))
+        reps = 2 if prefill else int(np.clip(5e8 // (batch * context * (s.rank + s.rope) * 2), 2, 6))
         case = mla_inputs(rng, s, [rows] * batch, [context] * batch, reps)
-        seconds = time_mla(run, case, rows)
-        kind = "decode" if rows == 1 else f"verify k+1={rows}"
-        target = ">= 75% of copy" if batch >= 32 and context == 4096 else ""
+        seconds = time_mla(run, case, rows, prefill)
         p = peer.get(f"mla_{batch}_{context}_{rows}")
-        run.row("mla", f"MLA {kind}, batch {batch}, context {context}", seconds, run.bytes_s(case["bytes"]), p,
-                target, note=f"{case['bytes'] / seconds / 1e9:.0f} GB/s over the latent cache; torch SDPA over "
-                             f"expanded K/V {fmt_peer(p)}")
-        if run.args.sweep and rows == 1 and (context == 4096 and batch > 1 or (batch == 1 and context > 4096)):
-            base = default_config(batch, s.heads, rows, context)
+        if prefill:
+            absorbed, expanded = prefill_flops(s, rows, context)
+            run.row("mla", f"MLA prefill, a {rows}-row chunk at context {context}", seconds, run.flops_s(expanded), p,
+                    ">= 50% of the matmul rate" if context == 8192 else "",
+                    note=f"{absorbed / seconds / 1e12:.0f} TFLOP/s in the absorbed form (floor: the expanded "
+                         f"form's FLOPs); torch SDPA over expanded K/V {fmt_peer(p)}")
+        else:
+            kind = "decode" if rows == 1 else f"verify k+1={rows}"
+            target = ">= 75% of copy" if batch >= 32 and context == 4096 else ""
+            run.row("mla", f"MLA {kind}, batch {batch}, context {context}", seconds, run.bytes_s(case["bytes"]), p,
+                    target, note=f"{case['bytes'] / seconds / 1e9:.0f} GB/s over the latent cache; torch SDPA over "
+                                 f"expanded K/V {fmt_peer(p)}")
+        swept = prefill and context == max(c for _, c in s.mla_prefill) or rows == 1 and (
+            context == 4096 and batch > 1 or (batch == 1 and context > 4096))
+        if run.args.sweep and swept:
+            base = default_config(batch * rows, batch, s.heads, 1 if prefill else rows, context, prefill)
             times = {str(dataclasses.astuple(base)): seconds * 1e6}
-            for block_h, block_kv, splits, warps, stages in MLA_SWEEP:
-                n = {None: base.num_splits, "half": max(1, base.num_splits // 2), "double": 2 * base.num_splits}[splits]
-                config = MLAKernelConfig(block_h, block_kv, n, warps, stages)
+            for config in mla_sweep_configs(base, prefill):
                 try:
-                    times[str(dataclasses.astuple(config))] = time_mla(run, case, rows, config) * 1e6
+                    times[str(dataclasses.astuple(config))] = time_mla(run, case, rows, prefill, config) * 1e6
                 except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
                     times[str(dataclasses.astuple(config))] = repr(e)[:120]
-            run.results["sweep"].append({"kernel": "mla", "batch": batch, "context": context, "rows": rows,
-                                         "us": times})
+            run.results["sweep"].append({"kernel": "mla prefill" if prefill else "mla", "batch": batch,
+                                         "context": context, "rows": rows, "us": times})
             print("sweep mla", batch, context, rows, times, flush=True)
         del case
         gc.collect()
 
 
 def mla_cases(s: Shapes):
-    cases = [(b, c, 1) for b in s.mla_batches for c in s.mla_contexts]
-    return cases + [(s.mla_batches[min(1, len(s.mla_batches) - 1)], s.mla_contexts[0], 2)]
+    """(batch, context, rows a sequence, prefill) for the kernel and its torch peer."""
+    cases = [(b, c, 1, False) for b in s.mla_batches for c in s.mla_contexts]
+    cases.append((s.mla_batches[min(1, len(s.mla_batches) - 1)], s.mla_contexts[0], 2, False))
+    return cases + [(1, context, chunk, True) for chunk, context in s.mla_prefill]
 
 
 # ----- end to end ------------------------------------------------------------------------

@@ -1,6 +1,5 @@
 """Plain-jnp multi-head latent attention over a paged latent cache: the references, and
-the engine's path for the expanded form, and for the absorbed form off GPUs (on GPUs it
-is kernels/mla_decode.py).
+the engine's path off GPUs (on GPUs both kinds of rows run kernels/mla_attention.py).
 
 Layout (jaxmtp/worker/cache.py, MLA):
   latent_pages  [num_pages, page_size, 1, R]   the compressed latent c (after its norm)

@@ -144,26 +144,9 @@ def _kernel(
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
     dim = jnp.arange(head_dim, dtype=jnp.int32)
 
-    # Which q block is this? Sequence s has cdiv(rows_s, block_q) blocks, in order;
-    # programs take them last first, so the blocks that see the most cache start
-    # early. Blocks past the last one needed get no rows and do nothing.
-    block = num_blocks - 1 - program
-    seq_ids = jnp.arange(_next_power_of_2(num_seqs), dtype=jnp.int32)
-    seq_ok = seq_ids < num_seqs
-    seq_starts = plgpu.load(query_start_ref.at[seq_ids], mask=seq_ok, other=0)
-    seq_ends = plgpu.load(query_start_ref.at[seq_ids + 1], mask=seq_ok, other=0)
-    # lax.div/rem, not // and %: operands are non-negative, so skip jnp's floor fix-ups.
-    blocks_per_seq = lax.div(seq_ends - seq_starts + block_q - 1, block_q)
-    blocks_end = jnp.cumsum(blocks_per_seq)
-    seq = jnp.sum((blocks_end <= block).astype(jnp.int32))
-    live = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    first_block = jnp.sum(jnp.where(seq_ids == seq, blocks_end - blocks_per_seq, 0))
-    seq_start, seq_end = query_start_ref[seq], query_start_ref[seq + 1]
-    offset = (block - first_block) * block_q  # rows of this sequence before the block
-    row_start = seq_start + offset
-    num_rows = jnp.where(live, jnp.minimum(seq_end - row_start, block_q), 0)
-    first_pos = jnp.where(live, kv_lens_ref[seq] - (seq_end - seq_start) + offset, 0)
+    # programs take the q blocks last first, so the blocks that see the most cache start early
+    seq, row_start, num_rows, first_pos = locate_q_block(query_start_ref, kv_lens_ref, num_blocks - 1 - program,
+                                                         block_q=block_q)
     page_table_offset = seq * pages_per_seq
 
     # Tile row r is q row r // group_pad, head kv_head * group + r % group_pad.
@@ -266,6 +249,38 @@ def _kernel(
         plgpu.store(acc_ref.at[(split, *out_index)], acc, mask=row_mask)
         plgpu.store(max_ref.at[split, q_index], row_max, mask=row_ok)
         plgpu.store(sum_ref.at[split, q_index], row_sum, mask=row_ok)
+
+
+def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_rows: int = 1,
+                   max_rows: int | None = None):
+    """The rows of q block `block`: each sequence with between min_rows and max_rows rows
+    (the others have none) has cdiv(rows, block_q) blocks of block_q rows, in order.
+    Returns (seq, row_start, num_rows, first_pos): the block's sequence, first row, row
+    count (0 for a block past the last one, which then does nothing) and the position of
+    its first row in the sequence."""
+    num_seqs = kv_lens_ref.shape[0]
+    seq_ids = jnp.arange(_next_power_of_2(num_seqs), dtype=jnp.int32)
+    seq_ok = seq_ids < num_seqs
+    seq_starts = plgpu.load(query_start_ref.at[seq_ids], mask=seq_ok, other=0)
+    seq_ends = plgpu.load(query_start_ref.at[seq_ids + 1], mask=seq_ok, other=0)
+    rows = seq_ends - seq_starts
+    # lax.div/rem, not // and %: operands are non-negative, so skip jnp's floor fix-ups.
+    blocks_per_seq = lax.div(rows + block_q - 1, block_q)
+    if min_rows > 1:
+        blocks_per_seq = jnp.where(rows >= min_rows, blocks_per_seq, 0)
+    if max_rows is not None:
+        blocks_per_seq = jnp.where(rows <= max_rows, blocks_per_seq, 0)
+    blocks_end = jnp.cumsum(blocks_per_seq)
+    seq = jnp.sum((blocks_end <= block).astype(jnp.int32))
+    live = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    first_block = jnp.sum(jnp.where(seq_ids == seq, blocks_end - blocks_per_seq, 0))
+    seq_start, seq_end = query_start_ref[seq], query_start_ref[seq + 1]
+    offset = (block - first_block) * block_q  # rows of this sequence before the block
+    row_start = seq_start + offset
+    num_rows = jnp.where(live, jnp.minimum(seq_end - row_start, block_q), 0)
+    first_pos = jnp.where(live, kv_lens_ref[seq] - (seq_end - seq_start) + offset, 0)
+    return seq, row_start, num_rows, first_pos
 
 
 def _zero_unowned_rows(o_ref, owned_start, owned_end, program, kv_head, *, num_rows_total,

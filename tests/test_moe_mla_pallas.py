@@ -1,4 +1,4 @@
-"""The Pallas grouped-matmul and MLA decode kernels (interpret mode, CPU) against float64
+"""The Pallas grouped-matmul and MLA attention kernels (interpret mode, CPU) against float64
 NumPy and the jnp references, and the model's entry points that take them on GPUs.
 
 Random inputs are fresh per test (the seed is in every failure message). Interpret mode
@@ -16,7 +16,7 @@ import pytest
 from jaxmtp.models.mla import mla_attention_fn, resolve_mla_backend
 from jaxmtp.models.moe import Routing, routed_experts
 from jaxmtp.kernels import grouped_matmul as gm
-from jaxmtp.kernels.mla_decode import MLAKernelConfig, mla_decode_attention
+from jaxmtp.kernels.mla_attention import MLAKernelConfig, mla_absorbed_attention
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 from test_kernels import make_case, relative_error
 from test_moe_kernels import experts_float64, grouped_matmul_float64, mla_float64, seeded
@@ -197,7 +197,7 @@ def test_shapes_the_kernels_do_not_tile_are_refused():
         gm.grouped_matmul_kernel(lhs, jnp.zeros((2, 12, 16)), sizes, interpret=True)
     assert gm.supports(64, 2048, 2 * 1408) and not gm.supports(256, 7168, 2 * 2048)  # DeepSeek-V3: past int32
     with pytest.raises(ValueError, match="kv_lora_rank and the rope dim powers of 2"):
-        mla_decode_attention(jnp.zeros((2, 4, 12)), jnp.zeros((2, 4, 16)), jnp.zeros((4, 4, 1, 12)),
+        mla_absorbed_attention(jnp.zeros((2, 4, 12)), jnp.zeros((2, 4, 16)), jnp.zeros((4, 4, 1, 12)),
                              jnp.zeros((4, 4, 1, 16)), jnp.ones(2, jnp.int32), jnp.zeros((2, 1), jnp.int32),
                              jnp.arange(3, dtype=jnp.int32), sm_scale=0.1, decode_rows=1, interpret=True)
     with pytest.raises(ValueError, match="kv_lora_rank and qk_rope_head_dim powers of two >= 16, got 12 and 6"):
@@ -207,63 +207,77 @@ def test_shapes_the_kernels_do_not_tile_are_refused():
     assert resolve_mla_backend("auto", 32, 16) == "reference"  # on the CPU
 
 
-# ----- MLA decode ------------------------------------------------------------------------
+# ----- MLA attention ---------------------------------------------------------------------
 
 R, DR, HEADS = 32, 16, 4
 
 
-def mla_decode_case(rng, seqs, dtype=jnp.float32, page_size=4):
+def mla_case(rng, seqs, dtype=jnp.float32, page_size=4, shared_pages=0):
     """Latent and rope pages over shuffled pages (make_case: one kv head of R + Dr dims,
-    unattended slots poisoned), fresh absorbed queries."""
+    unattended slots poisoned), fresh absorbed queries. With shared_pages, the second
+    sequence's table starts with the first's pages (a prefix-cache hit)."""
     _, kv, _, kv_lens, page_table, query_start = make_case(
         rng, seqs, num_q_heads=1, num_kv_heads=1, head_dim=R + DR, page_size=page_size, dtype=dtype
     )
+    if shared_pages:
+        page_table = page_table.at[1, :shared_pages].set(page_table[0, :shared_pages])
     num_rows = int(query_start[-1]) + 3
     q_latent = jnp.asarray(rng.standard_normal((num_rows, HEADS, R)), dtype)
     q_rope = jnp.asarray(rng.standard_normal((num_rows, HEADS, DR)), dtype)
     return q_latent, q_rope, kv[..., :R], kv[..., R:], kv_lens, page_table, query_start
 
 
-def taken_rows(query_start, num_rows, decode_rows):
+def taken_rows(query_start, num_rows, decode_rows, prefill):
     query_start = np.asarray(query_start)
     rows = np.diff(query_start)
     seq = np.searchsorted(query_start[1:], np.arange(num_rows), side="right")
     taken = np.zeros(num_rows, bool)
     owned = np.arange(num_rows) < query_start[-1]
-    taken[owned] = rows[seq[owned]] <= decode_rows
+    taken[owned] = (rows[seq[owned]] > decode_rows) == prefill
     return taken
 
 
 @pytest.mark.parametrize("case", [
-    # the default tiling's 64-token steps: contexts past one step run its unmasked steps too
-    dict(seqs=[(1, 9), (0, 0), (1, 1), (1, 150), (1, 5)], decode_rows=1, config=None),
-    # verify rows (k + 1 = 3), one prefill sequence in the batch whose rows the kernel leaves to the expanded form
+    # contexts either side of the page (4) and of the default tiling's 64-token steps, and
+    # one past 4096: the unmasked steps run too
+    dict(seqs=[(1, c) for c in (1, 15, 16, 17, 63, 64, 65, 4097)], decode_rows=1, config=None),
+    # verify rows (k + 1 = 3), one prefill sequence in the batch whose rows the call leaves to the prefill call
     dict(seqs=[(3, 9), (2, 3), (0, 0), (7, 11), (1, 1), (3, 140)], decode_rows=3, config=None),
     # split token ranges (flash decoding) with short steps, several head blocks; the
     # diagonals of (1, 7) and (2, 8) end a step early, on its last token
-    dict(seqs=[(2, 17), (1, 2), (1, 7), (2, 8), (2, 33)], decode_rows=2, config=MLAKernelConfig(2, 4, 3, 4, 2)),
-], ids=["decode", "verify-and-prefill", "splits-head-blocks"])
-def test_mla_decode_kernel_matches_the_reference(case):
+    dict(seqs=[(2, 17), (1, 2), (1, 7), (2, 8), (2, 33)], decode_rows=2, config=MLAKernelConfig(2, 2, 4, 3, 4, 2)),
+    # prefill rows: a whole prompt, chunks that start mid-page (positions 18, 30), a chunk
+    # longer than a step, beside decode and verify sequences the call leaves alone
+    dict(seqs=[(9, 9), (1, 7), (5, 23), (0, 0), (70, 100), (2, 5), (3, 33)], decode_rows=2, config=None,
+         prefill=True),
+    # prefill rows in q blocks of 4 with splits and head blocks, the second sequence's first
+    # three pages the first's (a prefix-cache hit), its chunk starting mid-page
+    dict(seqs=[(6, 14), (7, 19), (1, 4), (13, 13)], decode_rows=1, config=MLAKernelConfig(4, 2, 4, 3, 4, 2),
+         prefill=True, shared_pages=3),
+], ids=["decode", "verify-and-prefill", "splits-head-blocks", "prefill", "prefill-blocks-splits-shared-pages"])
+def test_mla_kernel_matches_the_reference(case):
     rng, seed = seeded()
-    args = mla_decode_case(rng, case["seqs"])
-    out = np.asarray(mla_decode_attention(*args, sm_scale=0.3, decode_rows=case["decode_rows"], interpret=True,
-                                          config=case["config"]))
+    prefill = case.get("prefill", False)
+    args = mla_case(rng, case["seqs"], shared_pages=case.get("shared_pages", 0))
+    out = np.asarray(mla_absorbed_attention(*args, sm_scale=0.3, decode_rows=case["decode_rows"], prefill=prefill,
+                                            interpret=True, config=case["config"]))
     ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.3))
     assert not np.isnan(out).any(), f"seed={seed}: NaN (a row not written, or a poisoned slot read)"
-    taken = taken_rows(args[-1], out.shape[0], case["decode_rows"])
+    taken = taken_rows(args[-1], out.shape[0], case["decode_rows"], prefill)
+    assert taken.any()
     assert (out[~taken] == 0).all(), f"seed={seed}: rows the kernel does not take must be 0"
     q_latent, q_rope, latent_pages, rope_pages, *cache = args
-    _, bound, _ = attention_float64(np.concatenate([q_latent, q_rope], -1), np.concatenate([latent_pages, rope_pages], -1),
-                                    latent_pages, *cache, sm_scale=0.3)
+    keys = np.concatenate([latent_pages, rope_pages], -1)
+    _, bound, _ = attention_float64(np.concatenate([q_latent, q_rope], -1), keys, latent_pages, *cache, sm_scale=0.3)
     assert_within(out[taken], ref[taken], 2 * bound[taken], f"seed={seed}")  # two float32 evaluations
 
 
-def test_mla_decode_kernel_in_bfloat16():
+def test_mla_kernel_in_bfloat16():
     """As the attention kernel in bf16 (test_kernels.check_kernel): a few bf16 roundings
     (the probabilities fed to the value product, the output; u = 2^-8), 3 u at most."""
     rng, seed = seeded()
-    args = mla_decode_case(rng, [(1, 50), (1, 7), (1, 64)], dtype=jnp.bfloat16, page_size=8)
-    out = mla_decode_attention(*args, sm_scale=0.1, decode_rows=1, interpret=True)
+    args = mla_case(rng, [(1, 50), (1, 7), (1, 64)], dtype=jnp.bfloat16, page_size=8)
+    out = mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=1, interpret=True)
     assert out.dtype == jnp.bfloat16
     owned = slice(0, 3)
     error = relative_error(np.asarray(out, np.float32)[owned],
@@ -271,13 +285,13 @@ def test_mla_decode_kernel_in_bfloat16():
     assert error < 3 * 2.0**-8, f"seed={seed}: relative error {error:.2e}"
 
 
-def test_mla_entry_point_takes_the_kernel_for_decode_rows():
-    """mla_attention_fn on the pallas_interpret backend (the kernel for decode and verify
-    rows, the expanded reference for the prefill sequence) equals the reference backend
-    on a mixed step."""
+def test_mla_entry_point_takes_the_kernel_for_every_row():
+    """mla_attention_fn on the pallas_interpret backend (the kernel's decode call for the
+    decode and verify rows, its prefill call for the prefill sequence) equals the
+    reference backend (the absorbed and the expanded jnp forms) on a mixed step."""
     rng, seed = seeded()
     seqs = [(1, 9), (2, 3), (0, 0), (5, 11), (1, 1)]
-    q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start = mla_decode_case(rng, seqs)
+    q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start = mla_case(rng, seqs)
     num_rows, dn, dv = q_latent.shape[0], 8, 12
     q_nope = jnp.asarray(rng.standard_normal((num_rows, HEADS, dn)), jnp.float32)
     w_uk = jnp.asarray(0.4 * rng.standard_normal((R, HEADS, dn)), jnp.float32)
@@ -317,7 +331,7 @@ def test_engine_refuses_the_mla_kernel_for_sizes_it_cannot_tile(tmp_path):
 
 def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(tmp_path, rng):
     """The whole engine with attention_backend pallas_interpret (the MLA kernel for every
-    decode, verify and draft row, in interpret mode) against the jnp reference: a tiny
+    prefill, decode, verify and draft row, in interpret mode) against the jnp reference: a tiny
     DeepSeek-V3 with its MTP layer, k = 2, chunked prefill, a batch of a prefill and a
     decode: greedy tokens and per-position acceptance equal, the tokens' logprobs within
     float32 rounding."""
@@ -383,3 +397,20 @@ def test_fp8_grouped_kernels_lower_for_the_gpu(dtype):
         q, s = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32)
         lowered = jax.jit(lambda a, q, g, s: fn(a, q, g, scale_inv=s, scale_block=(128, 128))).trace(lhs, q, sizes, s)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
+def test_mla_kernel_lowers_for_the_gpu_at_moonlight_shapes(prefill):
+    """Both calls through the Triton lowering, from the CPU (what interpret mode does not
+    check: the tile shapes Triton accepts), at Moonlight's MLA (16 heads, R 512, rope 64,
+    bf16, pages of 16): a decode batch of 32 and a 2048-row prefill chunk."""
+    import jax
+
+    num_rows, num_seqs = (2048, 1) if prefill else (32, 32)
+    shapes = [((num_rows, 16, 512), jnp.bfloat16), ((num_rows, 16, 64), jnp.bfloat16),
+              ((256, 16, 1, 512), jnp.bfloat16), ((256, 16, 1, 64), jnp.bfloat16), ((num_seqs,), jnp.int32),
+              ((num_seqs, 128), jnp.int32), ((num_seqs + 1,), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    fn = lambda *a: mla_absorbed_attention(*a, sm_scale=0.1, decode_rows=1, prefill=prefill)  # noqa: E731
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mla_prefill_attention" in text if prefill else "mla_decode_attention" in text

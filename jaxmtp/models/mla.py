@@ -5,11 +5,13 @@ values, after kv_a_layernorm) in KVCache.k and the shared rope key (qk_rope_head
 values, after RoPE) in KVCache.v: the same pages and slots as every other layer, so
 the page table, prefix caching, copy-on-write and preemption carry it unchanged.
 
-Prefill rows attend from the expanded form (per-head keys and values rebuilt from the
-latent), decode and verify rows from the absorbed form (W_UK folded into the query,
-W_UV applied after attention): both through `mla_attention_fn`, the one entry point.
-The absorbed form runs the Pallas kernel (kernels/mla_decode.py) on GPUs, the jnp
-reference elsewhere; the expanded form is the jnp reference on every backend.
+Decode and verify rows attend in the absorbed form (W_UK folded into the query, W_UV
+applied after attention), prefill rows in the expanded form (per-head keys and values
+rebuilt from the latent) on the reference backend: both through `mla_attention_fn`, the
+one entry point. On GPUs (and pallas_interpret) both kinds of rows run the absorbed
+form as the Pallas kernel (kernels/mla_attention.py), one call for each kind: the jnp
+expanded form materializes every context token's keys and values for every prefill
+row, which no long prompt fits.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxmtp.kernels.mla_decode import mla_decode_attention, supports
+from jaxmtp.kernels.mla_attention import mla_absorbed_attention, supports
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.models.attention import write_kv
@@ -39,13 +41,13 @@ MLAAttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def resolve_mla_backend(name: str, kv_lora_rank: int, rope_dim: int) -> str:
-    """The absorbed form's backend: "auto" is the Pallas kernel on GPUs where it tiles
+    """The MLA backend: "auto" is the Pallas kernel on GPUs where it tiles
     the latent and rope sizes, else the jnp reference."""
     check_attention_backend(name)
     if name == "auto":
         return "pallas" if jax.default_backend() == "gpu" and supports(kv_lora_rank, rope_dim) else "reference"
     if name.startswith("pallas") and not supports(kv_lora_rank, rope_dim):
-        raise ValueError(f"the Pallas MLA decode kernel needs kv_lora_rank and qk_rope_head_dim powers of two "
+        raise ValueError(f"the Pallas MLA kernel needs kv_lora_rank and qk_rope_head_dim powers of two "
                          f">= 16, got {kv_lora_rank} and {rope_dim}")
     return name
 
@@ -55,10 +57,12 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
     page_table, query_start, w_uk, w_uv, *, sm_scale) -> (out [T, Hq, Dv], latent_pages,
     rope_pages): writes this step's latent and rope key rows into their slots, then
     attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
-    draft rows) take the absorbed form, longer runs (prefill chunks) the expanded one.
-    A step with both kinds of rows runs each form where some row takes it and picks
-    per row (the kernel computes the decode rows alone, the references all rows). With
-    a mesh, each device runs it on its own q heads and a whole copy of the latent cache
+    draft rows) are decode rows, longer runs (prefill chunks) prefill rows; the reference
+    takes the absorbed form for the first and the expanded one for the second, the
+    kernel the absorbed form for both, in one call each. A step with both kinds of rows
+    runs each kind's call where some row is of that kind and picks per row (the kernel
+    computes its kind's rows alone, the references all rows). With a mesh, each device
+    runs it on its own q heads and a whole copy of the latent cache
     (sharding.shard_mla_over_heads)."""
     check_attention_backend(backend)
 
@@ -69,26 +73,28 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
         seq, owned = row_ownership(query_start, q_nope.shape[0])
         is_decode_row = (query_start[1:] - query_start[:-1])[seq] <= decode_rows
         out_shape = q_nope.shape[:2] + (w_uv.shape[-1],)
+        kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
 
-        def absorbed():
+        def absorbed(prefill: bool):
             q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
-            kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
             if kind == "reference":
                 out = mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale)
             else:
-                out = mla_decode_attention(q_latent, q_rope, *cache_args, sm_scale=sm_scale, decode_rows=decode_rows,
-                                           interpret=kind == "pallas_interpret")
+                out = mla_absorbed_attention(q_latent, q_rope, *cache_args, sm_scale=sm_scale, decode_rows=decode_rows,
+                                             prefill=prefill, interpret=kind == "pallas_interpret")
             return jnp.einsum("thr,rhv->thv", out, w_uv)
 
-        def expanded():
-            return mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
+        def prefill_form():
+            if kind == "reference":
+                return mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
+            return absorbed(prefill=True)
 
         def skipped():
             return jnp.zeros(out_shape, q_nope.dtype)
 
-        # each form only where some row takes it: a decode step never expands the context
-        decode_out = jax.lax.cond(jnp.any(is_decode_row & owned), absorbed, skipped)
-        prefill_out = jax.lax.cond(jnp.any(~is_decode_row & owned), expanded, skipped)
+        # each kind's call only where some row is of that kind
+        decode_out = jax.lax.cond(jnp.any(is_decode_row & owned), lambda: absorbed(prefill=False), skipped)
+        prefill_out = jax.lax.cond(jnp.any(~is_decode_row & owned), prefill_form, skipped)
         return jnp.where(is_decode_row[:, None, None], decode_out, prefill_out), latent_pages, rope_pages
 
     return write_and_attend if mesh is None else shard_mla_over_heads(write_and_attend, mesh)

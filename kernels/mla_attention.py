@@ -1,17 +1,20 @@
-"""MLA decode attention over the paged latent cache, absorbed form, as one Pallas kernel
-lowered through Triton.
+"""MLA attention over the paged latent cache, absorbed form, as one Pallas kernel lowered
+through Triton: decode, verify and prefill rows.
 
 Same contract as `kernels.mla_reference.mla_absorbed_attention_reference` (its docstring
-has the layout), for the rows of sequences with at most `decode_rows` rows this step
-(decode: 1, verify: k + 1); the rows of longer sequences (prefill chunks, which take
-the expanded form) and rows no sequence owns come out exactly 0.
+has the layout), for the rows of the sequences a call takes: with `prefill` False those
+with at most `decode_rows` rows this step (decode: 1, verify: k + 1), with `prefill`
+True the longer ones (prefill chunks); the rows of the others, and rows no sequence
+owns, come out exactly 0.
 
 Every q head attends over the same latent c (R values a token) and rope key (Dr
 values): scores = q_latent . c + q_rope . k_rope, output = softmax @ c. So a program
-takes one sequence's rows for a block of `block_h` heads (the MMA tile: rows x heads,
-padded to 16) and streams the sequence's pages `block_kv` tokens at a time, loading each
-latent tile once for both products: the cache is read once per head block, the rope
-part alongside, with an online softmax in base 2. When there are too few programs to
+takes a block of `block_q` rows of one sequence for a block of `block_h` heads (the MMA
+tile: rows x heads, padded to 16) and streams the pages its rows see `block_kv` tokens
+at a time, loading each latent tile once for both products, with an online softmax in
+base 2: the cache is read once per (q block, head block), and memory stays a tile's
+whatever the context (the expanded form would build every context token's keys and
+values per head). A decode sequence is one block. When there are too few programs to
 fill the GPU (small batches), the token range is split over `num_splits` programs and
 one XLA fusion merges their partial results (flash decoding).
 
@@ -31,13 +34,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.ragged_paged_attention import _NUM_SMS, _cdiv, _merge_splits, _next_power_of_2, _TritonCompilerParams
+from jaxmtp.kernels.ragged_paged_attention import (_NUM_SMS, _cdiv, _merge_splits, _next_power_of_2,
+                                                  _TritonCompilerParams, locate_q_block)
 from jaxmtp.kernels.reference import row_ownership
 
 _LOG2E = math.log2(math.e)
 # Splits aim at about two programs per multiprocessor (as the GQA kernel's decode rule),
 # at most 32: batch 1 at context 16k took 140 / 89 / 71 us in 8 / 16 / 32 splits (H200,
-# docs/kernels.md, "MLA decode"); the merge reads R + 2 floats per row and head a split.
+# docs/kernels.md, "MLA attention"); the merge reads R + 2 floats per row and head a split.
 _TARGET_PROGRAMS = 2 * _NUM_SMS
 _MAX_SPLITS = 32
 _MIN_TILE_ROWS = 16  # a Triton MMA minimum
@@ -47,9 +51,10 @@ _MIN_TILE_ROWS = 16  # a Triton MMA minimum
 class MLAKernelConfig:
     """Static tiling of one call; `default_config` picks it from the shapes."""
 
-    block_h: int  # q heads per program (tile rows: decode rows x block_h, at least 16)
+    block_q: int  # rows of one sequence per program (a decode call: at least decode_rows)
+    block_h: int  # q heads per program (tile rows: block_q x block_h, at least 16)
     block_kv: int  # cache tokens per inner-loop step
-    num_splits: int  # programs sharing one sequence's token range (1 = no split)
+    num_splits: int  # programs sharing one q block's token range (1 = no split)
     num_warps: int
     num_stages: int  # software-pipelining depth of the page loads
 
@@ -59,38 +64,61 @@ def supports(kv_lora_rank: int, rope_dim: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (kv_lora_rank, rope_dim))
 
 
-def default_config(num_seqs: int, num_heads: int, decode_rows: int, max_context: int) -> MLAKernelConfig:
-    """Tiling from static shapes (first choices but the split cap; docs/kernels.md, "MLA decode"):
-    tiles of at most 32 rows (the float32 accumulator is 32 x R), 64 tokens a step,
-    splits until the grid has about two programs per multiprocessor."""
-    rows_pad = _next_power_of_2(decode_rows)
-    block_h = min(_next_power_of_2(num_heads), max(1, 32 // rows_pad))
-    programs = num_seqs * _cdiv(num_heads, block_h)
+def default_config(num_rows: int, num_seqs: int, num_heads: int, decode_rows: int, max_context: int,
+                   prefill: bool = False) -> MLAKernelConfig:
+    """Tiling from static shapes (docs/kernels.md, "MLA attention"): tiles of at most 32
+    rows (the float32 accumulator is 32 x R): a decode call one sequence's rows x the
+    heads that fill the rest, a prefill call 16 heads x 2 rows (first choices, not yet
+    swept on the GPU); 64 tokens a step, splits until the grid has about two programs
+    per multiprocessor."""
+    if prefill:
+        block_h = min(_next_power_of_2(num_heads), 16)
+        block_q = max(1, 32 // block_h)
+        programs = _cdiv(num_rows, block_q) * _cdiv(num_heads, block_h)
+    else:
+        block_q = _next_power_of_2(decode_rows)
+        block_h = min(_next_power_of_2(num_heads), max(1, 32 // block_q))
+        programs = num_seqs * _cdiv(num_heads, block_h)
     block_kv = 64
     kv_steps = max(1, _cdiv(max_context, block_kv))
     num_splits = 1 if programs >= _NUM_SMS else min(_cdiv(_TARGET_PROGRAMS, programs), kv_steps, _MAX_SPLITS)
-    return MLAKernelConfig(block_h, block_kv, num_splits, 4, 2)
+    return MLAKernelConfig(block_q, block_h, block_kv, num_splits, 4, 2)
+
+
+def _rows_taken(decode_rows: int, prefill: bool) -> tuple[int, int | None]:
+    """The row counts of the sequences a call takes: [min_rows, max_rows]."""
+    return (decode_rows + 1, None) if prefill else (1, decode_rows)
+
+
+def _num_blocks(num_rows: int, num_seqs: int, block_q: int, min_rows: int, max_rows: int | None) -> int:
+    """A static bound on the q blocks: at most num_rows // min_rows sequences are taken,
+    each with cdiv(rows, block_q) <= rows // block_q + 1 blocks (one when its rows fit a
+    block)."""
+    taken = min(num_seqs, num_rows // min_rows)
+    if max_rows is not None and max_rows <= block_q:
+        return max(1, taken)
+    return max(1, min(num_rows, num_rows // block_q + taken))
 
 
 def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_ref, latent_ref, rope_ref, *out_refs,
-            num_heads: int, decode_rows: int, block_h: int, block_kv: int, page_size: int, pages_per_seq: int,
-            num_splits: int, sm_scale: float):
-    head_block, seq, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+            num_heads: int, rows_taken: tuple[int, int | None], num_blocks: int, block_q: int, block_h: int,
+            block_kv: int, page_size: int, pages_per_seq: int, num_splits: int, sm_scale: float):
+    head_block, program, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rank, rope_dim = latent_ref.shape[-1], rope_ref.shape[-1]
     precision = lax.Precision.HIGHEST if q_latent_ref.dtype == jnp.float32 else None
-    start, end = query_start_ref[seq], query_start_ref[seq + 1]
-    taken = (end > start) & (end - start <= decode_rows)
-    num_rows = jnp.where(taken, end - start, 0)
-    kv_end = jnp.where(taken, kv_lens_ref[seq], 0)
-    first_pos = kv_end - num_rows
+    # the blocks that see the most cache start first
+    seq, row_start, num_rows, first_pos = locate_q_block(
+        query_start_ref, kv_lens_ref, num_blocks - 1 - program, block_q=block_q, min_rows=rows_taken[0],
+        max_rows=rows_taken[1])
+    kv_end = first_pos + num_rows  # the tokens the block's last row sees
 
-    # Tile row r is the sequence's row r // block_h, head head_block * block_h + r % block_h.
-    tile_rows = max(_MIN_TILE_ROWS, _next_power_of_2(decode_rows) * block_h)
+    # Tile row r is the block's row r // block_h, head head_block * block_h + r % block_h.
+    tile_rows = max(_MIN_TILE_ROWS, block_q * block_h)
     tile = jnp.arange(tile_rows, dtype=jnp.int32)
-    row_in_seq, head = lax.div(tile, block_h), head_block * block_h + lax.rem(tile, block_h)
-    row_ok = (row_in_seq < num_rows) & (head < num_heads)
-    q_index = (start + row_in_seq) * num_heads + head
-    position = first_pos + row_in_seq
+    row_in_block, head = lax.div(tile, block_h), head_block * block_h + lax.rem(tile, block_h)
+    row_ok = (row_in_block < num_rows) & (head < num_heads)
+    q_index = (row_start + row_in_block) * num_heads + head
+    position = first_pos + row_in_block
     rank_ids, rope_ids = jnp.arange(rank, dtype=jnp.int32), jnp.arange(rope_dim, dtype=jnp.int32)
     q_latent = plgpu.load(q_latent_ref.at[q_index[:, None], rank_ids[None, :]],
                           mask=jnp.broadcast_to(row_ok[:, None], (tile_rows, rank)), other=0)
@@ -155,25 +183,27 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
         plgpu.store(sum_ref.at[split, q_index], row_sum, mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "decode_rows", "interpret", "config"))
-def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, *,
-                         sm_scale: float, decode_rows: int, interpret: bool = False,
-                         config: MLAKernelConfig | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("sm_scale", "decode_rows", "prefill", "interpret", "config"))
+def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, *,
+                           sm_scale: float, decode_rows: int, prefill: bool = False, interpret: bool = False,
+                           config: MLAKernelConfig | None = None) -> jax.Array:
     """q_latent [T, Hq, R] (W_UK folded in), q_rope [T, Hq, Dr] -> [T, Hq, R] for the rows
-    of sequences with at most decode_rows rows (others 0). `config` overrides the tiling
-    that `default_config` picks (for tuning)."""
+    of sequences with at most decode_rows rows, or with `prefill` of those with more
+    (others 0). `config` overrides the tiling that `default_config` picks (for tuning)."""
     num_rows, num_heads, rank = q_latent.shape
     num_pages, page_size, _, _ = latent_pages.shape
     rope_dim = rope_pages.shape[-1]
     num_seqs, pages_per_seq = page_table.shape
     if not supports(rank, rope_dim):
-        raise ValueError(f"the MLA decode kernel needs kv_lora_rank and the rope dim powers of 2 >= 16, "
+        raise ValueError(f"the MLA kernel needs kv_lora_rank and the rope dim powers of 2 >= 16, "
                          f"got {rank} and {rope_dim}")
     if latent_pages.size > 2**31 - 1:  # the kernel's element offsets are int32
-        raise ValueError(f"the MLA decode kernel indexes in int32: a cache layer of {latent_pages.size} latent "
+        raise ValueError(f"the MLA kernel indexes in int32: a cache layer of {latent_pages.size} latent "
                          f"values is too large")
     if config is None:
-        config = default_config(num_seqs, num_heads, decode_rows, pages_per_seq * page_size)
+        config = default_config(num_rows, num_seqs, num_heads, decode_rows, pages_per_seq * page_size, prefill)
+    min_rows, max_rows = _rows_taken(decode_rows, prefill)
+    num_blocks = _num_blocks(num_rows, num_seqs, config.block_q, min_rows, max_rows)
     flat_rows = num_rows * num_heads
     if config.num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((flat_rows, rank), q_latent.dtype)]
@@ -182,18 +212,19 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, pa
                      jax.ShapeDtypeStruct((config.num_splits, flat_rows), jnp.float32),
                      jax.ShapeDtypeStruct((config.num_splits, flat_rows), jnp.float32)]
     kernel = functools.partial(
-        _kernel, num_heads=num_heads, decode_rows=decode_rows, block_h=config.block_h, block_kv=config.block_kv,
-        page_size=page_size, pages_per_seq=pages_per_seq, num_splits=config.num_splits, sm_scale=float(sm_scale),
+        _kernel, num_heads=num_heads, rows_taken=(min_rows, max_rows), num_blocks=num_blocks, block_q=config.block_q,
+        block_h=config.block_h, block_kv=config.block_kv, page_size=page_size, pages_per_seq=pages_per_seq,
+        num_splits=config.num_splits, sm_scale=float(sm_scale),
     )
     query_start = query_start.astype(jnp.int32)
     outs = pl.pallas_call(
         kernel,
-        # the head blocks of one sequence run side by side: each reads the same latent tiles
-        grid=(_cdiv(num_heads, config.block_h), num_seqs, config.num_splits),
+        # the head blocks of one q block run side by side: each reads the same latent tiles
+        grid=(_cdiv(num_heads, config.block_h), num_blocks, config.num_splits),
         out_shape=out_shape,
         compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="mla_decode_attention",
+        name="mla_prefill_attention" if prefill else "mla_decode_attention",
     )(
         query_start,
         kv_lens.astype(jnp.int32),
@@ -204,7 +235,10 @@ def mla_decode_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, pa
         rope_pages.reshape(num_pages * page_size, rope_dim),
     )
     seq, owned = row_ownership(query_start, num_rows)
-    taken = owned & ((query_start[1:] - query_start[:-1])[seq] <= decode_rows)
+    seq_rows = (query_start[1:] - query_start[:-1])[seq]
+    taken = owned & (seq_rows >= min_rows)
+    if max_rows is not None:
+        taken &= seq_rows <= max_rows
     taken = jnp.repeat(taken, num_heads)
     if config.num_splits == 1:
         out = jnp.where(taken[:, None], outs[0], 0)  # rows the kernel did not take were never written
