@@ -18,7 +18,9 @@ dummy weights: batch-1 and batch-32 decode against their bytes floors, MTP k=1 w
 oracle drafts). Each timed program runs its kernel on several input sets (the weights
 and pages together larger than L2), so dispatch is amortised and the cache cold.
 Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names dated) and
-prints the table last; --tiny runs the kernels in interpret mode on a tiny model.
+prints the table last; the mla part also writes mla_paths.json (the decode path to take
+per shape and bucket, XLA's absorbed form timed beside the kernel: copy it to kernels/);
+--tiny runs the kernels in interpret mode on a tiny model.
 """
 
 from __future__ import annotations
@@ -539,13 +541,18 @@ MLA_SWEEP = [(16, 32, None, 4, 3), (16, 64, None, 8, 2), (16, 64, "half", 4, 2),
 MLA_PREFILL_SWEEP = [(4, 16, 32, 8, 2), (1, 16, 64, 4, 3), (2, 16, 32, 4, 3), (4, 8, 64, 4, 2), (8, 8, 32, 8, 2)]
 
 
-def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None):
+def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False):
+    """Seconds per call of the kernel (or with `xla` of XLA's absorbed form, the jnp
+    reference the engine runs off GPUs) over the case's input sets."""
     from jaxmtp.kernels.mla_attention import mla_absorbed_attention
+    from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 
     def call(latent, rope, kv_lens, query_start, q_latent, q_rope, table):
-        return mla_absorbed_attention(q_latent, q_rope, latent, rope, kv_lens, table, query_start, sm_scale=0.1,
-                                      decode_rows=1 if prefill else rows_per_seq, prefill=prefill,
-                                      interpret=run.args.tiny, config=config)
+        args = (q_latent, q_rope, latent, rope, kv_lens, table, query_start)
+        if xla:
+            return mla_absorbed_attention_reference(*args, sm_scale=0.1)
+        return mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=1 if prefill else rows_per_seq,
+                                      prefill=prefill, interpret=run.args.tiny, config=config)
 
     shared = (case["latent"], case["rope"], case["kv_lens"], case["query_start"])
     return programs_over(call, shared, list(zip(case["q_latent"], case["q_rope"], case["tables"])))
@@ -572,18 +579,29 @@ def prefill_flops(s: Shapes, chunk: int, context: int) -> tuple[float, float]:
     return (2 * seen * s.heads * (2 * s.rank + s.rope), 2 * seen * s.heads * (128 + s.rope + 128))
 
 
+# XLA's absorbed form gathers every row's context in float32: timed where that stays
+# below this many bytes an input set
+XLA_FORM_MAX_BYTES = 16e9
+
+
 def part_mla(run: Run, cases):
+    """The kernel's rows (and XLA's absorbed form beside each decode row), a sweep of
+    tilings where --sweep asks, and mla_paths.json (kernels/mla_paths.json's form): per
+    decode shape and bucket, the fastest tiling timed, or "xla" where XLA's form beat it."""
     import numpy as np
 
     from jaxmtp.kernels.mla_attention import default_config
+    from jaxmtp.kernels.tiling_table import row_bucket
 
     s, rng, peer = run.shapes, np.random.default_rng(4), run.results["peer"]
+    paths = {}
     for batch, context, rows, prefill in cases:
         if run.budget_left() < 45:
             run.results.setdefault("skipped_over_budget", []).append(f"mla {batch}x{context}x{rows}")
             continue
         reps = 2 if prefill else int(np.clip(5e8 // (batch * context * (s.rank + s.rope) * 2), 2, 6))
         case = mla_inputs(rng, s, [rows] * batch, [context] * batch, reps)
+        base = default_config(batch * rows, batch, s.heads, 1 if prefill else rows, context, prefill)
         seconds = time_mla(run, case, rows, prefill)
         p = peer.get(f"mla_{batch}_{context}_{rows}")
         if prefill:
@@ -598,21 +616,35 @@ def part_mla(run: Run, cases):
             run.row("mla", f"MLA {kind}, batch {batch}, context {context}", seconds, run.bytes_s(case["bytes"]), p,
                     target, note=f"{case['bytes'] / seconds / 1e9:.0f} GB/s over the latent cache; torch SDPA over "
                                  f"expanded K/V {fmt_peer(p)}")
+        timed = [(base, seconds)]
         swept = prefill and context == max(c for _, c in s.mla_prefill) or rows == 1 and (
             context == 4096 and batch > 1 or (batch == 1 and context > 4096))
         if run.args.sweep and swept:
-            base = default_config(batch * rows, batch, s.heads, 1 if prefill else rows, context, prefill)
             times = {str(dataclasses.astuple(base)): seconds * 1e6}
             for config in mla_sweep_configs(base, prefill):
                 try:
-                    times[str(dataclasses.astuple(config))] = time_mla(run, case, rows, prefill, config) * 1e6
+                    timed.append((config, time_mla(run, case, rows, prefill, config)))
+                    times[str(dataclasses.astuple(config))] = timed[-1][1] * 1e6
                 except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
                     times[str(dataclasses.astuple(config))] = repr(e)[:120]
             run.results["sweep"].append({"kernel": "mla prefill" if prefill else "mla", "batch": batch,
                                          "context": context, "rows": rows, "us": times})
             print("sweep mla", batch, context, rows, times, flush=True)
+        if not prefill:
+            best, best_s = min(timed, key=lambda t: t[1])
+            entry = list(dataclasses.astuple(best))
+            if batch * rows * context * (s.rank + s.rope) * 4 <= XLA_FORM_MAX_BYTES:
+                xla_s = time_mla(run, case, rows, xla=True)
+                run.row("mla", f"XLA absorbed form, {kind}, batch {batch}, context {context}", xla_s,
+                        run.bytes_s(case["bytes"]), note=f"the kernel's best tiling {best_s / xla_s:.2f}x its time")
+                entry = "xla" if xla_s < best_s else entry
+            key = ",".join(map(str, (s.heads, s.rank, s.rope, rows, row_bucket(context))))
+            paths.setdefault(key, {})[str(row_bucket(batch))] = entry
         del case
         gc.collect()
+    table = {"_note": f"benchmarks/moe.py --parts mla on {run.results['device']}, {run.results['date']}, "
+                      f"jax {run.results['jax']}"} | paths
+    (run.out_dir / "mla_paths.json").write_text(json.dumps(table, indent=1))
 
 
 def mla_cases(s: Shapes):

@@ -37,6 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxmtp.kernels.ragged_paged_attention import (_NUM_SMS, _cdiv, _merge_splits, _next_power_of_2,
                                                   _TritonCompilerParams, locate_q_block)
 from jaxmtp.kernels.reference import row_ownership
+from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 _LOG2E = math.log2(math.e)
 # Splits aim at about two programs per multiprocessor (as the GQA kernel's decode rule),
@@ -57,6 +58,22 @@ class MLAKernelConfig:
     num_splits: int  # programs sharing one q block's token range (1 = no split)
     num_warps: int
     num_stages: int  # software-pipelining depth of the page loads
+
+
+# mla_paths.json, as benchmarks/moe.py --parts mla writes it: (heads, R, Dr, decode rows,
+# context bucket) -> {batch bucket: the kernel's tiling where it beat XLA's absorbed form,
+# or "xla"}; the buckets: the page table's width in tokens and its sequences, each rounded
+# up to a power of 2. Decode calls at shapes it has not measured, and every prefill call
+# (XLA's forms hold each row's whole context), run the kernel with default_config.
+MEASURED_PATHS = read_tilings("mla_paths.json", MLAKernelConfig)
+
+
+def measured_decode_path(num_heads: int, rank: int, rope_dim: int, decode_rows: int, num_seqs: int,
+                         context: int) -> MLAKernelConfig | str | None:
+    """The measured table's entry for a decode call: a tiling, "xla", or None where the
+    table has none."""
+    key = (num_heads, rank, rope_dim, decode_rows, row_bucket(context))
+    return MEASURED_PATHS.get(key, {}).get(row_bucket(num_seqs))
 
 
 def supports(kv_lora_rank: int, rope_dim: int) -> bool:

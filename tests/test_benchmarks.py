@@ -156,6 +156,9 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     assert any(name.startswith("expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("fp8 expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("MLA verify k+1=2") for name in rows)
+    assert any(name.startswith("MLA prefill, a 12-row chunk") for name in rows)
+    paths = json.loads((tmp_path / "mla_paths.json").read_text())  # read as kernels/mla_paths.json is
+    assert set(paths["4,32,16,1,64"]) == {"2"} and set(paths["4,32,16,2,64"]) == {"2"}
     mtp = rows["glm45_air_fp8 b1 MTP k=1 oracle drafts: tokens/s over plain"]
     assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]
     assert not results.get("failed_parts") and not results.get("skipped_over_budget")

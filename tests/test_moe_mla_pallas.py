@@ -285,12 +285,9 @@ def test_mla_kernel_in_bfloat16():
     assert error < 3 * 2.0**-8, f"seed={seed}: relative error {error:.2e}"
 
 
-def test_mla_entry_point_takes_the_kernel_for_every_row():
-    """mla_attention_fn on the pallas_interpret backend (the kernel's decode call for the
-    decode and verify rows, its prefill call for the prefill sequence) equals the
-    reference backend (the absorbed and the expanded jnp forms) on a mixed step."""
-    rng, seed = seeded()
-    seqs = [(1, 9), (2, 3), (0, 0), (5, 11), (1, 1)]
+def entry_point_args(rng, seqs):
+    """mla_attention_fn's arguments for a step of the given sequences: fresh queries,
+    weights and latent rows, each row's slot at its position in its sequence's pages."""
     q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start = mla_case(rng, seqs)
     num_rows, dn, dv = q_latent.shape[0], 8, 12
     q_nope = jnp.asarray(rng.standard_normal((num_rows, HEADS, dn)), jnp.float32)
@@ -304,13 +301,61 @@ def test_mla_entry_point_takes_the_kernel_for_every_row():
         for j in range(nq):
             pos = kv_len - nq + j
             slots[int(query_start[s]) + j] = int(page_table[s, pos // page_size]) * page_size + pos % page_size
-    args = (q_nope, q_rope, new_latent, new_rope, latent_pages, rope_pages, jnp.asarray(slots), kv_lens, page_table,
+    return (q_nope, q_rope, new_latent, new_rope, latent_pages, rope_pages, jnp.asarray(slots), kv_lens, page_table,
             query_start, w_uk, w_uv)
+
+
+def test_mla_entry_point_takes_the_kernel_for_every_row():
+    """mla_attention_fn on the pallas_interpret backend (the kernel's decode call for the
+    decode and verify rows, its prefill call for the prefill sequence) equals the
+    reference backend (the absorbed and the expanded jnp forms) on a mixed step."""
+    rng, seed = seeded()
+    args = entry_point_args(rng, [(1, 9), (2, 3), (0, 0), (5, 11), (1, 1)])
     got, got_latent, got_rope = mla_attention_fn("pallas_interpret", decode_rows=2)(*args, sm_scale=0.3)
     want, want_latent, _ = mla_attention_fn("reference", decode_rows=2)(*args, sm_scale=0.3)
     np.testing.assert_array_equal(np.asarray(got_latent), np.asarray(want_latent))
+    q_nope, q_rope, _, _, _, _, _, kv_lens, page_table, query_start, w_uk, w_uv = args
     _, bound = mla_float64(q_nope, q_rope, got_latent, got_rope, kv_lens, page_table, query_start, w_uk, w_uv, 0.3)
     assert_within(got, want, 2 * bound, f"seed={seed}")  # two float32 evaluations
+
+
+def test_auto_on_a_gpu_takes_the_measured_decode_path(monkeypatch):
+    """"auto" on a GPU: the decode call at the tiling kernels/mla_paths.json gives its
+    shape and buckets, XLA's absorbed form where the table says "xla", the kernel's
+    default tiling where it has no entry; the prefill call is always the kernel's."""
+    import jax
+
+    import jaxmtp.kernels.mla_attention as mk
+    import jaxmtp.models.mla as mla
+
+    rng, _ = seeded()
+    seqs = [(1, 9), (2, 3), (5, 11), (1, 1)]  # 4 sequences: batch bucket 4
+    args = entry_point_args(rng, seqs)
+    context = args[8].shape[1] * args[4].shape[1]  # the page table's width in tokens
+    calls = []
+
+    def kernel(q_latent, *a, prefill, config, **kw):
+        calls.append(("kernel", prefill, config))
+        return jnp.zeros_like(q_latent)
+
+    def reference(q_latent, *a, **kw):
+        calls.append(("xla",))
+        return jnp.zeros_like(q_latent)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
+    monkeypatch.setattr(mla, "mla_absorbed_attention", kernel)
+    monkeypatch.setattr(mla, "mla_absorbed_attention_reference", reference)
+    tiling = MLAKernelConfig(2, 4, 16, 1, 4, 2)
+    key = (HEADS, R, DR, 2, mk.row_bucket(context))
+    for entry, want in ((tiling, ("kernel", False, tiling)), ("xla", ("xla",)), (None, ("kernel", False, None))):
+        monkeypatch.setitem(mk.MEASURED_PATHS, key, {} if entry is None else {4: entry})
+        calls.clear()
+        mla_attention_fn("auto", decode_rows=2)(*args, sm_scale=0.3)
+        assert calls == [want, ("kernel", True, None)], (entry, calls)
+    monkeypatch.setitem(mk.MEASURED_PATHS, key, {8: "xla"})  # another batch bucket's entry
+    calls.clear()
+    mla_attention_fn("auto", decode_rows=2)(*args, sm_scale=0.3)
+    assert calls[0] == ("kernel", False, None)
 
 
 def test_engine_refuses_the_mla_kernel_for_sizes_it_cannot_tile(tmp_path):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxmtp.kernels.mla_attention import mla_absorbed_attention, supports
+from jaxmtp.kernels.mla_attention import measured_decode_path, mla_absorbed_attention, supports
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.models.attention import write_kv
@@ -61,7 +61,10 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
     takes the absorbed form for the first and the expanded one for the second, the
     kernel the absorbed form for both, in one call each. A step with both kinds of rows
     runs each kind's call where some row is of that kind and picks per row (the kernel
-    computes its kind's rows alone, the references all rows). With a mesh, each device
+    computes its kind's rows alone, the references all rows). "auto" on a GPU takes the
+    kernel's decode call at its measured tiling, or XLA's absorbed form where
+    kernels/mla_paths.json measured that faster (per shape, batch and context bucket,
+    read at trace time). With a mesh, each device
     runs it on its own q heads and a whole copy of the latent cache
     (sharding.shard_mla_over_heads)."""
     check_attention_backend(backend)
@@ -77,11 +80,15 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
 
         def absorbed(prefill: bool):
             q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
-            if kind == "reference":
+            path = None
+            if backend == "auto" and kind == "pallas" and not prefill:
+                path = measured_decode_path(q_nope.shape[1], latent.shape[-1], rope_key.shape[-1], decode_rows,
+                                            page_table.shape[0], page_table.shape[1] * latent_pages.shape[1])
+            if kind == "reference" or path == "xla":
                 out = mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale)
             else:
                 out = mla_absorbed_attention(q_latent, q_rope, *cache_args, sm_scale=sm_scale, decode_rows=decode_rows,
-                                             prefill=prefill, interpret=kind == "pallas_interpret")
+                                             prefill=prefill, interpret=kind == "pallas_interpret", config=path)
             return jnp.einsum("thr,rhv->thv", out, w_uv)
 
         def prefill_form():
