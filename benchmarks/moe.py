@@ -18,8 +18,10 @@ dummy weights: batch-1 and batch-32 decode against their bytes floors, MTP k=1 w
 oracle drafts). Each timed program runs its kernel on several input sets (the weights
 and pages together larger than L2), so dispatch is amortised and the cache cold.
 Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names dated) and
-prints the table last; the mla part also writes mla_paths.json (the decode path to take
-per shape and bucket, XLA's absorbed form timed beside the kernel: copy it to kernels/);
+prints the table last; the experts part also writes expert_paths.json (the routed-expert
+layer by pairs or sorted, per shape and pairs bucket) and the mla part mla_paths.json (the
+decode path per shape and bucket, XLA's absorbed form timed beside the kernel): copy them
+to kernels/;
 --tiny runs the kernels in interpret mode on a tiny model.
 """
 
@@ -362,12 +364,16 @@ def fp8_experts(gate_up, down, block: int) -> tuple:
     return tuple(Fp8Weight(*quantize(w.astype(jnp.float32), b), b) for w, b in zip((gate_up, down), blocks))
 
 
+# the paired layer (no sort) is timed against the sorted one up to this many tokens
+PAIRED_MAX_TOKENS = 64
+
 def part_experts(run: Run):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmtp.models.moe import Routing, routed_experts
     from jaxmtp.kernels import grouped_matmul as gm
+    from jaxmtp.kernels.tiling_table import row_bucket
+    from jaxmtp.models.moe import Routing, routed_experts, routed_experts_by_pair
 
     s, rng, interpret = run.shapes, np.random.default_rng(2), run.args.tiny
     peer = run.results["peer"]
@@ -391,6 +397,21 @@ def part_experts(run: Run):
         return routed_experts(x, Routing(*routing), gu, dn, expert_swiglu=gm.grouped_swiglu_reference,
                               expert_matmul=gm.grouped_matmul_reference)
 
+    pair_kernels = dict(pair_swiglu=kernel(gm.paired_swiglu_kernel), pair_matmul=kernel(gm.paired_matmul_kernel)) \
+        if interpret else {}
+
+    def by_pair(gu, dn, x, routing):
+        return routed_experts_by_pair(x, Routing(*routing), gu, dn, **pair_kernels)
+
+    paths = {}  # expert_paths.json: the layer by pairs against the sorted one, per pairs bucket
+
+    def compare_paths(weights, inputs, sorted_s, name, floor, scale_k=None):
+        paired_s = programs_over(by_pair, weights, inputs)
+        run.row("experts", f"{name} by pairs, {tokens} tokens", paired_s, floor,
+                note=f"the sorted layer {sorted_s * 1e6:.0f} us ({sorted_s / paired_s:.2f}x this)")
+        key = ",".join(map(str, (s.experts, s.hidden, s.inter) + ((scale_k,) if scale_k else ())))
+        paths.setdefault(key, {})[str(row_bucket(tokens * s.top_k))] = "paired" if paired_s < sorted_s else "sorted"
+
     for tokens in s.expert_tokens:
         if run.budget_left() < 60:
             run.results.setdefault("skipped_over_budget", []).append(f"experts {tokens}")
@@ -407,14 +428,24 @@ def part_experts(run: Run):
                 note=f"{touched:.1f} experts touched, {nbytes / 1e6:.0f} MB, {flops / t_ours / 1e12:.0f} TFLOP/s, "
                      f"{nbytes / t_ours / 1e12:.2f} TB/s; XLA ragged_dot {t_xla * 1e6:.0f} us "
                      f"({t_xla / t_ours:.1f}x ours); torch {fmt_peer(peer.get(f'layer_{tokens}'))}")
+        if tokens <= PAIRED_MAX_TOKENS:
+            compare_paths((gate_up, down), list(zip(x, routing)), t_ours, "expert layer", floor)
         if run.args.fp8:  # the same layer with its experts in fp8 (128 x 128 block scales)
-            fp8 = fp8_experts(gate_up, down, 16 if run.args.tiny else 128)
+            scale_k = 16 if run.args.tiny else 128
+            fp8 = fp8_experts(gate_up, down, scale_k)
             t_fp8 = programs_over(ours, fp8, list(zip(x, routing)))
             fp8_bytes = nbytes - touched * expert_bytes / 2
-            run.row("experts", f"fp8 expert layer, {tokens} tokens", t_fp8, max(run.bytes_s(fp8_bytes), run.flops_s(flops)),
+            fp8_floor = max(run.bytes_s(fp8_bytes), run.flops_s(flops))
+            run.row("experts", f"fp8 expert layer, {tokens} tokens", t_fp8, fp8_floor,
                     note=f"{fp8_bytes / t_fp8 / 1e12:.2f} TB/s; the bf16 layer's time / fp8's {t_ours / t_fp8:.2f}")
+            if tokens <= PAIRED_MAX_TOKENS:
+                compare_paths(fp8, list(zip(x, routing)), t_fp8, "fp8 expert layer", fp8_floor, scale_k)
         if run.args.sweep and tokens in SWEEP_TOKENS:
             sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)
+
+    table = {"_note": f"benchmarks/moe.py --parts experts on {run.results['device']}, {run.results['date']}, "
+                      f"jax {run.results['jax']}"} | paths
+    (run.out_dir / "expert_paths.json").write_text(json.dumps(table, indent=1))
 
     for tokens in s.gate_up_tokens:  # the gate/up projection alone, as the issue measured it
         if run.budget_left() < 45:

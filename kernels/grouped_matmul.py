@@ -31,6 +31,13 @@ groups' sum form one more group that computes nothing and stores zeros. With `sp
 float32 partials that one XLA fusion after the call sums (and, for swiglu, activates):
 more loads in flight where a few rows leave too few programs to stream the weights.
 
+Paired form (paired_matmul_kernel, paired_swiglu_kernel; decode): no sort. Row i is a
+(token, expert) pair of its own, of group pair_groups[i] (G: an expert held elsewhere,
+whose row comes out 0); a program computes that one row (in an MMA tile of block_m
+rows, the others masked) times one column tile of its group's matrix. A few tokens'
+pairs then stream their experts' weights with no sort, group count or scatter around
+the calls (an expert two of them share is read twice).
+
 An fp8 rhs streams as fp8 (the routed experts' bytes only): each K step lies inside one
 scale block, its tile is converted in registers and its float32 product multiplied by
 the columns' block scales, as kernels/fp8_matmul.py does (bfloat16 rows multiply in
@@ -52,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.fp8_matmul import F16_SHIFT, dequantize_blocks, is_k_step
-from jaxmtp.kernels.ragged_paged_attention import _cdiv, _next_power_of_2, _TritonCompilerParams
+from jaxmtp.kernels.ragged_paged_attention import _NUM_SMS, _cdiv, _next_power_of_2, _TritonCompilerParams
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 HIGHEST = lax.Precision.HIGHEST
@@ -100,6 +107,33 @@ def grouped_swiglu_reference(lhs: jax.Array, gate_up: jax.Array, group_sizes: ja
     num_groups, k, _, n = gate_up.shape
     a, w = _dequantized(_sorted_lhs(lhs, rows), gate_up, scale_inv, scale_block)
     both = _ragged_dot(a, w.reshape(num_groups, k, 2 * n), group_sizes)
+    return _silu_and_mul(both, n).astype(lhs.dtype)
+
+
+def _paired_product(lhs, rhs, pair_groups, rows, scale_inv, scale_block):
+    """Each row times its group's matrix, float32: [M, N] ([M, 2, N] for gate_up); rows
+    of group G (held elsewhere) 0. Gathers a matrix a row: for tests' sizes."""
+    num_groups = rhs.shape[0]
+    a, w = _dequantized(_sorted_lhs(lhs, rows), rhs, scale_inv, scale_block)
+    held = pair_groups < num_groups
+    w = w[jnp.minimum(pair_groups, num_groups - 1)].astype(jnp.float32)
+    out = jnp.einsum("mk,mk...->m...", a.astype(jnp.float32), w, precision=HIGHEST)
+    return jnp.where(held.reshape((-1,) + (1,) * (out.ndim - 1)), out, 0.0)
+
+
+def paired_matmul_reference(lhs: jax.Array, rhs: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None,
+                            *, scale_inv: jax.Array | None = None,
+                            scale_block: tuple[int, int] | None = None) -> jax.Array:
+    """Row i times rhs[pair_groups[i]] (0 where pair_groups[i] = G), float32 accumulation."""
+    return _paired_product(lhs, rhs, pair_groups, rows, scale_inv, scale_block).astype(lhs.dtype)
+
+
+def paired_swiglu_reference(lhs: jax.Array, gate_up: jax.Array, pair_groups: jax.Array,
+                            rows: jax.Array | None = None, *, scale_inv: jax.Array | None = None,
+                            scale_block: tuple[int, int] | None = None) -> jax.Array:
+    """silu(row @ gate[g]) * (row @ up[g]) for each row's group g (0 where g = G)."""
+    n = gate_up.shape[-1]
+    both = _paired_product(lhs, gate_up, pair_groups, rows, scale_inv, scale_block).reshape(-1, 2 * n)
     return _silu_and_mul(both, n).astype(lhs.dtype)
 
 
@@ -158,6 +192,22 @@ def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool 
                                8, 3)
 
 
+# the paired form's programs: about two a multiprocessor (the GQA kernel's decode rule)
+_TARGET_PROGRAMS = 2 * _NUM_SMS
+
+
+def paired_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool = False,
+                  scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig:
+    """The paired form's tiling (a first choice, unmeasured): the sorted form's weight
+    stream for one row a block, its K split until the grid has about two programs a
+    multiprocessor (at most 8 runs)."""
+    config = default_config(num_groups, num_groups, k, n, swiglu, scale_block)
+    programs, split_k = num_rows * (n // config.block_n), 1
+    while programs * split_k < _TARGET_PROGRAMS and split_k < 8 and (k // config.block_k) % (2 * split_k) == 0:
+        split_k *= 2
+    return dataclasses.replace(config, split_k=split_k)
+
+
 # grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: (groups, K, N, swiglu)
 # (fp8 experts: and their scale block's K) -> {row bucket: the measured best tiling
 # where it beat the default, or "xla" where XLA's ragged_dot beat every tiling}; N is
@@ -175,20 +225,10 @@ def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool,
     return measured or default_config(num_rows, num_groups, k, n, swiglu, scale_block)
 
 
-def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int, block_m: int, block_n: int,
-            block_k: int, swiglu: bool, n: int, split_k: int, scale_block: tuple[int, int] | None, f16_shift: int):
-    """out: [M, N] (swiglu: the activated product) with one run of K, else [split_k, M,
-    N] float32 partials (swiglu: [split_k, M, 2N], gate then up, activated after).
-    refs: (scale_inv [G * ceil(K / bk), (2 x) ceil(N / bn)], out) for an fp8 rhs, else
-    (out,)."""
-    scale_ref, out_ref = refs if scale_block else (None, *refs)
-    m_block, n_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    num_rows = out_ref.shape[-2]
-    k_total = lhs_ref.shape[1]
-    precision = HIGHEST if lhs_ref.dtype == jnp.float32 else None
-
-    # Which group is this block in? Group g has cdiv(size_g, block_m) blocks, in order;
-    # group num_groups holds the padding rows. Blocks past the last have no rows.
+def _sorted_block(group_sizes_ref, m_block, *, num_groups: int, block_m: int, num_rows: int):
+    """(group, first row, rows) of row block m_block: group g has cdiv(size_g, block_m)
+    blocks, in order; group num_groups holds the padding rows. Blocks past the last
+    have no rows."""
     ids = jnp.arange(_next_power_of_2(num_groups + 1), dtype=jnp.int32)
     sizes = plgpu.load(group_sizes_ref.at[ids], mask=ids < num_groups, other=0)
     sizes = jnp.where(ids == num_groups, num_rows - jnp.sum(sizes), sizes)
@@ -201,9 +241,47 @@ def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int,
     group_start = jnp.sum(jnp.where(mine, jnp.cumsum(sizes) - sizes, 0))
     offset = (m_block - first_block) * block_m
     rows_here = jnp.clip(jnp.sum(jnp.where(mine, sizes, 0)) - offset, 0, block_m)
+    return group, group_start + offset, rows_here
+
+
+# expert_paths.json, as benchmarks/moe.py's experts part writes it: (groups, K, N) (fp8
+# experts: and their scale block's K), the gate/up weight's [groups, K, 2, N] -> {pairs
+# bucket: "paired" where the routed-expert layer by pairs (paired_*_kernel) beat the
+# sorted one, or "sorted"}. Shapes and buckets it has not measured run sorted.
+EXPERT_PATHS = read_tilings("expert_paths.json", GroupedMatmulConfig)
+
+
+def experts_by_pair(num_pairs: int, gate_up_shape: tuple[int, ...], scale_block: tuple[int, int] | None = None) -> bool:
+    """Whether the routed-expert layer takes the paired form for num_pairs (token, expert)
+    pairs: on GPUs, where the kernels tile the shapes and the table measured it faster."""
+    num_groups, k, _, n = gate_up_shape
+    if jax.default_backend() != "gpu" or not supports(num_groups, k, 2 * n):
+        return False
+    if scale_block is not None and not is_k_step(scale_block[0]):
+        return False
+    key = (num_groups, k, n) + ((scale_block[0],) if scale_block else ())
+    return EXPERT_PATHS.get(key, {}).get(row_bucket(num_pairs)) == "paired"
+
+
+def _kernel(groups_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int, block_m: int, block_n: int,
+            block_k: int, swiglu: bool, n: int, split_k: int, scale_block: tuple[int, int] | None, f16_shift: int,
+            paired: bool):
+    """out: [M, N] (swiglu: the activated product) with one run of K, else [split_k, M,
+    N] float32 partials (swiglu: [split_k, M, 2N], gate then up, activated after).
+    groups_ref: group_sizes [G], or paired each row's group [M]. refs: (scale_inv
+    [G * ceil(K / bk), (2 x) ceil(N / bn)], out) for an fp8 rhs, else (out,)."""
+    scale_ref, out_ref = refs if scale_block else (None, *refs)
+    m_block, n_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    k_total = lhs_ref.shape[1]
+    precision = HIGHEST if lhs_ref.dtype == jnp.float32 else None
+    if paired:  # block m_block is row m_block alone, of its own group (G: none, stored 0)
+        group, first_row, rows_here = jnp.minimum(groups_ref[m_block], num_groups), m_block, 1
+    else:
+        group, first_row, rows_here = _sorted_block(groups_ref, m_block, num_groups=num_groups, block_m=block_m,
+                                                    num_rows=out_ref.shape[-2])
 
     tile = jnp.arange(block_m, dtype=jnp.int32)
-    row = group_start + offset + tile
+    row = first_row + tile
     row_ok = tile < rows_here
     source = plgpu.load(rows_ref.at[row], mask=row_ok, other=0)
     col = n_block * block_n + jnp.arange(block_n, dtype=jnp.int32)
@@ -250,7 +328,9 @@ def _kernel(group_sizes_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int,
     plgpu.store(out_ref.at[row[:, None], col[None, :]], out.astype(out_ref.dtype), mask=store_mask)
 
 
-def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config, scale_inv=None, scale_block=None):
+def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_inv=None, scale_block=None,
+                  paired=False):
+    """groups: group_sizes [G], or paired each row's group [M]."""
     num_groups, k, n = rhs.shape[0], rhs.shape[1], rhs.shape[-1]
     if lhs.shape[1] != k:
         raise ValueError(f"lhs has {lhs.shape[1]} columns, rhs {k} rows")
@@ -259,8 +339,10 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config, sca
     if not supports(num_groups, k, rhs.size // (num_groups * k)):
         raise ValueError(f"the grouped matmul kernel indexes in int32: rhs of {rhs.size} elements is too large")
     num_rows = lhs.shape[0] if rows is None else rows.shape[0]
+    if paired and groups.shape != (num_rows,):
+        raise ValueError(f"pair_groups {groups.shape} must give each of the {num_rows} rows its group")
     if config is None:
-        config = default_config(num_rows, num_groups, k, n, swiglu, scale_block)
+        config = (paired_config if paired else default_config)(num_rows, num_groups, k, n, swiglu, scale_block)
     if k % (config.block_k * config.split_k) or n % config.block_n:
         raise ValueError(f"{config} does not tile K={k}, N={n}")
     if scale_block is not None:
@@ -273,13 +355,13 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config, sca
                              "one scale per K step")
     # A static bound on the row blocks: sum_g cdiv(size_g, block_m) over the groups and
     # the padding group is at most M // block_m + G + 1, and a block holds a row.
-    num_blocks = max(1, min(num_rows, num_rows // config.block_m + num_groups + 1))
+    num_blocks = num_rows if paired else max(1, min(num_rows, num_rows // config.block_m + num_groups + 1))
     f16_shift = F16_SHIFT if scale_block is not None and lhs.dtype == jnp.bfloat16 else 0
     kernel = functools.partial(_kernel, num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
                                block_k=config.block_k, swiglu=swiglu, n=n, split_k=config.split_k,
-                               scale_block=scale_block, f16_shift=f16_shift)
+                               scale_block=scale_block, f16_shift=f16_shift, paired=paired)
     rows = jnp.arange(num_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
-    operands = [group_sizes.astype(jnp.int32), rows, lhs, rhs.reshape(num_groups * k, -1)]
+    operands = [groups.astype(jnp.int32), rows, lhs, rhs.reshape(num_groups * k, -1)]
     if scale_block is not None:
         operands.append(scale_inv.astype(jnp.float32).reshape(num_groups * scales[1], -1))
     split = config.split_k > 1
@@ -290,7 +372,7 @@ def _grouped_call(lhs, rhs, group_sizes, rows, *, swiglu, interpret, config, sca
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split else lhs.dtype),
         compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="grouped_swiglu" if swiglu else "grouped_matmul",
+        name=("paired_" if paired else "grouped_") + ("swiglu" if swiglu else "matmul"),
     )(*operands)
     if not split:
         return out
@@ -316,6 +398,25 @@ def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.A
     grouped_swiglu_reference."""
     return _grouped_call(lhs, gate_up, group_sizes, rows, swiglu=True, interpret=interpret, config=config,
                          scale_inv=scale_inv, scale_block=scale_block)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
+def paired_matmul_kernel(lhs: jax.Array, rhs: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None, *,
+                         scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
+                         interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+    """Pallas (Triton) paired form; same contract as paired_matmul_reference."""
+    return _grouped_call(lhs, rhs, pair_groups, rows, swiglu=False, interpret=interpret, config=config,
+                         scale_inv=scale_inv, scale_block=scale_block, paired=True)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
+def paired_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None,
+                         *, scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
+                         interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+    """Pallas (Triton) paired gate/up projection and SiLU-and-multiply; same contract as
+    paired_swiglu_reference."""
+    return _grouped_call(lhs, gate_up, pair_groups, rows, swiglu=True, interpret=interpret, config=config,
+                         scale_inv=scale_inv, scale_block=scale_block, paired=True)
 
 
 # ----- the model's entry points -----------------------------------------------------------

@@ -157,6 +157,9 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     assert any(name.startswith("fp8 expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("MLA verify k+1=2") for name in rows)
     assert any(name.startswith("MLA prefill, a 12-row chunk") for name in rows)
+    assert any(name.startswith("fp8 expert layer by pairs, 8 tokens") for name in rows)
+    experts = json.loads((tmp_path / "expert_paths.json").read_text())  # read as kernels/expert_paths.json is
+    assert set(experts["8,32,16"]) == set(experts["8,32,16,16"]) == {"2", "16"}
     paths = json.loads((tmp_path / "mla_paths.json").read_text())  # read as kernels/mla_paths.json is
     assert set(paths["4,32,16,1,64"]) == {"2"} and set(paths["4,32,16,2,64"]) == {"2"}
     mtp = rows["glm45_air_fp8 b1 MTP k=1 oracle drafts: tokens/s over plain"]

@@ -8,6 +8,7 @@ did not shows up as NaN; cache slots nobody may attend hold NaN or 1e30 (make_ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -137,6 +138,137 @@ def test_fp8_experts_need_a_k_step_inside_their_scale_block():
     with pytest.raises(ValueError, match="scale_inv \\(2, 2, 1\\) does not fit"):
         gm.grouped_matmul_kernel(lhs, q, sizes, scale_inv=jnp.ones((2, 2, 1)), scale_block=(16, 32), interpret=True)
     assert gm.default_config(4, 2, 64, 32, scale_block=(16, 32)).block_k == 16
+
+
+# ----- the paired form (decode: each (token, expert) pair a row of its own) ----------------
+
+
+def paired_float64(lhs, rhs, pair_groups):
+    """Row i times rhs[pair_groups[i]] in float64 (0 for group G), and one float32
+    evaluation's rounding bound (gamma_K |lhs| @ |rhs|)."""
+    lhs, rhs = np.asarray(lhs, np.float64), np.asarray(rhs, np.float64)
+    out, magnitude = np.zeros((lhs.shape[0], rhs.shape[-1])), np.zeros((lhs.shape[0], rhs.shape[-1]))
+    for i, g in enumerate(np.asarray(pair_groups)):
+        if g < rhs.shape[0]:
+            out[i], magnitude[i] = lhs[i] @ rhs[g], np.abs(lhs[i]) @ np.abs(rhs[g])
+    return out, gamma(lhs.shape[1]) * magnitude
+
+
+def paired_case(rng, groups, pairs):
+    """Pair groups with repeats and pairs held elsewhere (group G), and their lhs rows."""
+    pair_groups = rng.integers(0, groups + 1, pairs).astype(np.int32)
+    pair_groups[[1, pairs - 1]] = groups
+    pair_groups[[2, 3]] = pair_groups[0] if pair_groups[0] < groups else 0
+    source = rng.integers(0, 6, pairs).astype(np.int32)
+    return pair_groups, source
+
+
+def swiglu_float64(lhs, gate_up, pair_groups):
+    groups, k, _, n = gate_up.shape
+    both, _ = paired_float64(lhs, np.asarray(gate_up).reshape(groups, k, 2 * n), pair_groups)
+    magnitude, _ = paired_float64(np.abs(lhs), np.abs(np.asarray(gate_up)).reshape(groups, k, 2 * n), pair_groups)
+    bound = swiglu_relative(k) * magnitude[:, :n] * magnitude[:, n:]
+    return both[:, :n] / (1 + np.exp(-both[:, :n])) * both[:, n:], bound
+
+
+@pytest.mark.parametrize("config", [None, SMALL, SPLIT_K], ids=["default-tiling", "small-tiles", "split-k"])
+def test_paired_kernels_match_float64(config):
+    """Both paired kernels (each row its own group's matrix, rows gathered through
+    `rows`, groups repeated and held elsewhere) against float64; rows of group G are
+    exactly 0 and every row is written."""
+    rng, seed = seeded()
+    groups, pairs, k, n = 5, 14, 64, 48
+    pair_groups, source = paired_case(rng, groups, pairs)
+    lhs = rng.standard_normal((6, k)).astype(np.float32)
+    rhs = rng.standard_normal((groups, k, n)).astype(np.float32)
+    gate_up = (0.3 * rng.standard_normal((groups, k, 2, n))).astype(np.float32)
+    args = (jnp.asarray(pair_groups), jnp.asarray(source))
+    out = np.asarray(gm.paired_matmul_kernel(jnp.asarray(lhs), jnp.asarray(rhs), *args, interpret=True, config=config))
+    assert_within(out, *paired_float64(lhs[source], rhs, pair_groups), f"seed={seed}")
+    got = np.asarray(gm.paired_swiglu_kernel(jnp.asarray(lhs), jnp.asarray(gate_up), *args, interpret=True,
+                                             config=config))
+    want, bound = swiglu_float64(lhs[source], gate_up, pair_groups)
+    assert_within(got, want, bound, f"seed={seed}")
+    reference = np.asarray(gm.paired_swiglu_reference(jnp.asarray(lhs), jnp.asarray(gate_up), *args))
+    assert_within(reference, want, bound, f"seed={seed} reference")
+    elsewhere = pair_groups == groups
+    assert (out[elsewhere] == 0).all() and (got[elsewhere] == 0).all(), f"seed={seed}: pairs held elsewhere"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_paired_kernels_stream_fp8_experts_with_their_block_scales(dtype):
+    """fp8 experts in non-square blocks (32 x 16: a block size read along the wrong axis
+    fails) through both paired kernels, split over K, against float64 of the dequantized
+    weights, as the sorted form's fp8 test bounds them."""
+    rng, seed = seeded()
+    groups, pairs, k, n, block = 4, 9, 64, 48, (32, 16)
+    pair_groups, source = paired_case(rng, groups, pairs)
+    lhs = jnp.asarray(rng.standard_normal((6, k)), dtype)
+    rows = np.asarray(lhs.astype(jnp.float32), np.float64)[source]
+    rounding = 0.0 if dtype == jnp.float32 else 2.0**-8
+    args = (jnp.asarray(pair_groups), jnp.asarray(source))
+    q, scale, exact = fp8_experts(rng, (groups, k, n), block)
+    out = gm.paired_matmul_kernel(lhs, q, *args, scale_inv=scale, scale_block=block, interpret=True, config=SPLIT_K)
+    want, bound = paired_float64(rows, exact, pair_groups)
+    assert_within(np.asarray(out, np.float64), want, bound + rounding * np.abs(want), f"seed={seed}")
+    q, scale, exact = fp8_experts(rng, (groups, k, 2, n), block)
+    got = gm.paired_swiglu_kernel(lhs, q, *args, scale_inv=scale, scale_block=block, interpret=True)
+    want, bound = swiglu_float64(rows, exact, pair_groups)
+    assert_within(np.asarray(got, np.float64), want, bound + rounding * np.abs(want), f"seed={seed}")
+
+
+def test_routed_experts_by_pair_equal_the_sorted_layer():
+    """routed_experts_by_pair with the paired kernels (interpret mode) equals the sorted
+    layer on the references, on all the experts and on a device's share of them under
+    expert parallelism (pairs routed elsewhere add nothing)."""
+    from jaxmtp.models.moe import routed_experts_by_pair
+
+    rng, seed = seeded()
+    t, h, inter, num_experts, k = 5, 32, 16, 6, 3
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    gate_up = jnp.asarray(0.5 * rng.standard_normal((num_experts, h, 2, inter)), jnp.float32)
+    down = jnp.asarray(0.5 * rng.standard_normal((num_experts, inter, h)), jnp.float32)
+    experts = np.stack([rng.choice(num_experts, size=k, replace=False) for _ in range(t)])
+    routing = Routing(jnp.asarray(experts, jnp.int32), jnp.asarray(rng.random((t, k)), jnp.float32))
+    kernels = dict(pair_swiglu=functools.partial(gm.paired_swiglu_kernel, interpret=True),
+                   pair_matmul=functools.partial(gm.paired_matmul_kernel, interpret=True))
+    _, bound, _ = experts_float64(x, experts, routing.weights, gate_up, down)
+    for first, held in ((0, num_experts), (2, 3)):
+        weights = (gate_up[first:first + held], down[first:first + held])
+        got = routed_experts_by_pair(x, routing, *weights, first, **kernels)
+        want = routed_experts(x, routing, *weights, first, expert_swiglu=gm.grouped_swiglu_reference,
+                              expert_matmul=gm.grouped_matmul_reference)
+        # two float32 evaluations in their own orders: twice one's rounding bound (of all experts)
+        assert_within(got, want, 2 * bound, f"seed={seed} first={first}")
+
+
+def test_the_measured_table_sends_few_pairs_to_the_paired_layer(monkeypatch):
+    """kernels/expert_paths.json as moe_ffn reads it: on a GPU, the paired layer for the
+    pair buckets the table marks "paired", the sorted one elsewhere, for unmeasured
+    shapes and off GPUs; fp8 experts are keyed by their scale block's K."""
+    import jaxmtp.models.moe as moe
+    from test_moe_kernels import moe_config
+
+    shape = (16, 32, 2, 16)
+    monkeypatch.setitem(gm.EXPERT_PATHS, (16, 32, 16), {8: "paired", 16: "sorted"})
+    monkeypatch.setitem(gm.EXPERT_PATHS, (16, 32, 16, 16), {8: "paired"})
+    assert not gm.experts_by_pair(8, shape)  # on the CPU
+    monkeypatch.setattr(gm.jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
+    assert gm.experts_by_pair(5, shape) and gm.experts_by_pair(8, shape)  # 5 pairs: bucket 8
+    assert not gm.experts_by_pair(9, shape) and not gm.experts_by_pair(64, shape)
+    assert not gm.experts_by_pair(8, (16, 32, 2, 8))  # not measured
+    assert gm.experts_by_pair(8, shape, (16, 16)) and not gm.experts_by_pair(8, shape, (32, 16))
+
+    calls = []
+    monkeypatch.setattr(moe, "routed_experts_by_pair", lambda *a: calls.append("paired") or jnp.zeros((2, 32)))
+    monkeypatch.setattr(moe, "routed_experts", lambda *a: calls.append("sorted") or jnp.zeros((2, 32)))
+    rng, _ = seeded()
+    cfg = moe_config(num_experts=16, k=4)
+    params = moe.MoEParams(router=jnp.asarray(rng.standard_normal((32, 16)), jnp.float32), router_bias=jnp.zeros(16),
+                           experts_gate_up=jnp.zeros(shape), experts_down=jnp.zeros((16, 16, 32)))
+    for rows, want in ((2, "paired"), (4, "sorted")):  # 8 and 16 pairs
+        moe.moe_ffn(params, cfg, jnp.ones((rows, 32)))
+        assert calls[-1] == want
 
 
 def routed_through_kernels_and_references(x, routing, gate_up, down) -> tuple:
@@ -459,3 +591,25 @@ def test_mla_kernel_lowers_for_the_gpu_at_moonlight_shapes(prefill):
     fn = lambda *a: mla_absorbed_attention(*a, sm_scale=0.1, decode_rows=1, prefill=prefill)  # noqa: E731
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_prefill_attention" in text if prefill else "mla_decode_attention" in text
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_paired_kernels_lower_for_the_gpu_at_moonlight_shapes(fp8):
+    """Both paired kernels through the Triton lowering, from the CPU, at Moonlight's
+    experts (64 of 2048 x 1408; fp8 in 128 x 128 blocks) for one token's 6 pairs."""
+    import jax
+
+    x, groups = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((6,), jnp.int32)
+    rows, act = jax.ShapeDtypeStruct((6,), jnp.int32), jax.ShapeDtypeStruct((6, 1408), jnp.bfloat16)
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    calls = [(gm.paired_swiglu_kernel, x, (64, 2048, 2, 1408), (64, 16, 2, 11), (rows,)),
+             (gm.paired_matmul_kernel, act, (64, 1408, 2048), (64, 11, 16), ())]
+    for fn, lhs, shape, scales, extra in calls:
+        w = jax.ShapeDtypeStruct(shape, dtype)
+        if fp8:
+            s = jax.ShapeDtypeStruct(scales, jnp.float32)
+            traced = jax.jit(lambda a, w, g, s, *r: fn(a, w, g, *r, scale_inv=s, scale_block=(128, 128))).trace(
+                lhs, w, groups, s, *extra)
+        else:
+            traced = jax.jit(lambda a, w, g, *r: fn(a, w, g, *r)).trace(lhs, w, groups, *extra)
+        assert "paired_" in traced.lower(lowering_platforms=("cuda",)).as_text()

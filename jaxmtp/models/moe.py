@@ -1,6 +1,7 @@
 """Mixture-of-experts FFN (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5): the router on the
-device, the routed experts through one grouped matmul, plus shared experts; under tensor
-parallelism the experts split over the devices (expert parallel)."""
+device, the routed experts through grouped matmuls (sorted by expert, or for a few rows
+pair by pair), plus shared experts; under tensor parallelism the experts split over the
+devices (expert parallel)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxmtp.kernels.grouped_matmul import grouped_matmul, grouped_swiglu
+from jaxmtp.kernels.grouped_matmul import (experts_by_pair, grouped_matmul, grouped_swiglu, paired_matmul_kernel,
+                                           paired_swiglu_kernel)
 from jaxmtp.models.config import MoEConfig
 from jaxmtp.models.layers import gated_mlp
 from jaxmtp.models.params import Fp8Weight, MoEParams
@@ -95,12 +97,35 @@ def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax
     return jnp.zeros((t, h), jnp.float32).at[row].add(weighted)
 
 
+def routed_experts_by_pair(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
+                           first_expert: jax.Array | int = 0, *, pair_swiglu=paired_swiglu_kernel,
+                           pair_matmul=paired_matmul_kernel) -> jax.Array:
+    """routed_experts' contract without the sort: the T*k (row, expert) pairs in routing's
+    order, each its own row of the paired calls (kernels/grouped_matmul.py's paired form,
+    pairs held elsewhere given group len(gate_up): 0), and each row's k outputs summed
+    with their weights in one fusion, with no scatter. For a few rows (decode), where the
+    sort, the group count and the scatter-add cost more than the calls;
+    grouped_matmul.experts_by_pair says where."""
+    t, h = x.shape
+    (gate_up, gate_up_scales), (down, down_scales) = _expert_weight(gate_up), _expert_weight(down)
+    num_held, k = gate_up.shape[0], routing.experts.shape[1]
+    local = routing.experts.reshape(-1) - first_expert
+    groups = jnp.where((local >= 0) & (local < num_held), local, num_held)
+    rows = jnp.arange(t * k, dtype=jnp.int32) // k
+    out = pair_matmul(pair_swiglu(x, gate_up, groups, rows, **gate_up_scales), down, groups, **down_scales)
+    return jnp.sum(out.astype(jnp.float32).reshape(t, k, h) * routing.weights[:, :, None], axis=1)
+
+
 def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array | int = 0) -> jax.Array:
     """The routed experts p holds (from first_expert) plus the shared experts (Qwen's
     scaled by sigmoid(h @ shared_gate)), in float32. Under expert parallelism each
     device's columns of the shared experts are scaled alike, so the sum over devices is
     the gated whole."""
-    out = routed_experts(h, route(h, p.router, p.router_bias, cfg), p.experts_gate_up, p.experts_down, first_expert)
+    routing = route(h, p.router, p.router_bias, cfg)
+    gate_up, scales = _expert_weight(p.experts_gate_up)
+    by_pair = experts_by_pair(routing.experts.size, gate_up.shape, scales.get("scale_block"))
+    out = (routed_experts_by_pair if by_pair else routed_experts)(h, routing, p.experts_gate_up, p.experts_down,
+                                                                  first_expert)
     if p.shared_gate_up is not None:
         shared = gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
         if p.shared_gate is not None:
