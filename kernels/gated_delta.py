@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.ragged_paged_attention import _TritonCompilerParams
+from jaxmtp.kernels.triton_common import TritonCompilerParams
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 F32 = jnp.float32
@@ -137,7 +137,7 @@ def scan_rows_kernel(q, k, v, g, beta, state, query_start, slots, fresh, keep: i
         grid=(num_requests, num_heads, dv // block_dv),
         out_shape=[jax.ShapeDtypeStruct((num_rows * num_heads * dv,), F32),
                    jax.ShapeDtypeStruct((tail_rows, dv), F32)],
-        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gated_delta_recurrent",
     )(query_start.astype(jnp.int32), slots.astype(jnp.int32), fresh.astype(jnp.int32), q.reshape(-1), k.reshape(-1),
@@ -191,7 +191,7 @@ def scan_chunks_kernel(terms, chunk_start, state, slots, fresh, *, interpret: bo
         grid=(num_requests, num_heads, dv // block_dv),
         out_shape=[jax.ShapeDtypeStruct((rows, dv), F32),
                    jax.ShapeDtypeStruct((num_requests * num_heads * dk, dv), F32)],
-        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="gated_delta_scan_chunks",
     )(chunk_start.astype(jnp.int32), slots.astype(jnp.int32), fresh.astype(jnp.int32), u.reshape(rows, dv),

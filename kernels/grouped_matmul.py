@@ -1,5 +1,6 @@
 """Grouped matmul: the expert FFNs of a mixture of experts, one Pallas kernel per
-projection, lowered through Triton; with its plain-jnp reference of the same signature.
+projection, lowered through Triton; its plain-jnp references, of the same signatures, are
+in kernels/grouped_reference.py.
 
 Layout (fixed by jaxmtp/models/moe.py):
   lhs          [M0, K]    the rows; with `rows`, sorted row i is lhs[rows[i]] (the
@@ -58,83 +59,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.fp8_matmul import F16_SHIFT, dequantize_blocks, is_k_step
-from jaxmtp.kernels.ragged_paged_attention import _NUM_SMS, _cdiv, _next_power_of_2, _TritonCompilerParams
+from jaxmtp.kernels.fp8_matmul import F16_SHIFT, is_k_step
+from jaxmtp.kernels.grouped_reference import grouped_matmul_reference, grouped_swiglu_reference, silu_and_mul
+from jaxmtp.kernels.triton_common import NUM_SMS, TritonCompilerParams, cdiv, next_power_of_2
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 HIGHEST = lax.Precision.HIGHEST
-
-
-# ----- reference -------------------------------------------------------------------------
-
-
-def _sorted_lhs(lhs, rows):
-    return lhs if rows is None else lhs[rows]
-
-
-def _ragged_dot(lhs, rhs, group_sizes):
-    return lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), precision=HIGHEST,
-                          preferred_element_type=jnp.float32)
-
-
-def _dequantized(lhs, rhs, scale_inv, scale_block):
-    """(lhs, rhs) to multiply: as they are, or for an fp8 rhs both in float32 with rhs
-    times its block scales."""
-    if scale_inv is None:
-        return lhs, rhs
-    bk, bn = scale_block
-    block = (1, bk, 1, bn) if rhs.ndim == 4 else (1, bk, bn)
-    return lhs.astype(jnp.float32), dequantize_blocks(rhs, scale_inv, block)
-
-
-def grouped_matmul_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                             rows: jax.Array | None = None, *, scale_inv: jax.Array | None = None,
-                             scale_block: tuple[int, int] | None = None) -> jax.Array:
-    """lhs rows of group g times rhs[g], in float32 accumulation (XLA's ragged_dot)."""
-    a, w = _dequantized(_sorted_lhs(lhs, rows), rhs, scale_inv, scale_block)
-    return _ragged_dot(a, w, group_sizes).astype(lhs.dtype)
-
-
-def _silu_and_mul(both: jax.Array, n: int) -> jax.Array:
-    """silu(gate) * up of float32 products [M, 2N], gate then up."""
-    return jax.nn.silu(both[:, :n]) * both[:, n:]
-
-
-def grouped_swiglu_reference(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array,
-                             rows: jax.Array | None = None, *, scale_inv: jax.Array | None = None,
-                             scale_block: tuple[int, int] | None = None) -> jax.Array:
-    """silu(lhs @ gate[g]) * (lhs @ up[g]) per group, from float32 accumulators."""
-    num_groups, k, _, n = gate_up.shape
-    a, w = _dequantized(_sorted_lhs(lhs, rows), gate_up, scale_inv, scale_block)
-    both = _ragged_dot(a, w.reshape(num_groups, k, 2 * n), group_sizes)
-    return _silu_and_mul(both, n).astype(lhs.dtype)
-
-
-def _paired_product(lhs, rhs, pair_groups, rows, scale_inv, scale_block):
-    """Each row times its group's matrix, float32: [M, N] ([M, 2, N] for gate_up); rows
-    of group G (held elsewhere) 0. Gathers a matrix a row: for tests' sizes."""
-    num_groups = rhs.shape[0]
-    a, w = _dequantized(_sorted_lhs(lhs, rows), rhs, scale_inv, scale_block)
-    held = pair_groups < num_groups
-    w = w[jnp.minimum(pair_groups, num_groups - 1)].astype(jnp.float32)
-    out = jnp.einsum("mk,mk...->m...", a.astype(jnp.float32), w, precision=HIGHEST)
-    return jnp.where(held.reshape((-1,) + (1,) * (out.ndim - 1)), out, 0.0)
-
-
-def paired_matmul_reference(lhs: jax.Array, rhs: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None,
-                            *, scale_inv: jax.Array | None = None,
-                            scale_block: tuple[int, int] | None = None) -> jax.Array:
-    """Row i times rhs[pair_groups[i]] (0 where pair_groups[i] = G), float32 accumulation."""
-    return _paired_product(lhs, rhs, pair_groups, rows, scale_inv, scale_block).astype(lhs.dtype)
-
-
-def paired_swiglu_reference(lhs: jax.Array, gate_up: jax.Array, pair_groups: jax.Array,
-                            rows: jax.Array | None = None, *, scale_inv: jax.Array | None = None,
-                            scale_block: tuple[int, int] | None = None) -> jax.Array:
-    """silu(row @ gate[g]) * (row @ up[g]) for each row's group g (0 where g = G)."""
-    n = gate_up.shape[-1]
-    both = _paired_product(lhs, gate_up, pair_groups, rows, scale_inv, scale_block).reshape(-1, 2 * n)
-    return _silu_and_mul(both, n).astype(lhs.dtype)
 
 
 # ----- kernel ----------------------------------------------------------------------------
@@ -180,7 +110,7 @@ def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool 
     loads in flight) and long K steps; large ones are MMA tiles of 128 x 128. An fp8
     rhs's K step stays inside one scale block (scale_block[0], a power of 2 >= 16).
     """
-    rows_per_group = _next_power_of_2(_cdiv(num_rows, num_groups))
+    rows_per_group = next_power_of_2(cdiv(num_rows, num_groups))
     block_m = min(max(rows_per_group, 16), 128)
     longest_k = 256 if scale_block is None else min(256, scale_block[0])
     if block_m <= 32:
@@ -193,7 +123,7 @@ def default_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool 
 
 
 # the paired form's programs: about two a multiprocessor (the GQA kernel's decode rule)
-_TARGET_PROGRAMS = 2 * _NUM_SMS
+_TARGET_PROGRAMS = 2 * NUM_SMS
 
 
 def paired_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool = False,
@@ -229,7 +159,7 @@ def _sorted_block(group_sizes_ref, m_block, *, num_groups: int, block_m: int, nu
     """(group, first row, rows) of row block m_block: group g has cdiv(size_g, block_m)
     blocks, in order; group num_groups holds the padding rows. Blocks past the last
     have no rows."""
-    ids = jnp.arange(_next_power_of_2(num_groups + 1), dtype=jnp.int32)
+    ids = jnp.arange(next_power_of_2(num_groups + 1), dtype=jnp.int32)
     sizes = plgpu.load(group_sizes_ref.at[ids], mask=ids < num_groups, other=0)
     sizes = jnp.where(ids == num_groups, num_rows - jnp.sum(sizes), sizes)
     # lax.div, not //: operands are non-negative, so skip jnp's floor fix-ups.
@@ -296,8 +226,8 @@ def _kernel(groups_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int, bloc
 
     if scale_block:  # this group's scale rows, and each column's scale of gate (and up)
         scale_k, scale_n = scale_block
-        scale_row0 = jnp.minimum(group, num_groups - 1) * _cdiv(k_total, scale_k)
-        scale_cols = [lax.div(col, scale_n)] + ([_cdiv(n, scale_n) + lax.div(col, scale_n)] if swiglu else [])
+        scale_row0 = jnp.minimum(group, num_groups - 1) * cdiv(k_total, scale_k)
+        scale_cols = [lax.div(col, scale_n)] + ([cdiv(n, scale_n) + lax.div(col, scale_n)] if swiglu else [])
 
     def product(a, weights, part, first_k):
         w = plgpu.load(weights)
@@ -346,7 +276,7 @@ def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_in
     if k % (config.block_k * config.split_k) or n % config.block_n:
         raise ValueError(f"{config} does not tile K={k}, N={n}")
     if scale_block is not None:
-        scales = (num_groups, _cdiv(k, scale_block[0])) + ((2,) if swiglu else ()) + (_cdiv(n, scale_block[1]),)
+        scales = (num_groups, cdiv(k, scale_block[0])) + ((2,) if swiglu else ()) + (cdiv(n, scale_block[1]),)
         if scale_inv.shape != scales:
             raise ValueError(f"scale_inv {scale_inv.shape} does not fit rhs {rhs.shape} in blocks of {scale_block} "
                              f"(it should be {scales})")
@@ -370,14 +300,14 @@ def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_in
         kernel,
         grid=(num_blocks, n // config.block_n, config.split_k),
         out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32 if split else lhs.dtype),
-        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name=("paired_" if paired else "grouped_") + ("swiglu" if swiglu else "matmul"),
     )(*operands)
     if not split:
         return out
     out = out.sum(axis=0)
-    return (_silu_and_mul(out, n) if swiglu else out).astype(lhs.dtype)
+    return (silu_and_mul(out, n) if swiglu else out).astype(lhs.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))

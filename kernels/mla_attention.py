@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.ragged_paged_attention import (_NUM_SMS, _cdiv, _merge_splits, _next_power_of_2,
-                                                  _TritonCompilerParams, locate_q_block)
+from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
+                                          next_power_of_2)
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
@@ -43,7 +43,7 @@ _LOG2E = math.log2(math.e)
 # Splits aim at about two programs per multiprocessor (as the GQA kernel's decode rule),
 # at most 32: batch 1 at context 16k took 140 / 89 / 71 us in 8 / 16 / 32 splits (H200,
 # docs/kernels.md, "MLA attention"); the merge reads R + 2 floats per row and head a split.
-_TARGET_PROGRAMS = 2 * _NUM_SMS
+_TARGET_PROGRAMS = 2 * NUM_SMS
 _MAX_SPLITS = 32
 _MIN_TILE_ROWS = 16  # a Triton MMA minimum
 
@@ -89,16 +89,16 @@ def default_config(num_rows: int, num_seqs: int, num_heads: int, decode_rows: in
     swept on the GPU); 64 tokens a step, splits until the grid has about two programs
     per multiprocessor."""
     if prefill:
-        block_h = min(_next_power_of_2(num_heads), 16)
+        block_h = min(next_power_of_2(num_heads), 16)
         block_q = max(1, 32 // block_h)
-        programs = _cdiv(num_rows, block_q) * _cdiv(num_heads, block_h)
+        programs = cdiv(num_rows, block_q) * cdiv(num_heads, block_h)
     else:
-        block_q = _next_power_of_2(decode_rows)
-        block_h = min(_next_power_of_2(num_heads), max(1, 32 // block_q))
-        programs = num_seqs * _cdiv(num_heads, block_h)
+        block_q = next_power_of_2(decode_rows)
+        block_h = min(next_power_of_2(num_heads), max(1, 32 // block_q))
+        programs = num_seqs * cdiv(num_heads, block_h)
     block_kv = 64
-    kv_steps = max(1, _cdiv(max_context, block_kv))
-    num_splits = 1 if programs >= _NUM_SMS else min(_cdiv(_TARGET_PROGRAMS, programs), kv_steps, _MAX_SPLITS)
+    kv_steps = max(1, cdiv(max_context, block_kv))
+    num_splits = 1 if programs >= NUM_SMS else min(cdiv(_TARGET_PROGRAMS, programs), kv_steps, _MAX_SPLITS)
     return MLAKernelConfig(block_q, block_h, block_kv, num_splits, 4, 2)
 
 
@@ -144,9 +144,9 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
 
     # Steps below full_hi are seen whole by every row: no mask; the rest (the diagonal)
     # are masked, and never load slots at or past kv_end.
-    step_hi = _cdiv(kv_end, block_kv)
+    step_hi = cdiv(kv_end, block_kv)
     full_hi = jnp.clip((first_pos + 1) // block_kv, 0, step_hi)
-    per_split = _cdiv(step_hi, num_splits)
+    per_split = cdiv(step_hi, num_splits)
     split_lo = split * per_split
     split_hi = jnp.minimum(split_lo + per_split, step_hi)
     page_table_offset = seq * pages_per_seq
@@ -237,9 +237,9 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
     outs = pl.pallas_call(
         kernel,
         # the head blocks of one q block run side by side: each reads the same latent tiles
-        grid=(_cdiv(num_heads, config.block_h), num_blocks, config.num_splits),
+        grid=(cdiv(num_heads, config.block_h), num_blocks, config.num_splits),
         out_shape=out_shape,
-        compiler_params=_TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="mla_prefill_attention" if prefill else "mla_decode_attention",
     )(
@@ -260,5 +260,5 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
     if config.num_splits == 1:
         out = jnp.where(taken[:, None], outs[0], 0)  # rows the kernel did not take were never written
     else:
-        out = _merge_splits(*outs, taken).astype(q_latent.dtype)
+        out = merge_splits(*outs, taken).astype(q_latent.dtype)
     return out.reshape(num_rows, num_heads, rank)

@@ -33,18 +33,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams`
-# before, removed in 0.7.2.
-_TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
+                                          next_power_of_2)
 
 _LOG2E = math.log2(math.e)
 # The KV range is split across programs only when the grid has fewer programs than the
 # H200 has multiprocessors; the split then aims at about two decode programs per
 # multiprocessor, or one wave of prefill tiles (which fill an SM alone); docs/kernels.md
 # ("Splits") has the measurements behind both rules.
-_NUM_SMS = 132
-_TARGET_DECODE_PROGRAMS = 2 * _NUM_SMS
-_TARGET_PREFILL_PROGRAMS = _NUM_SMS
+_TARGET_DECODE_PROGRAMS = 2 * NUM_SMS
+_TARGET_PREFILL_PROGRAMS = NUM_SMS
 # At most this many splits: the split count comes from the page table's width (a bucket
 # of the longest scheduled context), and the merge reads every split's partial rows
 # whether it had work or not, so many splits over a mostly empty table cost more than
@@ -66,14 +64,6 @@ class KernelConfig:
     num_stages: int  # software-pipelining depth of the page loads
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
 def default_config(
     num_rows: int,
     num_seqs: int,
@@ -91,8 +81,8 @@ def default_config(
     Decode-sized tiles stream 128 tokens a step, prefill tiles 64, three steps in
     flight, fewer where the K/V buffers would not fit in shared memory.
     """
-    group_pad = _next_power_of_2(group)
-    rows_per_seq = _next_power_of_2(_cdiv(num_rows, num_seqs))
+    group_pad = next_power_of_2(group)
+    rows_per_seq = next_power_of_2(cdiv(num_rows, num_seqs))
     max_tile_rows = 256 if itemsize <= 2 else 64
     block_q = min(max(rows_per_seq, max(1, 16 // group_pad)), max(1, max_tile_rows // group_pad))
     decode_like = block_q * group_pad <= 64
@@ -107,10 +97,10 @@ def default_config(
         num_stages -= 1
     # Programs that will have work: one q block per sequence at least, more when
     # sequences have more rows than a block (the grid itself uses a safe bound).
-    programs = max(_cdiv(num_rows, block_q), min(num_seqs, num_rows)) * num_kv_heads
+    programs = max(cdiv(num_rows, block_q), min(num_seqs, num_rows)) * num_kv_heads
     target = _TARGET_DECODE_PROGRAMS if decode_like else _TARGET_PREFILL_PROGRAMS
-    kv_steps = max(1, _cdiv(max_context, block_kv))
-    num_splits = 1 if programs >= _NUM_SMS else min(_cdiv(target, programs), kv_steps, _MAX_SPLITS)
+    kv_steps = max(1, cdiv(max_context, block_kv))
+    num_splits = 1 if programs >= NUM_SMS else min(cdiv(target, programs), kv_steps, _MAX_SPLITS)
     return KernelConfig(block_q, block_kv, num_splits, 4 if decode_like else 8, num_stages)
 
 
@@ -138,7 +128,7 @@ def _kernel(
     program, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_seqs = kv_lens_ref.shape[0]
     head_dim = q_ref.shape[-1]
-    group_pad = _next_power_of_2(group)
+    group_pad = next_power_of_2(group)
     tile_rows = block_q * group_pad
     # float32 inputs get true float32 products, not Triton's default tf32.
     precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
@@ -169,15 +159,15 @@ def _kernel(
         kv_start = jnp.maximum(first_pos - sliding_window + 1, 0)
         full_start = jnp.maximum(last_pos - sliding_window + 1, 0)
     step_lo = kv_start // block_kv
-    step_hi = _cdiv(kv_end, block_kv)
+    step_hi = cdiv(kv_end, block_kv)
     # Steps in [full_lo, full_hi) are seen whole by every row: no mask needed, and
     # they lie below kv_end, so every slot there holds real data.
-    full_lo = jnp.clip(_cdiv(full_start, block_kv), step_lo, step_hi)
+    full_lo = jnp.clip(cdiv(full_start, block_kv), step_lo, step_hi)
     full_hi = jnp.clip((first_pos + 1) // block_kv, full_lo, step_hi)
     if num_splits == 1:
         split_lo, split_hi = step_lo, step_hi
     else:
-        per_split = _cdiv(step_hi - step_lo, num_splits)
+        per_split = cdiv(step_hi - step_lo, num_splits)
         split_lo = step_lo + split * per_split
         split_hi = jnp.minimum(split_lo + per_split, step_hi)
 
@@ -251,38 +241,6 @@ def _kernel(
         plgpu.store(sum_ref.at[split, q_index], row_sum, mask=row_ok)
 
 
-def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_rows: int = 1,
-                   max_rows: int | None = None):
-    """The rows of q block `block`: each sequence with between min_rows and max_rows rows
-    (the others have none) has cdiv(rows, block_q) blocks of block_q rows, in order.
-    Returns (seq, row_start, num_rows, first_pos): the block's sequence, first row, row
-    count (0 for a block past the last one, which then does nothing) and the position of
-    its first row in the sequence."""
-    num_seqs = kv_lens_ref.shape[0]
-    seq_ids = jnp.arange(_next_power_of_2(num_seqs), dtype=jnp.int32)
-    seq_ok = seq_ids < num_seqs
-    seq_starts = plgpu.load(query_start_ref.at[seq_ids], mask=seq_ok, other=0)
-    seq_ends = plgpu.load(query_start_ref.at[seq_ids + 1], mask=seq_ok, other=0)
-    rows = seq_ends - seq_starts
-    # lax.div/rem, not // and %: operands are non-negative, so skip jnp's floor fix-ups.
-    blocks_per_seq = lax.div(rows + block_q - 1, block_q)
-    if min_rows > 1:
-        blocks_per_seq = jnp.where(rows >= min_rows, blocks_per_seq, 0)
-    if max_rows is not None:
-        blocks_per_seq = jnp.where(rows <= max_rows, blocks_per_seq, 0)
-    blocks_end = jnp.cumsum(blocks_per_seq)
-    seq = jnp.sum((blocks_end <= block).astype(jnp.int32))
-    live = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    first_block = jnp.sum(jnp.where(seq_ids == seq, blocks_end - blocks_per_seq, 0))
-    seq_start, seq_end = query_start_ref[seq], query_start_ref[seq + 1]
-    offset = (block - first_block) * block_q  # rows of this sequence before the block
-    row_start = seq_start + offset
-    num_rows = jnp.where(live, jnp.minimum(seq_end - row_start, block_q), 0)
-    first_pos = jnp.where(live, kv_lens_ref[seq] - (seq_end - seq_start) + offset, 0)
-    return seq, row_start, num_rows, first_pos
-
-
 def _zero_unowned_rows(o_ref, owned_start, owned_end, program, kv_head, *, num_rows_total,
                        num_blocks, num_q_heads, group):
     """Writes 0 to the rows no sequence owns, so that no pass over the output is needed.
@@ -290,8 +248,8 @@ def _zero_unowned_rows(o_ref, owned_start, owned_end, program, kv_head, *, num_r
     Program p covers rows [p * n, (p + 1) * n) for its kv head's q heads (n chosen
     so that the programs cover all rows); owned rows are left to their owners.
     """
-    rows_per_program = _next_power_of_2(_cdiv(num_rows_total, num_blocks))
-    group_pad = _next_power_of_2(group)
+    rows_per_program = next_power_of_2(cdiv(num_rows_total, num_blocks))
+    group_pad = next_power_of_2(group)
     head_dim = o_ref.shape[-1]
     tile = jnp.arange(rows_per_program * group_pad, dtype=jnp.int32)
     row = program * rows_per_program + lax.div(tile, group_pad)
@@ -305,17 +263,6 @@ def _zero_unowned_rows(o_ref, owned_start, owned_end, program, kv_head, *, num_r
         jnp.zeros((tile.shape[0], head_dim), o_ref.dtype),
         mask=jnp.broadcast_to(ok[:, None], (tile.shape[0], head_dim)),
     )
-
-
-def _merge_splits(acc, row_max, row_sum, owned):
-    """Combines per-split (unnormalised acc, base-2 max, sum) into the output rows."""
-    overall_max = jnp.max(row_max, axis=0)
-    overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
-    weight = jnp.exp2(row_max - overall_max)
-    total = jnp.sum(weight * row_sum, axis=0)
-    out = jnp.sum(weight[..., None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
-    # Rows no sequence owns were never written.
-    return jnp.where(owned[:, None], out, 0.0)
 
 
 @functools.partial(
@@ -386,7 +333,7 @@ def ragged_paged_attention(
         kernel,
         grid=(num_blocks, num_kv_heads, config.num_splits),
         out_shape=out_shape,
-        compiler_params=_TritonCompilerParams(
+        compiler_params=TritonCompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
         interpret=interpret,
@@ -404,5 +351,5 @@ def ragged_paged_attention(
     else:
         rows = jnp.arange(num_rows)
         owned = (rows >= query_start[0]) & (rows < query_start[num_seqs])
-        out = _merge_splits(*outs, jnp.repeat(owned, num_q_heads)).astype(q.dtype)
+        out = merge_splits(*outs, jnp.repeat(owned, num_q_heads)).astype(q.dtype)
     return out.reshape(num_rows, num_q_heads, head_dim)

@@ -174,3 +174,53 @@ def test_a_hybrid_engine_on_the_kernels_emits_the_reference_engines_tokens(tmp_p
     accepted = [o.spec_stats["accepted_per_position"] for o in runs["reference"]]
     if all(r.outputs[0].token_ids == g.outputs[0].token_ids for r, g in zip(*runs.values())):
         assert accepted == [o.spec_stats["accepted_per_position"] for o in runs["pallas_interpret"]], f"seed={seed}"
+
+
+SPLIT_SCRIPT = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jaxmtp.models import gated_delta as gd
+from jaxmtp.models.config import HybridConfig
+from jaxmtp.worker.sharding import make_mesh
+rng = np.random.default_rng(int(sys.argv[1]))
+hk, hv, d, slots = 2, 4, 16, 5
+cfg = HybridConfig(("linear_attention", "full_attention"), hk, hv, d, d, 4)
+query_start = jnp.array([0, 5, 7, 70], jnp.int32)  # the last request's 63 rows: two 64-row chunks with the others'
+rows = int(query_start[-1]) + 2  # two padding rows
+q, k = (jnp.asarray(rng.standard_normal((rows, hk, d)), jnp.float32) for _ in range(2))
+v = jnp.asarray(rng.standard_normal((rows, hv, d)), jnp.float32)
+g = -jnp.asarray(rng.uniform(0.01, 0.5, (rows, hv)), jnp.float32)
+beta = jnp.asarray(rng.uniform(0.1, 0.9, (rows, hv)), jnp.float32)
+state = jnp.asarray(0.1 * rng.standard_normal((slots, hv, d, d)), jnp.float32)
+args = (q, k, v, g, beta, state, query_start, jnp.array([4, 1, 2], jnp.int32), jnp.array([False, True, False]))
+out = {}
+for name, rule in (("one", gd.delta_rule_fn("pallas_interpret", cfg)),
+                   ("split", gd.delta_rule_fn("pallas_interpret", cfg, make_mesh(2)))):
+    recurrent = jax.jit(lambda *a: gd.gated_delta_recurrent(*a, 3, rule.over_rows))(*args)
+    chunked = jax.jit(lambda *a: gd.gated_delta_chunked(*a, gd.CHUNK, rule.across_chunks))(*args)
+    out[name] = [np.asarray(x).tolist() for x in (*recurrent, *chunked)]
+print(json.dumps({"equal": out["one"] == out["split"], "finite": bool(np.isfinite(out["one"][0]).all())}))
+"""
+
+
+def test_the_kernels_split_over_two_devices_give_one_devices_numbers(rng):
+    """Both kernels' forms through shard_over_value_heads on two forced CPU devices (each
+    with one key head and its two value heads, their states and tails) against the same
+    kernels on one device, bitwise: a head's rows never meet another's, so a device's
+    kernel computes exactly what the whole one does for its heads (interpret mode; the
+    engine's TP runs use the jnp forms on the CPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import CPU_XLA_FLAGS, ROOT
+
+    seed = int(rng.integers(1 << 30))
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAGS}"}
+    run = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT, str(seed)], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result == {"equal": True, "finite": True}, f"seed={seed}"

@@ -150,12 +150,15 @@ def test_boundary_page_gives_the_no_cache_draft_kv_and_acceptance(no_cache, rng)
             out, computed, kv = run_alone(llm, second, 32)
             assert computed == len(second) - reused(shared), mode
             assert out.outputs[0].token_ids == ref_out.outputs[0].token_ids
-            row_differs = np.abs(kv - ref_kv).max(axis=(0, 2, 3)) > draft_kv_bound(ref_kv, 1)
+            row_error = np.abs(kv - ref_kv).max(axis=(0, 2, 3))
             if mode == "stale":
-                # at most the reused page's last row, built from the first prompt's next token
-                # (two tokens' embeddings can give draft KV closer than the bound: seen once)
-                assert set(np.flatnonzero(row_differs)) <= {shared - 1}
-                stale_rows += np.flatnonzero(row_differs).tolist()
+                # at most the reused page's last row, built from the first prompt's next token,
+                # differs past rounding's bound; it differs visibly when it stands out from
+                # every other row's rounding, even inside that bound (which is derived from the
+                # whole KV's largest value: two tokens' draft KV rows may differ by less)
+                assert set(np.flatnonzero(row_error > draft_kv_bound(ref_kv, 1))) <= {shared - 1}
+                if row_error[shared - 1] > 2 * np.delete(row_error, shared - 1).max():
+                    stale_rows.append(shared - 1)
             else:
                 assert_within(kv, ref_kv, draft_kv_bound(ref_kv, 1), mode)
                 assert out.spec_stats["accepted_per_position"] == ref_out.spec_stats["accepted_per_position"]

@@ -1,0 +1,67 @@
+"""What the Triton-lowered Pallas kernels share: the compiler parameters' name across JAX
+versions, the H200's multiprocessor count their grids aim at, integer helpers, and the
+attention kernels' q-block lookup and split merge."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+# `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams`
+# before, removed in 0.7.2.
+TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+
+# The grids' programs are counted against the H200's multiprocessors.
+NUM_SMS = 132
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_rows: int = 1,
+                   max_rows: int | None = None):
+    """The rows of q block `block`: each sequence with between min_rows and max_rows rows
+    (the others have none) has cdiv(rows, block_q) blocks of block_q rows, in order.
+    Returns (seq, row_start, num_rows, first_pos): the block's sequence, first row, row
+    count (0 for a block past the last one, which then does nothing) and the position of
+    its first row in the sequence."""
+    num_seqs = kv_lens_ref.shape[0]
+    seq_ids = jnp.arange(next_power_of_2(num_seqs), dtype=jnp.int32)
+    seq_ok = seq_ids < num_seqs
+    seq_starts = plgpu.load(query_start_ref.at[seq_ids], mask=seq_ok, other=0)
+    seq_ends = plgpu.load(query_start_ref.at[seq_ids + 1], mask=seq_ok, other=0)
+    rows = seq_ends - seq_starts
+    # lax.div/rem, not // and %: operands are non-negative, so skip jnp's floor fix-ups.
+    blocks_per_seq = lax.div(rows + block_q - 1, block_q)
+    if min_rows > 1:
+        blocks_per_seq = jnp.where(rows >= min_rows, blocks_per_seq, 0)
+    if max_rows is not None:
+        blocks_per_seq = jnp.where(rows <= max_rows, blocks_per_seq, 0)
+    blocks_end = jnp.cumsum(blocks_per_seq)
+    seq = jnp.sum((blocks_end <= block).astype(jnp.int32))
+    live = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    first_block = jnp.sum(jnp.where(seq_ids == seq, blocks_end - blocks_per_seq, 0))
+    seq_start, seq_end = query_start_ref[seq], query_start_ref[seq + 1]
+    offset = (block - first_block) * block_q  # rows of this sequence before the block
+    row_start = seq_start + offset
+    num_rows = jnp.where(live, jnp.minimum(seq_end - row_start, block_q), 0)
+    first_pos = jnp.where(live, kv_lens_ref[seq] - (seq_end - seq_start) + offset, 0)
+    return seq, row_start, num_rows, first_pos
+
+
+def merge_splits(acc, row_max, row_sum, owned):
+    """Combines per-split (unnormalised acc, base-2 max, sum) into the output rows."""
+    overall_max = jnp.max(row_max, axis=0)
+    overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
+    weight = jnp.exp2(row_max - overall_max)
+    total = jnp.sum(weight * row_sum, axis=0)
+    out = jnp.sum(weight[..., None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
+    # Rows no sequence owns were never written.
+    return jnp.where(owned[:, None], out, 0.0)
