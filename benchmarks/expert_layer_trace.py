@@ -1,7 +1,8 @@
 """Where the routed-expert layer's time goes at a few token counts: the GPU kernels of
-jaxmtp.models.moe.routed_experts (the engine's path: the grouped kernels at the measured
-table's tilings, the sort, the row gather and the weighted sum) from a profiler trace,
-each kernel's microseconds per layer, against the grouped calls' bytes floor.
+jaxmtp.models.moe.routed_experts (the sorted layer: the grouped kernels at the measured
+table's tilings, the sort, the row gather and the weighted sum) and of
+routed_experts_by_pair (the paired kernels and the weighted sum, no sort) from a profiler
+trace, each kernel's microseconds per layer.
 
     python benchmarks/expert_layer_trace.py [--model moonlight] [--tokens 1,2,8,32] [--out DIR]
 
@@ -33,7 +34,7 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmtp.models.moe import Routing, routed_experts
+    from jaxmtp.models.moe import Routing, routed_experts, routed_experts_by_pair
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="moonlight", choices=sorted(MODELS))
@@ -51,21 +52,21 @@ def main() -> None:
         x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
         chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
         routing = Routing(jnp.asarray(chosen, jnp.int32), jnp.asarray(rng.random((tokens, top_k)), jnp.float32))
-        layer = jax.jit(lambda x, routing, gu, dn: routed_experts(x, routing, gu, dn))
-        jax.block_until_ready([layer(x, routing, gate_up[i], down[i]) for i in range(copies)])
+        for name, fn in (("sorted", routed_experts), ("paired", routed_experts_by_pair)):
+            layer = jax.jit(lambda x, routing, gu, dn, fn=fn: fn(x, routing, gu, dn))
+            jax.block_until_ready([layer(x, routing, gate_up[i], down[i]) for i in range(copies)])
+            copy = itertools.cycle(range(copies))
 
-        copy = itertools.cycle(range(copies))
+            def run(layer=layer, copy=copy):  # each call on the next weight copy
+                i = next(copy)
+                return layer(x, routing, gate_up[i], down[i])
 
-        def run():  # each call on the next weight copy
-            i = next(copy)
-            return layer(x, routing, gate_up[i], down[i])
-
-        table = kernel_table(trace_events(run, CALLS), CALLS)
-        total = sum(row["us_per_step"] for row in table)
-        results["by_tokens"][str(tokens)] = {"kernels": table, "kernel_us_per_layer": total}
-        print(f"T={tokens}: {total:.1f} us of kernels a layer", flush=True)
-        for row in table:
-            print(f"   {row['us_per_step']:7.1f} us x{row['calls_per_step']:.0f}  {row['name'][:90]}", flush=True)
+            table = kernel_table(trace_events(run, CALLS), CALLS)
+            total = sum(row["us_per_step"] for row in table)
+            results["by_tokens"].setdefault(str(tokens), {})[name] = {"kernels": table, "kernel_us_per_layer": total}
+            print(f"T={tokens} {name}: {total:.1f} us of kernels a layer", flush=True)
+            for row in table:
+                print(f"   {row['us_per_step']:7.1f} us x{row['calls_per_step']:.0f}  {row['name'][:90]}", flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "expert_layer_trace.json").write_text(json.dumps(results, indent=1))
 

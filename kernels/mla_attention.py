@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
-                                          next_power_of_2)
+                                          next_power_of_2, online_softmax_step, step_slots)
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
@@ -152,18 +152,10 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
     page_table_offset = seq * pages_per_seq
 
     def step(kv_step, carry, *, masked: bool):
-        acc, row_max, row_sum = carry
-        token = kv_step * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-        page_index = page_table_ref.at[page_table_offset + lax.div(token, page_size)]
-        if masked:
-            token_ok = token < kv_end
-            page = plgpu.load(page_index, mask=token_ok, other=0)
-            latent_mask = jnp.broadcast_to(token_ok[:, None], (block_kv, rank))
-            rope_mask = jnp.broadcast_to(token_ok[:, None], (block_kv, rope_dim))
-        else:
-            page = plgpu.load(page_index)
-            latent_mask = rope_mask = None
-        slot = page * page_size + lax.rem(token, page_size)
+        token, slot, token_ok = step_slots(page_table_ref, page_table_offset, kv_step, block_kv=block_kv,
+                                           page_size=page_size, kv_end=kv_end, masked=masked)
+        latent_mask = None if token_ok is None else jnp.broadcast_to(token_ok[:, None], (block_kv, rank))
+        rope_mask = None if token_ok is None else jnp.broadcast_to(token_ok[:, None], (block_kv, rope_dim))
         other = 0 if masked else None
         latent = plgpu.load(latent_ref.at[slot[:, None], rank_ids[None, :]], mask=latent_mask, other=other)
         rope = plgpu.load(rope_ref.at[slot[:, None], rope_ids[None, :]], mask=rope_mask, other=other)
@@ -172,14 +164,8 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
         logits = logits * (sm_scale * _LOG2E)
         if masked:
             logits = jnp.where(token[None, :] <= position[:, None], logits, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
-        # a row that has seen nothing yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
-        new_max_safe = jnp.where(new_max == -jnp.inf, 0.0, new_max) if masked else new_max
-        correction = jnp.exp2(row_max - new_max_safe)
-        probs = jnp.exp2(logits - new_max_safe[:, None])
-        row_sum = row_sum * correction + jnp.sum(probs, axis=1)
-        acc = acc * correction[:, None] + plgpu.dot(probs.astype(latent.dtype), latent, precision=precision)
-        return acc, new_max, row_sum
+        # the latent tile is the values too: loaded once for both products
+        return online_softmax_step(carry, logits, lambda: latent, masked=masked, precision=precision)
 
     carry = (jnp.zeros((tile_rows, rank), jnp.float32), jnp.full((tile_rows,), -jnp.inf, jnp.float32),
              jnp.zeros((tile_rows,), jnp.float32))

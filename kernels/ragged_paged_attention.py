@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
-                                          next_power_of_2)
+                                          next_power_of_2, online_softmax_step, step_slots)
 
 _LOG2E = math.log2(math.e)
 # The KV range is split across programs only when the grid has fewer programs than the
@@ -172,18 +172,9 @@ def _kernel(
         split_hi = jnp.minimum(split_lo + per_split, step_hi)
 
     def step(kv_step, carry, *, masked: bool):
-        acc, row_max, row_sum = carry
-        token = kv_step * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-        page_index = page_table_ref.at[page_table_offset + lax.div(token, page_size)]
-        if masked:
-            # Slots at or past kv_end may be stale or belong to nobody: never load them.
-            token_ok = token < kv_end
-            token_mask = jnp.broadcast_to(token_ok[:, None], (block_kv, head_dim))
-            page = plgpu.load(page_index, mask=token_ok, other=0)
-        else:
-            token_mask = None
-            page = plgpu.load(page_index)
-        slot = page * page_size + lax.rem(token, page_size)
+        token, slot, token_ok = step_slots(page_table_ref, page_table_offset, kv_step, block_kv=block_kv,
+                                           page_size=page_size, kv_end=kv_end, masked=masked)
+        token_mask = None if token_ok is None else jnp.broadcast_to(token_ok[:, None], (block_kv, head_dim))
         kv_index = (slot[:, None], kv_head, dim[None, :])
         k = plgpu.load(k_ref.at[kv_index], mask=token_mask, other=0 if masked else None)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision)
@@ -197,19 +188,9 @@ def _kernel(
             if sliding_window is not None:
                 allowed &= token[None, :] > position[:, None] - sliding_window
             logits = jnp.where(allowed, logits, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
-        if masked:
-            # A row that has seen nothing yet keeps max -inf; subtract 0 instead so
-            # that exp2 gives 0, not NaN.
-            new_max_safe = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        else:
-            new_max_safe = new_max
-        correction = jnp.exp2(row_max - new_max_safe)
-        probs = jnp.exp2(logits - new_max_safe[:, None])
-        row_sum = row_sum * correction + jnp.sum(probs, axis=1)
-        v = plgpu.load(v_ref.at[kv_index], mask=token_mask, other=0 if masked else None)
-        acc = acc * correction[:, None] + plgpu.dot(probs.astype(v.dtype), v, precision=precision)
-        return acc, new_max, row_sum
+        return online_softmax_step(
+            carry, logits, lambda: plgpu.load(v_ref.at[kv_index], mask=token_mask, other=0 if masked else None),
+            masked=masked, precision=precision)
 
     carry = (
         jnp.zeros((tile_rows, head_dim), jnp.float32),

@@ -65,3 +65,30 @@ def merge_splits(acc, row_max, row_sum, owned):
     out = jnp.sum(weight[..., None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
     # Rows no sequence owns were never written.
     return jnp.where(owned[:, None], out, 0.0)
+
+
+def step_slots(page_table_ref, page_table_offset, kv_step, *, block_kv: int, page_size: int, kv_end,
+               masked: bool):
+    """The tokens of one block_kv step over a sequence's pages, their cache slots, and
+    (masked) which lie below kv_end, else None: a masked step never reads a page-table
+    entry past kv_end (its slots may be stale or belong to nobody)."""
+    token = kv_step * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+    page_index = page_table_ref.at[page_table_offset + lax.div(token, page_size)]
+    token_ok = token < kv_end if masked else None
+    page = plgpu.load(page_index, mask=token_ok, other=0 if masked else None)
+    return token, page * page_size + lax.rem(token, page_size), token_ok
+
+
+def online_softmax_step(carry, logits, load_values, *, masked: bool, precision):
+    """(acc, row max, row sum) after one step's base-2 logits [rows, tokens] and their
+    values [tokens, D] (load_values(), loaded after the probabilities are formed)."""
+    acc, row_max, row_sum = carry
+    new_max = jnp.maximum(row_max, jnp.max(logits, axis=1))
+    # a row that has seen nothing yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN
+    new_max_safe = jnp.where(new_max == -jnp.inf, 0.0, new_max) if masked else new_max
+    correction = jnp.exp2(row_max - new_max_safe)
+    probs = jnp.exp2(logits - new_max_safe[:, None])
+    row_sum = row_sum * correction + jnp.sum(probs, axis=1)
+    values = load_values()
+    acc = acc * correction[:, None] + plgpu.dot(probs.astype(values.dtype), values, precision=precision)
+    return acc, new_max, row_sum

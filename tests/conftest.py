@@ -58,6 +58,20 @@ STORIES = ROOT / "checkpoints" / "stories260K"
 MTP_MODEL = ROOT / "checkpoints" / "stories260K-mtp"  # stories260K with its trained MTP head
 
 
+def run_on_cpu_devices(argv: list[str], num_devices: int, *, timeout: int = 600, path: tuple = ()) -> dict:
+    """`python *argv` on num_devices forced CPU devices, with this checkout's jaxmtp (and
+    `path`) on its import path, whatever is installed; returns the JSON object its last
+    line of output prints. (The repository root on the path puts our kernels/ folder
+    where PyPI's `kernels` would be found: such a script must not import transformers.)"""
+    import json
+
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices} {CPU_XLA_FLAGS}",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join([str(ROOT), *map(str, path)])}
+    done = subprocess.run([sys.executable, *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def golden_ids() -> list[int]:
     """The first 200 greedy ids from BOS, pinned by transformers and llama2.c (see the
     model's README.md, copied from the project's shared models)."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import CPU_XLA_FLAGS, ROOT, fresh_rng, greedy, make_hf_model, prompt_logits, token_ids
+from conftest import ROOT, fresh_rng, greedy, make_hf_model, prompt_logits, run_on_cpu_devices, token_ids
 from jaxmtp import LLM, SamplingParams
 from jaxmtp.models.registry import load_config
 from jaxmtp.models.params import FP8, Fp8Weight
@@ -390,12 +390,7 @@ def test_tensor_parallel_fp8_gives_one_devices_tokens_and_shards_the_scales_with
     not (gate and up's 320: 160 each). With the kernels (pallas_interpret) each device
     multiplies its part of a weight whose scales split with it (q_proj by its columns,
     o_proj by K, summed over the devices), K-major; the others take the reference."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAGS}"}
-    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(llama_fp8[0])], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_on_cpu_devices(["-c", TP_SCRIPT, str(llama_fp8[0])], 2)
     assert result["2 auto"]["tokens"] == result["1 auto"]["tokens"] == result["2 pallas_interpret"]["tokens"]
     specs = result["2 auto"]["specs"]
     assert specs["q_proj"] == [[None, "tp"], [None, "tp"]]

@@ -209,18 +209,8 @@ def test_the_kernels_split_over_two_devices_give_one_devices_numbers(rng):
     kernels on one device, bitwise: a head's rows never meet another's, so a device's
     kernel computes exactly what the whole one does for its heads (interpret mode; the
     engine's TP runs use the jnp forms on the CPU)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from conftest import CPU_XLA_FLAGS, ROOT
+    from conftest import run_on_cpu_devices
 
     seed = int(rng.integers(1 << 30))
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAGS}"}
-    run = subprocess.run([sys.executable, "-c", SPLIT_SCRIPT, str(seed)], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_on_cpu_devices(["-c", SPLIT_SCRIPT, str(seed)], 2)
     assert result == {"equal": True, "finite": True}, f"seed={seed}"

@@ -495,19 +495,10 @@ def test_tensor_parallel_gives_one_devices_tokens_with_the_state_split_by_heads(
     each device holds its key heads' conv channels and value heads' states, in the slots
     and in the snapshots, placed so and kept so by every step, save and restore, and the
     tokens and prefix-cache hits are one device's."""
-    import os
-    import subprocess
-    import sys
-
-    from conftest import CPU_XLA_FLAGS, ROOT
+    from conftest import run_on_cpu_devices
 
     folder, _ = make_hybrid(tmp_path / "next", "qwen3_next", rng)
-    env = {**os.environ, "PYTHONPATH": str(ROOT),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {CPU_XLA_FLAGS}"}
-    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, str(folder)], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = run_on_cpu_devices(["-c", TP_SCRIPT, str(folder)], 2)
     assert result["2"]["tokens"] == result["1"]["tokens"]
     assert result["2"]["hits"] == result["1"]["hits"] and min(result["1"]["hits"][2:]) > 0
     assert result["2"]["specs"] == [[[None, None, None, "tp"], [None, None, "tp"]]] * 2

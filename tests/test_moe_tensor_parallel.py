@@ -13,8 +13,6 @@ checkpoints are built here first, with transformers.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -131,21 +129,12 @@ def worker(folders: dict[str, str]) -> dict:
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
-    from conftest import CPU_XLA_FLAGS
+    from conftest import run_on_cpu_devices
     from test_moe_mtp import make_mtp_checkpoint
 
     folders = {name: str(make_mtp_checkpoint(tmp_path_factory.mktemp(name) / name, family, vocab_size=VOCAB, **extra)[0])
                for name, (family, extra) in FAMILIES.items()}
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} {CPU_XLA_FLAGS}",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),  # this checkout's jaxmtp; conftest
-    }
-    done = subprocess.run([sys.executable, __file__, json.dumps(folders)], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_on_cpu_devices([__file__, json.dumps(folders)], NUM_DEVICES, timeout=900, path=(ROOT / "tests",))
 
 
 @pytest.mark.parametrize("tp", [2, 4])

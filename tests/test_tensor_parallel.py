@@ -10,15 +10,13 @@ below read what it reports.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CPU_XLA_FLAGS, fresh_rng, stories_logprob_bound_of
+from conftest import fresh_rng, run_on_cpu_devices, stories_logprob_bound_of
 from tolerances import assert_within
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -318,15 +316,7 @@ def seed() -> int:
 
 @pytest.fixture(scope="module")
 def report(seed) -> dict:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES} {CPU_XLA_FLAGS}",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(ROOT),  # this checkout's jaxmtp, whatever is installed
-    }
-    done = subprocess.run([sys.executable, __file__, str(seed)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-6000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_on_cpu_devices([__file__, str(seed)], NUM_DEVICES, timeout=900)
 
 
 def run_sequences(run: dict) -> list[list[int]]:
