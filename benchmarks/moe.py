@@ -86,6 +86,7 @@ class Shapes:
     inter: int = 1408
     expert_tokens: tuple = (1, 8, 32, 256, 2048, 8192)
     gate_up_tokens: tuple = (1, 32, 256, 2048)
+    paired_max_tokens: int = 64  # the layer by pairs (no sort) is timed against the sorted one up to here
     heads: int = 16
     rank: int = 512
     rope: int = 64
@@ -364,9 +365,6 @@ def fp8_experts(gate_up, down, block: int) -> tuple:
     return tuple(Fp8Weight(*quantize(w.astype(jnp.float32), b), b) for w, b in zip((gate_up, down), blocks))
 
 
-# the paired layer (no sort) is timed against the sorted one up to this many tokens
-PAIRED_MAX_TOKENS = 64
-
 def part_experts(run: Run):
     import jax.numpy as jnp
     import numpy as np
@@ -428,7 +426,7 @@ def part_experts(run: Run):
                 note=f"{touched:.1f} experts touched, {nbytes / 1e6:.0f} MB, {flops / t_ours / 1e12:.0f} TFLOP/s, "
                      f"{nbytes / t_ours / 1e12:.2f} TB/s; XLA ragged_dot {t_xla * 1e6:.0f} us "
                      f"({t_xla / t_ours:.1f}x ours); torch {fmt_peer(peer.get(f'layer_{tokens}'))}")
-        if tokens <= PAIRED_MAX_TOKENS:
+        if tokens <= s.paired_max_tokens:
             compare_paths((gate_up, down), list(zip(x, routing)), t_ours, "expert layer", floor)
         if run.args.fp8:  # the same layer with its experts in fp8 (128 x 128 block scales)
             scale_k = 16 if run.args.tiny else 128
@@ -438,7 +436,7 @@ def part_experts(run: Run):
             fp8_floor = max(run.bytes_s(fp8_bytes), run.flops_s(flops))
             run.row("experts", f"fp8 expert layer, {tokens} tokens", t_fp8, fp8_floor,
                     note=f"{fp8_bytes / t_fp8 / 1e12:.2f} TB/s; the bf16 layer's time / fp8's {t_ours / t_fp8:.2f}")
-            if tokens <= PAIRED_MAX_TOKENS:
+            if tokens <= s.paired_max_tokens:
                 compare_paths(fp8, list(zip(x, routing)), t_fp8, "fp8 expert layer", fp8_floor, scale_k)
         if run.args.sweep and tokens in SWEEP_TOKENS:
             sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)

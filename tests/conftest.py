@@ -314,11 +314,13 @@ def pytest_runtest_makereport(item, call):
         report.sections.append(("random seeds", f"seeds {seeds}; replay with JAXMTP_TEST_SEED={_SEEDS[0]}"))
 
 
-# The files that take a minute or more of a worker on 2 cores (a fresh-clone run of
-# 2026-12-03), largest first: they start the run, so that under `--dist loadfile`
+# The files that take 40 s or more of a worker on 2 cores (`--durations=0`, summed per
+# file, 2026-12-03), largest first: they start the run, so that under `--dist loadfile`
 # (files handed to workers in collection order) the short files fill its end.
-LONGEST_FILES = ("test_mtp.py", "test_multi_host.py", "test_benchmarks.py", "test_hybrid_engine.py",
-                 "test_tensor_parallel.py", "test_moe_tensor_parallel.py", "test_server.py", "test_train.py")
+LONGEST_FILES = ("test_mtp.py", "test_benchmarks.py", "test_multi_host.py", "test_moe_mla_pallas.py",
+                 "test_engine.py", "test_hybrid_engine.py", "test_server_guards.py", "test_moe_mtp.py",
+                 "test_tensor_parallel.py", "test_structured_outputs.py", "test_fp8.py",
+                 "test_gated_delta_kernels.py", "test_train.py", "test_prefix_cache.py")
 
 
 def pytest_collection_modifyitems(config, items):
