@@ -161,8 +161,9 @@ def test_a_hybrid_engine_on_the_kernels_emits_the_reference_engines_tokens(tmp_p
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
     runs = {}
     for backend in ("reference", "pallas_interpret"):
+        # a budget of 8 tokens (a chunk and a verify): fewer step shapes to compile in interpret mode
         llm = LLM(folder, attention_backend=backend, num_speculative_tokens=2, prefill_chunk_size=5, page_size=4,
-                  max_num_seqs=2, max_num_batched_tokens=16, max_model_len=40, dtype="float32")
+                  max_num_seqs=2, max_num_batched_tokens=8, max_model_len=40, dtype="float32")
         assert llm.engine.runner.step_config.attention_backend == backend
         runs[backend] = llm.generate(prompts, params, use_tqdm=False)
     for ref, got in zip(runs["reference"], runs["pallas_interpret"]):
