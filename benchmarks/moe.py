@@ -21,8 +21,7 @@ Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names da
 prints the table last; the experts part also writes expert_paths.json (the routed-expert
 layer by pairs or sorted, per shape and pairs bucket) and the mla part mla_paths.json (the
 decode path per shape and bucket, XLA's absorbed form timed beside the kernel): copy them
-to kernels/;
---tiny runs the kernels in interpret mode on a tiny model.
+to kernels/; --tiny runs the kernels in interpret mode on a tiny model.
 """
 
 from __future__ import annotations
@@ -220,6 +219,12 @@ class Run:
     def flops_s(self, flops):
         return flops / self.results["matmul_flops_per_s"]
 
+    def write_paths(self, filename: str, part: str, paths: dict) -> None:
+        """A path table in the form kernels/<filename> is read in, with its provenance."""
+        note = f"benchmarks/moe.py --parts {part} on {self.results['device']}, {self.results['date']}, " \
+               f"jax {self.results['jax']}"
+        (self.out_dir / filename).write_text(json.dumps({"_note": note} | paths, indent=1))
+
 
 # ----- checks ----------------------------------------------------------------------------
 
@@ -271,8 +276,7 @@ def part_checks(run: Run):
                        "finite": bool(np.isfinite(np.asarray(out, np.float32)).all()), "padding_rows_zero": pad_zero})
     for rows_per_seq in (1, 2):
         case = mla_inputs(rng, s, [rows_per_seq] * 5 + [7], [300, 17, 1000, 64, 1, 500], reps=1)
-        args = (case["q_latent"][0], case["q_rope"][0], case["latent"], case["rope"], case["kv_lens"],
-                case["tables"][0], case["query_start"])
+        args = mla_args(case)
         out = np.asarray(mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=rows_per_seq, interpret=interpret),
                          np.float32)
         ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.1), np.float32)
@@ -282,8 +286,7 @@ def part_checks(run: Run):
                        "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((out[decode:] == 0).all())})
     chunk, context = (s.mla_prefill[0][0] // 4, s.mla_prefill[0][1] // 2) if not run.args.tiny else s.mla_prefill[0]
     case = mla_inputs(rng, s, [1, chunk, 2, 1], [300, context, 64, 1], reps=1)
-    args = (case["q_latent"][0], case["q_rope"][0], case["latent"], case["rope"], case["kv_lens"],
-            case["tables"][0], case["query_start"])
+    args = mla_args(case)
     out = np.asarray(mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=2, prefill=True, interpret=interpret),
                      np.float32)
     ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.1), np.float32)
@@ -309,8 +312,9 @@ def part_checks(run: Run):
 
 def engine_check(run: Run):
     """A small DeepSeek-V3 engine (MLA, experts, one MTP layer, k=1), greedy, bf16, with
-    the MLA kernel (decode and prefill rows) and with the jnp reference (the MoE kernel in both, on the
-    GPU): tokens up to the first difference, and the logprobs of the shared prefix."""
+    the MLA kernel (decode and prefill rows) and with the jnp reference (the MoE kernel
+    in both, on the GPU): tokens up to the first difference, and the logprobs of the
+    shared prefix."""
     import numpy as np
 
     from jaxmtp import LLM, SamplingParams
@@ -441,9 +445,7 @@ def part_experts(run: Run):
         if run.args.sweep and tokens in SWEEP_TOKENS:
             sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)
 
-    table = {"_note": f"benchmarks/moe.py --parts experts on {run.results['device']}, {run.results['date']}, "
-                      f"jax {run.results['jax']}"} | paths
-    (run.out_dir / "expert_paths.json").write_text(json.dumps(table, indent=1))
+    run.write_paths("expert_paths.json", "experts", paths)
 
     for tokens in s.gate_up_tokens:  # the gate/up projection alone, as the issue measured it
         if run.budget_left() < 45:
@@ -565,6 +567,12 @@ def mla_inputs(rng, s: Shapes, rows_per_seq, kv_lens, reps):
     }
 
 
+def mla_args(case) -> tuple:
+    """The kernel's (and its reference's) arguments on a case's first input set."""
+    return (case["q_latent"][0], case["q_rope"][0], case["latent"], case["rope"], case["kv_lens"], case["tables"][0],
+            case["query_start"])
+
+
 MLA_SWEEP = [(16, 32, None, 4, 3), (16, 64, None, 8, 2), (16, 64, "half", 4, 2), (16, 64, "double", 4, 2)]
 # prefill tilings (block_q, block_h, block_kv, num_warps, num_stages), beside default_config's
 MLA_PREFILL_SWEEP = [(4, 16, 32, 8, 2), (1, 16, 64, 4, 3), (2, 16, 32, 4, 3), (4, 8, 64, 4, 2), (8, 8, 32, 8, 2)]
@@ -671,9 +679,7 @@ def part_mla(run: Run, cases):
             paths.setdefault(key, {})[str(row_bucket(batch))] = entry
         del case
         gc.collect()
-    table = {"_note": f"benchmarks/moe.py --parts mla on {run.results['device']}, {run.results['date']}, "
-                      f"jax {run.results['jax']}"} | paths
-    (run.out_dir / "mla_paths.json").write_text(json.dumps(table, indent=1))
+    run.write_paths("mla_paths.json", "mla", paths)
 
 
 def mla_cases(s: Shapes):

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.triton_common import TritonCompilerParams
+from jaxmtp.kernels.triton_common import TritonCompilerParams, mma_sizes
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 F32 = jnp.float32
@@ -60,7 +60,7 @@ MEASURED_PATHS = read_tilings("gated_delta_paths.json", DeltaKernelConfig)
 
 def supports(dk: int, dv: int, chunk: int) -> bool:
     """Triton tiles dk, dv and the chunk as powers of 2 of at least 16 (an MMA minimum)."""
-    return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv, chunk))
+    return mma_sizes(dk, dv, chunk)
 
 
 def measured_tiling(form: str, num_heads: int, dk: int, dv: int, size: int) -> DeltaKernelConfig | None:

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
-                                          next_power_of_2, online_softmax_step, step_slots)
+                                          mma_sizes, next_power_of_2, online_softmax_step, step_slots)
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
@@ -78,7 +78,7 @@ def measured_decode_path(num_heads: int, rank: int, rope_dim: int, decode_rows: 
 
 def supports(kv_lora_rank: int, rope_dim: int) -> bool:
     """The kernel tiles R and Dr as powers of 2 of at least 16 (a Triton MMA minimum)."""
-    return all(d >= 16 and d & (d - 1) == 0 for d in (kv_lora_rank, rope_dim))
+    return mma_sizes(kv_lora_rank, rope_dim)
 
 
 def default_config(num_rows: int, num_seqs: int, num_heads: int, decode_rows: int, max_context: int,

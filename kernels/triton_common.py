@@ -24,6 +24,11 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def mma_sizes(*dims: int) -> bool:
+    """Whether each size tiles as a power of 2 of at least 16 (a Triton MMA minimum)."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in dims)
+
+
 def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_rows: int = 1,
                    max_rows: int | None = None):
     """The rows of q block `block`: each sequence with between min_rows and max_rows rows

@@ -64,9 +64,8 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
     computes its kind's rows alone, the references all rows). "auto" on a GPU takes the
     kernel's decode call at its measured tiling, or XLA's absorbed form where
     kernels/mla_paths.json measured that faster (per shape, batch and context bucket,
-    read at trace time). With a mesh, each device
-    runs it on its own q heads and a whole copy of the latent cache
-    (sharding.shard_mla_over_heads)."""
+    read at trace time). With a mesh, each device runs it on its own q heads and a
+    whole copy of the latent cache (sharding.shard_mla_over_heads)."""
     check_attention_backend(backend)
 
     def write_and_attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
