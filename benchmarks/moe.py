@@ -174,13 +174,16 @@ def run_peer(shapes: Shapes, mla_cases, budget_s=150) -> dict:
 
 
 def programs_over(fn, shared, reps):
-    """Seconds per call of fn(*shared, *rep) over the list of per-repetition inputs,
-    all repetitions in one jitted program (median of several runs)."""
+    """Device seconds per call of fn(*shared, *rep) over the list of per-repetition
+    inputs, all repetitions in one jitted program, the program's calls queued back to back
+    (a wait per call would add the host's dispatch and wake-up to a layer of a few tens of
+    microseconds; the engine runs it inside a step's program). Median of three replays."""
     import jax
-    from timing import median_time
+    import numpy as np
+    from timing import replay_time
 
     program = jax.jit(lambda shared, reps: [fn(*shared, *r) for r in reps])
-    return median_time(program, shared, reps, warmup=2, runs=5) / len(reps)
+    return float(np.median([replay_time(lambda: program(shared, reps), 10) for _ in range(3)])) / len(reps)
 
 
 class Run:
@@ -848,7 +851,9 @@ def main() -> None:
     from e2e import measure_floors, torch_copy_bandwidth
 
     run.results["device"], run.results["jax"] = jax.devices()[0].device_kind, jax.__version__
-    torch_copy = torch_copy_bandwidth() if use_torch else None
+    # the floor's bandwidth from torch's copy wherever torch runs (--no-peer skips torch's
+    # kernels, not the floor)
+    torch_copy = torch_copy_bandwidth() if not args.tiny and jax.default_backend() == "gpu" else None
     run.results.update(measure_floors(args.tiny))
     run.results["torch_copy_bytes_per_s"] = torch_copy
     run.results["bandwidth"] = torch_copy or run.results["jax_copy_bytes_per_s"]

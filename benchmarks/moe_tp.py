@@ -96,7 +96,7 @@ def worker(devices: int, tokens: list[int], shape: dict) -> list[dict]:
                   experts_down=0.05 * rng.standard_normal((e, inter, h)))
     p = jax.tree.map(lambda a, s: jax.device_put(jnp.asarray(a, jnp.float32), s), p, param_shardings(p, mesh))
     gathered = experts_fn(mesh)
-    ways = {"gathered (psum)": jax.jit(lambda p, x: gathered(p, cfg, x)), "all-to-all": jax.jit(all_to_all_experts(mesh, cfg))}
+    ways = {"gathered (psum)": jax.jit(lambda p, x: gathered(p, cfg, x, x.shape[0])), "all-to-all": jax.jit(all_to_all_experts(mesh, cfg))}
     rows = []
     for t in tokens:
         x = jax.device_put(jnp.asarray(rng.standard_normal((t, h)), jnp.float32), replicated(mesh))

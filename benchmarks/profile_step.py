@@ -5,7 +5,8 @@ minutes), and the host's time per async engine step by phase.
     python benchmarks/profile_step.py [--k 0,1,3] [--batch 1,32,128] [--context 1024]
         [--no-command-buffer] [--dense-tilings measured|none] [--hlo] [--out DIR] [--tiny]
 
-Uses the Llama-3-8B-shaped dummy model of benchmarks/e2e.py (--tiny: its tiny model on
+Uses the Llama-3-8B-shaped dummy model of benchmarks/e2e.py (--model moonlight: the
+Moonlight-16B-A3B one of benchmarks/moe.py; --tiny: its tiny model on
 the CPU, a smoke test whose tables list no GPU kernels). The parts are the step's named
 scopes (jaxmtp.worker.step.STEP_PARTS: batch_in, main_forward, verify, draft, carry_out;
 the draft split into its decoder layers, its LM heads and the rest): each kernel is
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--no-command-buffer", action="store_true", help="XLA without CUDA graphs")
     parser.add_argument("--hlo", action="store_true", help="also write each program's optimised HLO (hlo_*.txt.gz)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny model")
+    parser.add_argument("--model", choices=("llama3_8b", "moonlight"), default="llama3_8b",
+                        help="the dummy model: e2e.py's Llama-3-8B shape or moe.py's Moonlight-16B-A3B")
     parser.add_argument("--dense-tilings", choices=("measured", "none"), default="measured",
                         help="none: XLA's dot for every dense weight, the ablation of the dense kernel's table")
     args = parser.parse_args()
@@ -245,11 +248,13 @@ def main() -> None:
         fp8_matmul.DENSE_TILINGS.clear()
 
     from e2e import LLAMA3_8B, TINY
+    from moe import MODELS
 
     folder = tempfile.mkdtemp()
-    config = TINY if args.tiny else LLAMA3_8B
+    config = TINY if args.tiny else {"llama3_8b": LLAMA3_8B, "moonlight": MODELS["moonlight"][0]}[args.model]
     Path(folder, "config.json").write_text(json.dumps(config))
-    report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "context": args.context,
+    report = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "model": args.model,
+              "context": args.context,
               "command_buffer": not args.no_command_buffer, "dense_tilings": args.dense_tilings, "configs": {}}
     for batch in map(int, args.batch.split(",")):
         for k in map(int, args.k.split(",")):

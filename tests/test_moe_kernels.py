@@ -230,6 +230,29 @@ def test_experts_held_apart_add_up_to_all_experts(num_devices):
         assert not np.asarray(parts[-1]).any()
 
 
+def test_padding_rows_reach_no_routed_expert(monkeypatch):
+    """moe_ffn's rows from num_rows on (a step's padding: a batch-1 decode step has 7)
+    go to no routed expert, so the grouped calls read no expert for them: they come out
+    as the shared expert alone, and the rows before as without num_rows."""
+    import jaxmtp.models.moe as moe
+    from jaxmtp.models.layers import gated_mlp
+
+    rng, seed = seeded()
+    t, h, num_rows, cfg = 8, 12, 3, moe_config()
+    e, inter = cfg.num_experts, cfg.moe_intermediate_size
+    params = moe.MoEParams(*(jnp.asarray(0.5 * rng.standard_normal(shape), jnp.float32) for shape in (
+        (h, e), (e,), (e, h, 2, inter), (e, inter, h), (h, 2, inter), (inter, h))))
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    seen, routed = [], moe.routed_experts
+    monkeypatch.setattr(moe, "routed_experts", lambda x, routing, *a: seen.append(routing.experts) or routed(
+        x, routing, *a))
+    whole, padded = moe.moe_ffn(params, cfg, x), moe.moe_ffn(params, cfg, x, num_rows=num_rows)
+    assert (np.asarray(seen[-1])[num_rows:] == -1).all(), f"seed={seed}"  # held by no device
+    shared = gated_mlp(x, params.shared_gate_up, params.shared_down)
+    np.testing.assert_array_equal(np.asarray(padded)[num_rows:], np.asarray(shared)[num_rows:], f"seed={seed}")
+    np.testing.assert_array_equal(np.asarray(padded)[:num_rows], np.asarray(whole)[:num_rows], f"seed={seed}")
+
+
 # ----- MLA attention ----------------------------------------------------------------------
 
 R, DR, DN, DV, HEADS = 12, 6, 8, 10, 4

@@ -132,6 +132,6 @@ def forward(params: Params, cfg: ModelConfig, batch: Batch, cache: KVCache, stat
         out, conv[n], ssm[n] = linear_attention(layer.linear_attention, cfg, h, where, conv[n], ssm[n],
                                                 batch.query_start, ops.delta_rule)
         x = x + out
-        x = x + feed_forward(layer, cfg, x, ops)
+        x = x + feed_forward(layer, cfg, x, batch, ops)
         linear_layer += 1
     return x, dataclasses.replace(cache, k=k_layers, v=v_layers), RecurrentState(conv, ssm)

@@ -100,15 +100,16 @@ def decoder_layer(
     block = gqa_attention if p.mla is None else mla_attention
     out, k_pages, v_pages = block(p, cfg, h, batch, k_pages, v_pages, ops.attention)
     x = x + out
-    return x + feed_forward(p, cfg, x, ops), k_pages, v_pages
+    return x + feed_forward(p, cfg, x, batch, ops), k_pages, v_pages
 
 
-def feed_forward(p: LayerParams, cfg: ModelConfig, x: jax.Array, ops: LayerOps) -> jax.Array:
-    """The second half of a pre-norm block: its dense MLP or experts over norm(x)."""
+def feed_forward(p: LayerParams, cfg: ModelConfig, x: jax.Array, batch: Batch, ops: LayerOps) -> jax.Array:
+    """The second half of a pre-norm block: its dense MLP or experts over norm(x) (the
+    batch's padding rows, past its last request's, to no routed expert)."""
     h = rms_norm(x, p.post_norm, cfg.rms_norm_eps)
     if p.moe is None:
         return gated_mlp(h, p.gate_up_proj, p.down_proj, cfg.hidden_act, p.gate_up_bias, p.down_bias)
-    return ops.experts(p.moe, cfg.moe, h)
+    return ops.experts(p.moe, cfg.moe, h, batch.query_start[-1])
 
 
 def forward(

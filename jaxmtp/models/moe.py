@@ -116,12 +116,18 @@ def routed_experts_by_pair(x: jax.Array, routing: Routing, gate_up: jax.Array, d
     return jnp.sum(out.astype(jnp.float32).reshape(t, k, h) * routing.weights[:, :, None], axis=1)
 
 
-def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array | int = 0) -> jax.Array:
+def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array | int = 0,
+            num_rows: jax.Array | int | None = None) -> jax.Array:
     """The routed experts p holds (from first_expert) plus the shared experts (Qwen's
     scaled by sigmoid(h @ shared_gate)), in float32. Under expert parallelism each
     device's columns of the shared experts are scaled alike, so the sum over devices is
-    the gated whole."""
+    the gated whole. Rows from num_rows on (a step's padding) go to no routed expert:
+    routed like the rest, a decode step's padding rows would read experts of their own
+    (at batch 1, 7 padding rows doubled the experts a layer reads)."""
     routing = route(h, p.router, p.router_bias, cfg)
+    if num_rows is not None:  # expert -1: held by no device, the pair adds nothing
+        padding = jnp.arange(h.shape[0])[:, None] >= num_rows
+        routing = dataclasses.replace(routing, experts=jnp.where(padding, -1, routing.experts))
     gate_up, scales = _expert_weight(p.experts_gate_up)
     by_pair = experts_by_pair(routing.experts.size, gate_up.shape, scales.get("scale_block"))
     out = (routed_experts_by_pair if by_pair else routed_experts)(h, routing, p.experts_gate_up, p.experts_down,
@@ -135,24 +141,26 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     return out
 
 
-ExpertsFn = Callable[[MoEParams, MoEConfig, jax.Array], jax.Array]
+ExpertsFn = Callable[[MoEParams, MoEConfig, jax.Array, jax.Array], jax.Array]
 
 
 def experts_fn(mesh: Mesh | None = None) -> ExpertsFn:
-    """(p, cfg, h [T, H]) -> the MoE FFN's output [T, H]. With a mesh, expert parallel:
+    """(p, cfg, h [T, H], num_rows) -> the MoE FFN's output [T, H], rows from num_rows
+    on (padding) through the shared experts only. With a mesh, expert parallel:
     every device holds every row (the residual stream is replicated) and routes them
     all alike, runs the rows routed to its own experts and its columns of the shared
     experts, and one all-reduce (in float32) sums the devices' parts, as after a dense
     down_proj. Rows are not sent to their experts' devices with an all-to-all: each
     device has them already (docs/tensor-parallel.md has the measurement)."""
     if mesh is None:
-        return lambda p, cfg, h: moe_ffn(p, cfg, h).astype(h.dtype)
+        return lambda p, cfg, h, num_rows: moe_ffn(p, cfg, h, num_rows=num_rows).astype(h.dtype)
 
-    def per_device(p, h, *, cfg):
+    def per_device(p, h, num_rows, *, cfg):
         first = jax.lax.axis_index(TP) * p.experts_gate_up.shape[0]
-        return jax.lax.psum(moe_ffn(p, cfg, h, first), TP).astype(h.dtype)
+        return jax.lax.psum(moe_ffn(p, cfg, h, first, num_rows), TP).astype(h.dtype)
 
-    def expert_parallel(p, cfg, h):
-        return shard_per_device(per_device, mesh, (param_specs(p, mesh), ROWS_AXES), ROWS_AXES)(p, h, cfg=cfg)
+    def expert_parallel(p, cfg, h, num_rows):
+        return shard_per_device(per_device, mesh, (param_specs(p, mesh), ROWS_AXES, ()), ROWS_AXES)(
+            p, h, jnp.asarray(num_rows, jnp.int32), cfg=cfg)
 
     return expert_parallel
