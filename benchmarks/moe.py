@@ -83,7 +83,8 @@ class Shapes:
     top_k: int = 6
     hidden: int = 2048
     inter: int = 1408
-    expert_tokens: tuple = (1, 8, 32, 256, 2048, 8192)
+    expert_tokens: tuple = (1, 8, 32, 64, 256, 2048, 8192)
+    step_rows: int = 8  # the engine's smallest token bucket (worker.batch.BucketPlan): a batch-1 decode step's rows
     gate_up_tokens: tuple = (1, 32, 256, 2048)
     paired_max_tokens: int = 64  # the layer by pairs (no sort) is timed against the sorted one up to here
     heads: int = 16
@@ -448,6 +449,14 @@ def part_experts(run: Run):
         if run.args.sweep and tokens in SWEEP_TOKENS:
             sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)
 
+    if run.budget_left() >= 60:  # the engine's batch-1 decode step: one real row, the rest padding (expert -1)
+        rows = s.step_rows
+        x, routing, _ = expert_inputs(rng, s, rows, 2)
+        padded = [(jnp.where(jnp.arange(rows)[:, None] < 1, e, -1), w) for e, w in routing]
+        nbytes = s.top_k * expert_bytes + 2 * s.hidden * 2
+        t_step = programs_over(ours, (gate_up, down), list(zip(x, padded)))
+        run.row("experts", f"expert layer, 1 token in a step of {rows} rows", t_step, run.bytes_s(nbytes),
+                note=f"the other {rows - 1} rows padding, routed to no expert; {nbytes / t_step / 1e12:.2f} TB/s")
     run.write_paths("expert_paths.json", "experts", paths)
 
     for tokens in s.gate_up_tokens:  # the gate/up projection alone, as the issue measured it
