@@ -51,17 +51,15 @@ def main() -> None:
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = jnp.asarray(rng.standard_normal((tokens, hidden)), jnp.bfloat16)
         chosen = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
-        chosen = jnp.asarray(chosen, jnp.int32)
-        weights = jnp.asarray(rng.random((tokens, top_k)), jnp.float32)
+        routing = Routing(jnp.asarray(chosen, jnp.int32), jnp.asarray(rng.random((tokens, top_k)), jnp.float32))
         for name, fn in (("sorted", routed_experts), ("paired", routed_experts_by_pair)):
-            # Routing is a plain dataclass, not a pytree: its arrays cross the jit boundary
-            layer = jax.jit(lambda x, chosen, weights, gu, dn, fn=fn: fn(x, Routing(chosen, weights), gu, dn))
-            jax.block_until_ready([layer(x, chosen, weights, gate_up[i], down[i]) for i in range(copies)])
+            layer = jax.jit(lambda x, routing, gu, dn, fn=fn: fn(x, routing, gu, dn))
+            jax.block_until_ready([layer(x, routing, gate_up[i], down[i]) for i in range(copies)])
             copy = itertools.cycle(range(copies))
 
             def run(layer=layer, copy=copy):  # each call on the next weight copy
                 i = next(copy)
-                return layer(x, chosen, weights, gate_up[i], down[i])
+                return layer(x, routing, gate_up[i], down[i])
 
             table = kernel_table(trace_events(run, CALLS), CALLS)
             total = sum(row["us_per_step"] for row in table)

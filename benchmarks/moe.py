@@ -452,7 +452,7 @@ def part_experts(run: Run):
     if run.budget_left() >= 60:  # the engine's batch-1 decode step: one real row, the rest padding (expert -1)
         rows = s.step_rows
         x, routing, _ = expert_inputs(rng, s, rows, 2)
-        padded = [(jnp.where(jnp.arange(rows)[:, None] < 1, e, -1), w) for e, w in routing]
+        padded = [(Routing(*r).without_rows_from(1).experts, r[1]) for r in routing]
         nbytes = s.top_k * expert_bytes + 2 * s.hidden * 2
         t_step = programs_over(ours, (gate_up, down), list(zip(x, padded)))
         run.row("experts", f"expert layer, 1 token in a step of {rows} rows", t_step, run.bytes_s(nbytes),

@@ -16,14 +16,20 @@ from jaxmtp.kernels.grouped_matmul import (experts_by_pair, grouped_matmul, grou
                                            paired_swiglu_kernel)
 from jaxmtp.models.config import MoEConfig
 from jaxmtp.models.layers import gated_mlp
-from jaxmtp.models.params import Fp8Weight, MoEParams
+from jaxmtp.models.params import Fp8Weight, MoEParams, pytree_dataclass
 from jaxmtp.worker.sharding import ROWS_AXES, TP, param_specs, shard_per_device
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class Routing:
     experts: jax.Array  # int32 [T, k]: the experts each row goes to
     weights: jax.Array  # float32 [T, k]: their weights in the row's output
+
+    def without_rows_from(self, num_rows: jax.Array | int) -> Routing:
+        """Rows from num_rows on (a step's padding) sent to expert -1, held by no device:
+        their pairs add nothing and make the grouped calls read no expert."""
+        padding = jnp.arange(self.experts.shape[0])[:, None] >= num_rows
+        return dataclasses.replace(self, experts=jnp.where(padding, -1, self.experts))
 
 
 def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
@@ -125,9 +131,8 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     routed like the rest, a decode step's padding rows would read experts of their own
     (at batch 1, 7 padding rows doubled the experts a layer reads)."""
     routing = route(h, p.router, p.router_bias, cfg)
-    if num_rows is not None:  # expert -1: held by no device, the pair adds nothing
-        padding = jnp.arange(h.shape[0])[:, None] >= num_rows
-        routing = dataclasses.replace(routing, experts=jnp.where(padding, -1, routing.experts))
+    if num_rows is not None:
+        routing = routing.without_rows_from(num_rows)
     gate_up, scales = _expert_weight(p.experts_gate_up)
     by_pair = experts_by_pair(routing.experts.size, gate_up.shape, scales.get("scale_block"))
     out = (routed_experts_by_pair if by_pair else routed_experts)(h, routing, p.experts_gate_up, p.experts_down,
