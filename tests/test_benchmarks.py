@@ -83,6 +83,27 @@ def test_gated_delta_times_both_forms_and_writes_the_table_the_engine_reads(tmp_
         assert entry == "xla" or DeltaKernelConfig(*entry)
 
 
+def test_gated_delta_table_entry_is_the_tiling_fastest_over_every_case_of_its_bucket():
+    """Decode and verify rows of one batch size share a bucket: its entry is the tiling
+    fastest over both cases, not the last case's winner, and XLA's where it is faster
+    over both."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gated_delta import bucket_choice
+
+    def case(xla_us, **tilings_us):
+        return [{"config": None, "us": xla_us}] + [
+            {"config": {"block_dv": int(name[1:]), "num_warps": 4, "num_stages": 1}, "ok": True, "us": us}
+            for name, us in tilings_us.items()]
+
+    decode, verify = case(30.0, b16=10.0, b32=20.0), case(40.0, b16=31.0, b32=30.0)
+    assert bucket_choice([decode]) == [16, 4, 1]
+    assert bucket_choice([decode, verify]) == [16, 4, 1]  # 41 us against 50; verify alone picks 32
+    assert bucket_choice([verify]) == [32, 4, 1]
+    assert bucket_choice([case(30.0, b16=10.0), case(12.0, b16=30.0)]) == "xla"  # 40 us against 42: not 5% faster
+    failed = case(30.0, b16=10.0) + [{"config": {"block_dv": 32, "num_warps": 4, "num_stages": 1}, "error": "smem"}]
+    assert bucket_choice([failed, case(40.0, b32=5.0)]) == "xla"  # no tiling ran in both
+
+
 def test_grouped_sweep_of_fp8_experts_keys_its_table_by_the_scale_block(tmp_path):
     run_script("grouped_sweep.py", "--tiny", "--fp8", "--tokens", "1", "--kernels", "down", "--out", str(tmp_path))
     (case,) = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]
