@@ -5,7 +5,7 @@ shape. Writes the tilings that win into the table the engine reads at trace time
 
     python benchmarks/gated_delta.py [--models qwen3_next] [--batches 1,8,32,128]
         [--rows 1,2,4] [--prefill 512,2048,8192] [--prefill-seqs 1,32] [--budget-s 480]
-        [--out DIR] [--tiny]
+        [--tp 1,2,4] [--kernels] [--out DIR] [--tiny]
 
 Two forms, one layer's call each:
 - rows: the recurrent form of decode (1 row a request) and MTP verification (k + 1
@@ -206,6 +206,16 @@ class Bench:
         for index, (us, kernels, wall_us) in ((i, t) for i, t in times.items() if i != "trace_error"):
             rows[index].update(us=us, kernels_per_call=kernels, wall_us=wall_us,
                                floor_fraction=None if us is None else floor / us)
+        if self.args.kernels and not self.tiny:  # where the time goes: XLA's form and the fastest kernel's
+            from profile_step import profile_kernels
+
+            best = fastest_kernel(rows)
+            for index in {0, rows.index(best) if best else 0}:
+                if index in calls:
+                    rows[index]["kernels"] = profile_kernels(calls[index], 3)[:12]
+                    print(f"  {'xla' if index == 0 else 'kernel'}: " + "; ".join(
+                        f"{k['name'][:60]} {k['us_per_step']:.1f} us x{k['calls_per_step']:.0f}"
+                        for k in rows[index]["kernels"][:8]), flush=True)
         self.results["cases"].setdefault(model, {})[case.label] = {"floor_us": floor, "variants": rows}
         self.enter(shape, case, chunk, rows)
         self.save()
@@ -249,10 +259,17 @@ def main() -> None:
     parser.add_argument("--prefill-seqs", default="1,32", help="request slots of the chunks form's batch")
     parser.add_argument("--budget-s", type=float, default=480)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--tp", default="1", help="tensor-parallel sizes: one device's share of the heads each")
+    parser.add_argument("--kernels", action="store_true",
+                        help="per case, the GPU kernels of XLA's form and of the fastest tiling (a profiler trace)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, tiny heads")
     args = parser.parse_args()
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     models = TINY_MODELS if args.tiny else {m: MODELS[m] for m in args.models.split(",")}
+    # under tensor parallelism each device runs the kernels on its share of the heads
+    # (jaxmtp.models.gated_delta.shard_over_value_heads) and the engine looks the table up with it
+    models = {(m if tp == 1 else f"{m} tp{tp}"): (hk // tp, hv // tp, dk, dv)
+              for m, (hk, hv, dk, dv) in models.items() for tp in ints(args.tp) if hk % tp == 0}
     chunk = 16 if args.tiny else 64  # jaxmtp.models.gated_delta.CHUNK; the tiny run's rows are few
     cases = [Case("rows", b, r) for r in ints(args.rows) for b in ints(args.batches)]
     cases += [Case("chunks", s, t) for t in ints(args.prefill) for s in ints(args.prefill_seqs)]
