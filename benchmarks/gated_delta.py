@@ -267,7 +267,7 @@ def main() -> None:
     ints = lambda text: [int(v) for v in text.split(",") if v]  # noqa: E731
     models = TINY_MODELS if args.tiny else {m: MODELS[m] for m in args.models.split(",")}
     # under tensor parallelism each device runs the kernels on its share of the heads
-    # (jaxmtp.models.gated_delta.shard_over_value_heads) and the engine looks the table up with it
+    # (jaxmtp.models.delta_rule.shard_over_value_heads) and the engine looks the table up with it
     models = {(m if tp == 1 else f"{m} tp{tp}"): (hk // tp, hv // tp, dk, dv)
               for m, (hk, hv, dk, dv) in models.items() for tp in ints(args.tp) if hk % tp == 0}
     chunk = 16 if args.tiny else 64  # jaxmtp.models.gated_delta.CHUNK; the tiny run's rows are few

@@ -34,6 +34,7 @@ from conftest import fresh_rng
 from tolerances import NONLINEAR_ROUNDING, SILU_SLOPE, assert_within, gamma
 
 from jaxmtp.kernels import gated_delta as kg
+from jaxmtp.models import delta_rule as dr
 from jaxmtp.models import gated_delta as gd
 from jaxmtp.worker.recurrent import RecurrentState, committed, write_tails
 from jaxmtp.worker.recurrent import commit as commit_versions
@@ -51,7 +52,7 @@ chunked = jax.jit(gd.gated_delta_chunked, static_argnames=("chunk", "across_chun
 # the Pallas kernels (kernels/gated_delta.py) in interpret mode, each head's state
 # columns split over two programs
 SPLIT_COLUMNS = kg.DeltaKernelConfig(block_dv=DV // 2, num_warps=4, num_stages=1)
-KERNELS = gd.DeltaRule(functools.partial(kg.scan_rows_kernel, interpret=True, config=SPLIT_COLUMNS),
+KERNELS = dr.DeltaRule(functools.partial(kg.scan_rows_kernel, interpret=True, config=SPLIT_COLUMNS),
                        functools.partial(kg.scan_chunks_kernel, interpret=True, config=SPLIT_COLUMNS))
 
 
@@ -175,7 +176,7 @@ def delta_float64(q, k, v, g, beta, state, lay: Layout, chunk: int = 0):
 
 
 def run_delta(form: str, inputs, state, lay: Layout, keep: int = 1, chunk: int = CHUNK,
-              rule: gd.DeltaRule = gd.DeltaRule()):
+              rule: dr.DeltaRule = dr.DeltaRule()):
     """o and, per request, its state after its last row ([B, Hv, dk, dv]); with the
     recurrent form also its tail. rule: the jnp forms, or KERNELS."""
     args = (*inputs, state, lay.query_start, lay.slots, lay.fresh)
@@ -222,7 +223,7 @@ def test_conv_matches_float64():
     assert_others_unchanged(new_table, conv_table, lay, "conv_tail, write_tails and commit")
 
 
-@pytest.mark.parametrize("rule", [gd.DeltaRule(), KERNELS], ids=["jnp", "kernels"])
+@pytest.mark.parametrize("rule", [dr.DeltaRule(), KERNELS], ids=["jnp", "kernels"])
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_delta_rule_matches_float64(form, rule):
     """Ragged requests with padding requests and rows, fresh ones whose table rows hold

@@ -17,6 +17,7 @@ from conftest import fresh_rng
 from test_gated_delta import KERNELS, NUM_SLOTS, SPLIT_COLUMNS
 
 from jaxmtp.kernels import gated_delta as kg
+from jaxmtp.models import delta_rule as dr
 from jaxmtp.models import gated_delta as gd
 from jaxmtp.models.config import HybridConfig
 from jaxmtp.worker.sharding import make_mesh
@@ -57,17 +58,17 @@ def test_the_backend_picks_the_forms(monkeypatch):
     sizes the measured table gives it, with its tiling; pallas and pallas_interpret refuse
     sizes the kernels cannot tile, by name."""
     cfg = hybrid_config(16, 32)
-    assert gd.delta_rule_fn("reference", cfg) == gd.DeltaRule()
-    assert gd.delta_rule_fn("auto", cfg) == gd.DeltaRule()  # on the CPU
-    assert gd.delta_rule_fn("reference", cfg, mesh=make_mesh(1)) == gd.DeltaRule()
-    assert gd.delta_rule_fn("pallas_interpret", cfg).over_rows.func is kg.scan_rows_kernel
-    assert gd.delta_rule_fn("pallas_interpret", cfg).across_chunks.func is kg.scan_chunks_kernel
+    assert dr.delta_rule_fn("reference", cfg) == dr.DeltaRule()
+    assert dr.delta_rule_fn("auto", cfg) == dr.DeltaRule()  # on the CPU
+    assert dr.delta_rule_fn("reference", cfg, mesh=make_mesh(1)) == dr.DeltaRule()
+    assert dr.delta_rule_fn("pallas_interpret", cfg).over_rows.func is kg.scan_rows_kernel
+    assert dr.delta_rule_fn("pallas_interpret", cfg).across_chunks.func is kg.scan_chunks_kernel
     refusal = "linear_key_head_dim and linear_value_head_dim powers of two >= 16, got 8 and 12"
     for backend in ("pallas", "pallas_interpret"):
         with pytest.raises(ValueError, match=refusal):
-            gd.delta_rule_fn(backend, hybrid_config(8, 12))
+            dr.delta_rule_fn(backend, hybrid_config(8, 12))
     with pytest.raises(ValueError, match="unknown attention backend 'triton'"):
-        gd.delta_rule_fn("triton", cfg)
+        dr.delta_rule_fn("triton", cfg)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
     monkeypatch.setitem(kg.MEASURED_PATHS, (0, 4, 16, 32), {8: SPLIT_COLUMNS, 16: "xla"})
@@ -77,7 +78,7 @@ def test_the_backend_picks_the_forms(monkeypatch):
     assert kg.measured_tiling("chunks", 4, 16, 32, 5) is None
     calls = []
     monkeypatch.setattr(kg, "scan_rows_kernel", lambda *a, config: calls.append(config) or "kernel")
-    rule = gd.delta_rule_fn("auto", cfg)
+    rule = dr.delta_rule_fn("auto", cfg)
     state = jnp.zeros((NUM_SLOTS, 4, 16, 32))
 
     def run(requests: int):
@@ -128,7 +129,7 @@ def test_the_hybrid_layer_runs_its_recurrence_through_the_chosen_forms():
             return seen[name][1]
         return call
 
-    rule = gd.DeltaRule(recorded("rows", KERNELS.over_rows), recorded("chunks", KERNELS.across_chunks))
+    rule = dr.DeltaRule(recorded("rows", KERNELS.over_rows), recorded("chunks", KERNELS.across_chunks))
     out, _, new_ssm = hybrid.linear_attention(p, cfg, weight(16, hidden), hybrid.recurrent_rows(batch, keep), conv,
                                               ssm, query_start, rule)
     assert np.isfinite(np.asarray(out)).all()
@@ -180,6 +181,7 @@ def test_a_hybrid_engine_on_the_kernels_emits_the_reference_engines_tokens(tmp_p
 SPLIT_SCRIPT = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
+from jaxmtp.models import delta_rule as dr
 from jaxmtp.models import gated_delta as gd
 from jaxmtp.models.config import HybridConfig
 from jaxmtp.worker.sharding import make_mesh
@@ -195,8 +197,8 @@ beta = jnp.asarray(rng.uniform(0.1, 0.9, (rows, hv)), jnp.float32)
 state = jnp.asarray(0.1 * rng.standard_normal((slots, hv, d, d)), jnp.float32)
 args = (q, k, v, g, beta, state, query_start, jnp.array([4, 1, 2], jnp.int32), jnp.array([False, True, False]))
 out = {}
-for name, rule in (("one", gd.delta_rule_fn("pallas_interpret", cfg)),
-                   ("split", gd.delta_rule_fn("pallas_interpret", cfg, make_mesh(2)))):
+for name, rule in (("one", dr.delta_rule_fn("pallas_interpret", cfg)),
+                   ("split", dr.delta_rule_fn("pallas_interpret", cfg, make_mesh(2)))):
     recurrent = jax.jit(lambda *a: gd.gated_delta_recurrent(*a, 3, rule.over_rows))(*args)
     chunked = jax.jit(lambda *a: gd.gated_delta_chunked(*a, gd.CHUNK, rule.across_chunks))(*args)
     out[name] = [np.asarray(x).tolist() for x in (*recurrent, *chunked)]

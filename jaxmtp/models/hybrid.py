@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmtp.models.config import ModelConfig
+from jaxmtp.models.delta_rule import DeltaRule
 from jaxmtp.models.gated_delta import (
-    CHUNK, DeltaRule, causal_conv1d, conv_tail, gated_delta_chunked, gated_delta_recurrent, gates,
+    CHUNK, causal_conv1d, conv_tail, gated_delta_chunked, gated_delta_recurrent, gates,
 )
 from jaxmtp.models.linear import linear
 from jaxmtp.models.model import LayerOps, decoder_layer, feed_forward

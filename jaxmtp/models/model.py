@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jaxmtp.models.attention import AttentionFn, attention_fn, resolve_backend
 from jaxmtp.models.config import ModelConfig
-from jaxmtp.models.gated_delta import DeltaRule, delta_rule_fn
+from jaxmtp.models.delta_rule import DeltaRule, delta_rule_fn
 from jaxmtp.models.layers import apply_rope, gated_mlp, rms_norm
 from jaxmtp.models.linear import linear
 from jaxmtp.models.mla import mla_attention, mla_attention_fn, resolve_mla_backend
