@@ -28,6 +28,7 @@ import datetime
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -350,10 +351,15 @@ class Bench:
         self.memo = {}  # figures one scenario leaves for another (plain tokens/s, ...)
 
     @staticmethod
-    def model_folder(config: dict) -> str:
+    def model_folder(config: dict, tokenizer: str | None = None) -> str:
+        """A folder of the config and a tokenizer: the given tokenizer.json (a real
+        model's), else write_bpe_tokenizer's of the config's vocabulary size."""
         folder = tempfile.mkdtemp()
         Path(folder, "config.json").write_text(json.dumps(config))
-        write_bpe_tokenizer(Path(folder), config["vocab_size"])
+        if tokenizer is None:
+            write_bpe_tokenizer(Path(folder), config["vocab_size"])
+        else:
+            shutil.copyfile(tokenizer, Path(folder, "tokenizer.json"))
         return folder
 
     def save(self):

@@ -10,8 +10,13 @@ and the mean acceptance length with MTP under the schema and without.
     python benchmarks/structured.py            # Llama-3-8B shape, dummy weights, one GPU
     python benchmarks/structured.py --tiny     # CPU smoke test
     python benchmarks/structured.py --tiny-layers --new-tokens 24   # the host side at full size, on a CPU
+    python benchmarks/structured.py --tokenizer PATH/tokenizer.json  # a real model's vocabulary
 
-The model is benchmarks/e2e.py's (random weights, its 128k byte-level BPE tokenizer);
+The model is benchmarks/e2e.py's (random weights, its 128k byte-level BPE tokenizer of
+random byte strings, or with --tokenizer a real one and its vocabulary size). The masks'
+cost depends on the vocabulary: inside a JSON string llguidance takes the tokens of
+ordinary text in bulk and walks the rest one by one, and most random byte strings are not
+valid UTF-8 text, so the random tokenizer is its slow case;
 each configuration runs once untimed first, so that its batch shapes are compiled.
 Writes JSON and markdown (date, device, JAX version) under $OUT or --out."""
 
@@ -112,6 +117,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="requests in the batch (default: 32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per request (default: 128)")
     parser.add_argument("--k", default="0,1", help="MTP draft counts, comma-separated (default: 0,1)")
+    parser.add_argument("--tokenizer", help="a real model's tokenizer.json; the model's vocabulary is its size "
+                        "(default: benchmarks/e2e.py's random 128k BPE)")
     parser.add_argument("--out", default="docs/benchmarks", help="output folder when $OUT is unset (default: docs/benchmarks)")
     args = parser.parse_args()
     import jax
@@ -120,11 +127,15 @@ def main() -> None:
 
     batch, new = (2, 8) if args.tiny else (args.batch, args.new_tokens)
     config = TINY if args.tiny else {**TINY, "vocab_size": LLAMA3_8B["vocab_size"]} if args.tiny_layers else LLAMA3_8B
-    folder = Bench.model_folder(config)
+    if args.tokenizer:
+        from tokenizers import Tokenizer
+
+        config = {**config, "vocab_size": Tokenizer.from_file(args.tokenizer).get_vocab_size()}
+    folder = Bench.model_folder(config, args.tokenizer)
     rng = __import__("numpy").random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"] - 2, size=32 if args.tiny else 64 if args.tiny_layers else 512).tolist() for _ in range(batch)]
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-               "batch": batch, "new_tokens": new, "rows": {}}
+               "batch": batch, "new_tokens": new, "tokenizer": args.tokenizer or "random 128k BPE", "rows": {}}
     for k in map(int, args.k.split(",")):
         llm = LLM(folder, load_format="dummy", num_speculative_tokens=k, max_num_seqs=batch,
                   max_num_batched_tokens=512 if args.tiny else 2048,
@@ -143,7 +154,7 @@ def main() -> None:
         constrained["host_floor_vs_unconstrained"] = 1 + constrained["grammar_alone_ms_per_step"] / free["host_ms_per_step"]
     out = Path(os.environ.get("OUT", args.out))
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{results['date']}_{results['device'].replace(' ', '-')}_structured{'_tiny' if args.tiny else '_tiny-layers' if args.tiny_layers else ''}"
+    stem = f"{results['date']}_{results['device'].replace(' ', '-')}_structured{'_tiny' if args.tiny else '_tiny-layers' if args.tiny_layers else ''}{'_tokenizer' if args.tokenizer else ''}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     lines = ["| configuration | tokens/s | vs unconstrained | host ms / step | host vs unconstrained | mask ms / step "
              "| grammar alone ms / step | host floor vs unconstrained | acceptance length | finish |",
@@ -156,7 +167,8 @@ def main() -> None:
         floor = f"{r['host_floor_vs_unconstrained']:.2f}" if "host_floor_vs_unconstrained" in r else ""
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {r['host_ms_per_step']:.2f} | {host_ratio} | "
                      f"{r['mask_ms_per_step']:.3f} | {alone} | {floor} | {accept} | {', '.join(r['finish'])} |")
-    header = f"{results['date']}, {results['device']}, JAX {results['jax']}, batch {batch}, {new} tokens each\n\n"
+    header = (f"{results['date']}, {results['device']}, JAX {results['jax']}, batch {batch}, {new} tokens each, "
+              f"tokenizer: {results['tokenizer']}\n\n")
     (out / f"{stem}.md").write_text(header + "\n".join(lines) + "\n")
     print(header + "\n".join(lines))
 
