@@ -25,13 +25,13 @@ from e2e import LLAMA3_8B, TINY, Bench  # noqa: E402
 from structured import SCHEMA  # noqa: E402
 
 
-def replay(grammars, outputs: list[list[int]], executor=None) -> dict:
+def replay(grammars, outputs: list[list[int]], schema: dict, executor=None) -> dict:
     """ms a step: accepting, and filling the going requests' masks in one call."""
     import llguidance.numpy as llnp
 
     from jaxmtp.engine.structured_outputs import StructuredOutputsParams
 
-    matchers = [grammars.matcher(StructuredOutputsParams(json=SCHEMA))._matcher for _ in outputs]
+    matchers = [grammars.matcher(StructuredOutputsParams(json=schema))._matcher for _ in outputs]
     masks = np.empty((len(outputs), grammars.mask_words), np.int32)
     executor = executor or grammars.executor
     accept = fill = 0.0
@@ -52,7 +52,7 @@ def replay(grammars, outputs: list[list[int]], executor=None) -> dict:
     return {"accept_ms_per_step": 1e3 * accept / steps, "fill_ms_per_step": 1e3 * fill / steps}
 
 
-def slowest_masks(grammars, tokenizer, outputs: list[list[int]], count: int = 8) -> list[dict]:
+def slowest_masks(grammars, tokenizer, outputs: list[list[int]], schema: dict, count: int = 8) -> list[dict]:
     """The single masks that took longest, one request at a time on one thread."""
     import llguidance.numpy as llnp
 
@@ -61,7 +61,7 @@ def slowest_masks(grammars, tokenizer, outputs: list[list[int]], count: int = 8)
     mask = np.empty((1, grammars.mask_words), np.int32)
     found = []
     for out in outputs:
-        matcher = grammars.matcher(StructuredOutputsParams(json=SCHEMA))._matcher
+        matcher = grammars.matcher(StructuredOutputsParams(json=schema))._matcher
         for step, token in enumerate(out):
             t = time.perf_counter()
             llnp.fill_next_token_bitmask(matcher, mask, 0)
@@ -80,6 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("saved", help="benchmarks/structured.py's JSON")
     parser.add_argument("--row", default="k=0 json_schema", help="which configuration's outputs (default: k=0 json_schema)")
+    parser.add_argument("--no-max-length", action="store_true",
+                        help="the schema without its free-text field's maxLength (default: as structured.py ran it)")
     parser.add_argument("--threads", default="1,4,8,12", help="llguidance thread counts (default: 1,4,8,12)")
     args = parser.parse_args()
     import llguidance
@@ -93,15 +95,18 @@ def main() -> None:
     folder = Path(Bench.model_folder(config))
     text = (folder / "tokenizer.json").read_text()
     grammars = GrammarCompiler(text, config["vocab_size"], [config.get("eos_token_id", 2)])
-    results = {"saved": args.saved, "row": args.row, "cpus": os.cpu_count(), "threads": {}}
-    replay(grammars, outputs)  # warm
+    schema = json.loads(json.dumps(SCHEMA))
+    if args.no_max_length:  # the same outputs fit: the schema only loses a bound
+        del schema["properties"]["summary"]["maxLength"]
+    results = {"saved": args.saved, "row": args.row, "cpus": os.cpu_count(), "schema": schema, "threads": {}}
+    replay(grammars, outputs, schema)  # warm
     for n in map(int, args.threads.split(",")):
-        results["threads"][n] = replay(grammars, outputs, llguidance.LLExecutor(n))
+        results["threads"][n] = replay(grammars, outputs, schema, llguidance.LLExecutor(n))
         print(n, "threads:", results["threads"][n], flush=True)
-    results["single_masks"] = slowest_masks(grammars, Tokenizer.from_str(text), outputs)
+    results["single_masks"] = slowest_masks(grammars, Tokenizer.from_str(text), outputs, schema)
     print(json.dumps(results["single_masks"], indent=1))
     out = Path(os.environ.get("OUT", Path(args.saved).parent))
-    (out / f"{Path(args.saved).stem}_grammar_replay.json").write_text(json.dumps(results, indent=1))
+    (out / f"{Path(args.saved).stem}_grammar_replay{'_no-max-length' if args.no_max_length else ''}.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -210,3 +210,45 @@ def test_host_measures_mtp_steps_with_every_oracle_draft_accepted(tmp_path):
     assert results["mtp_k"] == 1
     for step in (results["step"], results["step"]["final_only"]):
         assert 0 < step["host_ms"] <= step["step_ms"] and step["tokens_per_request_step"] == 2
+
+
+def tiny_tekken(num_special: int = 3) -> dict:
+    """A tekken file of the 256 bytes ranked by value, then "ab", "abc", " {" and "é"
+    (two bytes); a token's id is its rank after the specials."""
+    import base64
+
+    pieces = [bytes([b]) for b in range(256)] + [b"ab", b"abc", b" {", "é".encode()]
+    return {"config": {"pattern": r"\s?\S+|\s+", "default_vocab_size": num_special + len(pieces),
+                       "default_num_special_tokens": num_special},
+            "vocab": [{"rank": r, "token_bytes": base64.b64encode(p).decode()} for r, p in enumerate(pieces)]}
+
+
+def test_tekken_tokenizer_keeps_tiktoken_ranks_as_ids_after_the_specials():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tekken_tokenizer import convert
+
+    tokenizer = convert(tiny_tekken())
+    ab, abc, brace, e_acute = (3 + 256 + i for i in range(4))
+    # merges by rank: "abc" whole, then "ab"; bytes outside any merge as themselves
+    assert tokenizer.encode("abcab").ids == [abc, ab]
+    assert tokenizer.encode("ba {é").ids == [3 + ord("b"), 3 + ord("a"), brace, e_acute]
+    assert tokenizer.encode("x\x00").ids == [3 + ord("x"), 3]
+    assert tokenizer.token_to_id("</s>") == 2 and tokenizer.get_vocab_size() == 3 + 260
+    text = 'ab {"é": abc}\n'
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_structured_outputs_constrained_against_free_with_a_given_tokenizer(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from tekken_tokenizer import convert
+
+    convert(tiny_tekken()).save(str(tmp_path / "tokenizer.json"))
+    run_script("structured.py", "--tiny", "--k", "0", "--tokenizer", str(tmp_path / "tokenizer.json"),
+               "--out", str(tmp_path))
+    (saved,) = tmp_path.glob("*_structured_tiny_tokenizer.json")
+    results = json.loads(saved.read_text())
+    assert results["tokenizer"].endswith("tokenizer.json")
+    constrained = results["rows"]["k=0 json_schema"]
+    assert constrained["tokens"] == results["rows"]["k=0 unconstrained"]["tokens"] > 0
+    assert 0 < constrained["vs_unconstrained"] and constrained["grammar_alone_ms_per_step"] > 0
+    assert all(max(out) < 3 + 260 for out in constrained["outputs"])
