@@ -253,3 +253,12 @@ def test_structured_outputs_constrained_against_free_with_a_given_tokenizer(tmp_
     assert constrained["tokens"] == results["rows"]["k=0 unconstrained"]["tokens"] > 0
     assert 0 < constrained["vs_unconstrained"] and constrained["grammar_alone_ms_per_step"] > 0
     assert all(max(out) < 3 + 260 for out in constrained["outputs"])
+
+
+def test_dispatch_times_a_bare_program_and_the_engines_step_per_argument(tmp_path):
+    run_script("dispatch.py", "--leaves", "4", "--layers", "1,2", "--steps", "4", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "dispatch.json").read_text())
+    assert [row["arguments"] for row in results["leaves"]] == [5]
+    one, two = results["engine"]
+    assert two["arguments"] > one["arguments"]  # a layer's weights and cache arrays are arguments of their own
+    assert all(row["us_per_argument"] > 0 for row in results["leaves"] + results["engine"])

@@ -1,0 +1,107 @@
+"""The host's cost of dispatching a compiled step, against the number of arrays it takes.
+
+A step program takes every weight and cache array as its own argument (an 8B Llama's
+step about 330: seven weights and two cache arrays a layer), and JAX's dispatch handles
+each argument on the host (its type, sharding, layout, donation). Constrained steps and
+batch-1 MoE steps wait on that dispatch (docs/benchmarks: 2.4-3.3 ms a call on the
+H200's host), so this measures it in two ways, calls queued back to back with one wait
+at the end:
+- leaves: a compiled program over N small donated arrays (replicated on a one-device
+  mesh, as the engine places them) that only bumps a counter: the host's microseconds a
+  call, and a argument;
+- engine: benchmarks/e2e.py's tiny model with L layers, its decode steps' dispatch
+  (ModelRunner._run) per step, beside the step's argument count.
+
+    python benchmarks/dispatch.py [--leaves 16,64,256,512] [--layers 2,8,32] [--steps 48] [--out DIR]
+
+Writes dispatch.json and dispatch.md (date, device, JAX version) under $OUT or --out."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from e2e import TINY, Bench  # noqa: E402
+from timing import runner_phases  # noqa: E402
+
+
+def leaves_row(count: int, calls: int) -> dict:
+    """us a call of a program over `count` donated [64, 64] arrays, calls queued."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    replicated = NamedSharding(Mesh(jax.devices()[:1], ("x",)), PartitionSpec())
+    arrays = [jax.device_put(jnp.full((64, 64), i, jnp.float32), replicated) for i in range(count)]
+    counter = jax.device_put(jnp.int32(0), replicated)
+    program = jax.jit(lambda arrays, counter: (arrays, counter + 1), donate_argnums=0).lower(arrays, counter).compile()
+    for _ in range(3):
+        arrays, counter = program(arrays, counter)
+    jax.block_until_ready(counter)
+    start = time.perf_counter()
+    for _ in range(calls):
+        arrays, counter = program(arrays, counter)
+    dispatched = time.perf_counter() - start
+    jax.block_until_ready(counter)
+    us = 1e6 * dispatched / calls
+    return {"arguments": count + 1, "dispatch_us": us, "us_per_argument": us / (count + 1)}
+
+
+def engine_row(layers: int, steps: int) -> dict:
+    """The tiny model with `layers` layers: its decode steps' dispatch per step."""
+    import jax
+    import numpy as np
+
+    from jaxmtp import LLM, SamplingParams
+
+    folder = Bench.model_folder({**TINY, "num_hidden_layers": layers})
+    llm = LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
+              num_pages=None)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, TINY["vocab_size"] - 2, size=16).tolist() for _ in range(8)]
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # compiles
+    before = llm.engine.stats.steps
+    with runner_phases(llm.engine) as phases:
+        llm.generate(prompts, params, use_tqdm=False)
+    done = llm.engine.stats.steps - before
+    runner = llm.engine.runner
+    arguments = len(jax.tree.leaves((runner.params, *runner.step_state())))
+    dispatch_ms = 1e3 * phases["_run"] / done
+    return {"layers": layers, "arguments": arguments, "dispatch_ms": dispatch_ms,
+            "us_per_argument": 1e3 * dispatch_ms / arguments, "step_ms": 1e3 * phases["whole"] / done}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--leaves", default="16,64,256,512", help="argument counts of the bare program (default: 16,64,256,512)")
+    parser.add_argument("--layers", default="2,8,32", help="the tiny model's layer counts (default: 2,8,32)")
+    parser.add_argument("--steps", type=int, default=48, help="decode steps (and bare calls x 4) timed (default: 48)")
+    parser.add_argument("--out", default=".", help="output folder when $OUT is unset (default: .)")
+    args = parser.parse_args()
+    import jax
+
+    results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+               "leaves": [leaves_row(int(n), 4 * args.steps) for n in args.leaves.split(",") if n],
+               "engine": [engine_row(int(n), args.steps) for n in args.layers.split(",") if n]}
+    out = Path(os.environ.get("OUT", args.out))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dispatch.json").write_text(json.dumps(results, indent=1))
+    lines = [f"{results['date']}, {results['device']}, JAX {results['jax']}", "",
+             "| program | arguments | dispatch us a call | us an argument |", "|---|---|---|---|"]
+    lines += [f"| bare | {r['arguments']} | {r['dispatch_us']:.0f} | {r['us_per_argument']:.2f} |" for r in results["leaves"]]
+    lines += [f"| tiny model, {r['layers']} layers (step {r['step_ms']:.2f} ms) | {r['arguments']} | "
+              f"{1e3 * r['dispatch_ms']:.0f} | {r['us_per_argument']:.2f} |" for r in results["engine"]]
+    (out / "dispatch.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
