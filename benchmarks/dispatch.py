@@ -1,7 +1,7 @@
 """The host's cost of dispatching a compiled step, against the number of arrays it takes.
 
 A step program takes every weight and cache array as its own argument (an 8B Llama's
-step about 330: seven weights and two cache arrays a layer), and JAX's dispatch handles
+step about 330: ten a layer, weights and cache), and JAX's dispatch handles
 each argument on the host (its type, sharding, layout, donation). Constrained steps and
 batch-1 MoE steps wait on that dispatch (docs/benchmarks: 2.4-3.3 ms a call on the
 H200's host), so this measures it in two ways, calls queued back to back with one wait
