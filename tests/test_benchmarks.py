@@ -262,4 +262,4 @@ def test_dispatch_times_a_bare_program_and_the_engines_step_per_argument(tmp_pat
     one, two = results["engine"]
     assert two["arguments"] > one["arguments"]  # a layer's weights and cache arrays are arguments of their own
     assert all(row["us_per_argument"] > 0 for row in results["leaves"] + results["engine"])
-    assert all(row["idle_dispatch_ms"] > 0 for row in results["engine"])
+    assert all(row["idle_dispatch_ms"] > 0 and row["arguments_alone_ms"] > 0 for row in results["engine"])
