@@ -4,11 +4,10 @@ A step program takes every weight and cache array as its own argument (an 8B Lla
 step about 330: ten a layer, weights and cache), and JAX's dispatch handles
 each argument on the host (its type, sharding, layout, donation). Constrained steps and
 batch-1 MoE steps wait on that dispatch (docs/benchmarks: 2.4-3.3 ms a call on the
-H200's host), so this measures it in two ways, calls queued back to back with one wait
-at the end:
+H200's host), so this measures:
 - leaves: a compiled program over N small donated arrays (replicated on a one-device
-  mesh, as the engine places them) that only bumps a counter: the host's microseconds a
-  call, and a argument;
+  mesh, as the engine places them) that only bumps a counter, calls queued back to back:
+  the host's microseconds a call, and an argument;
 - engine: benchmarks/e2e.py's tiny model with L layers, its decode steps' dispatch
   (ModelRunner._run) per step as generate runs them, its last step replayed with the
   device idle at each call, and a bare program over the step's own arrays (its
@@ -38,11 +37,12 @@ def leaves_row(count: int, calls: int) -> dict:
     """us a call of a program over `count` donated [64, 64] arrays, calls queued."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    replicated = NamedSharding(Mesh(jax.devices()[:1], ("x",)), PartitionSpec())
-    arrays = [jax.device_put(jnp.full((64, 64), i, jnp.float32), replicated) for i in range(count)]
-    counter = jax.device_put(jnp.int32(0), replicated)
+    from jaxmtp.worker.sharding import make_mesh, replicated
+
+    placed = replicated(make_mesh(1))
+    arrays = [jax.device_put(jnp.full((64, 64), i, jnp.float32), placed) for i in range(count)]
+    counter = jax.device_put(jnp.int32(0), placed)
     program = jax.jit(lambda arrays, counter: (arrays, counter + 1), donate_argnums=0).lower(arrays, counter).compile()
     for _ in range(3):
         arrays, counter = program(arrays, counter)

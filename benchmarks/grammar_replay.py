@@ -12,6 +12,7 @@ Prints and writes JSON beside the input (or under $OUT)."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -91,11 +92,14 @@ def main() -> None:
 
     saved = json.loads(Path(args.saved).read_text())
     outputs = saved["rows"][args.row]["outputs"]
-    config = {**TINY, "vocab_size": LLAMA3_8B["vocab_size"]} if saved["batch"] != 2 else TINY
-    folder = Path(Bench.model_folder(config))
+    # the run's vocabulary: its --tokenizer, else the random one of its size (files
+    # written before structured.py recorded either: the size from the batch)
+    vocab_size = saved.get("vocab_size") or (TINY if saved["batch"] == 2 else LLAMA3_8B)["vocab_size"]
+    config = {**TINY, "vocab_size": vocab_size}
+    folder = Path(Bench.model_folder(config, saved.get("tokenizer")))
     text = (folder / "tokenizer.json").read_text()
-    grammars = GrammarCompiler(text, config["vocab_size"], [config.get("eos_token_id", 2)])
-    schema = json.loads(json.dumps(SCHEMA))
+    grammars = GrammarCompiler(text, vocab_size, [config["eos_token_id"]])
+    schema = copy.deepcopy(SCHEMA)
     if args.no_max_length:  # the same outputs fit: the schema only loses a bound
         del schema["properties"]["summary"]["maxLength"]
     results = {"saved": args.saved, "row": args.row, "cpus": os.cpu_count(), "schema": schema, "threads": {}}

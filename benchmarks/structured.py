@@ -16,8 +16,8 @@ The model is benchmarks/e2e.py's (random weights, its 128k byte-level BPE tokeni
 random byte strings, or with --tokenizer a real one and its vocabulary size). The masks'
 cost depends on the vocabulary: inside a JSON string llguidance takes the tokens of
 ordinary text in bulk and walks the rest one by one, and most random byte strings are not
-valid UTF-8 text, so the random tokenizer is its slow case;
-each configuration runs once untimed first, so that its batch shapes are compiled.
+valid UTF-8 text, so the random tokenizer is its slow case. Each configuration runs once
+untimed first, so that its batch shapes are compiled.
 Writes JSON and markdown (date, device, JAX version) under $OUT or --out."""
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ def main() -> None:
     rng = __import__("numpy").random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"] - 2, size=32 if args.tiny else 64 if args.tiny_layers else 512).tolist() for _ in range(batch)]
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-               "batch": batch, "new_tokens": new, "tokenizer": args.tokenizer or "random 128k BPE", "rows": {}}
+               "batch": batch, "new_tokens": new, "tokenizer": args.tokenizer, "vocab_size": config["vocab_size"],
+               "rows": {}}
     for k in map(int, args.k.split(",")):
         llm = LLM(folder, load_format="dummy", num_speculative_tokens=k, max_num_seqs=batch,
                   max_num_batched_tokens=512 if args.tiny else 2048,
@@ -168,7 +169,7 @@ def main() -> None:
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {r['host_ms_per_step']:.2f} | {host_ratio} | "
                      f"{r['mask_ms_per_step']:.3f} | {alone} | {floor} | {accept} | {', '.join(r['finish'])} |")
     header = (f"{results['date']}, {results['device']}, JAX {results['jax']}, batch {batch}, {new} tokens each, "
-              f"tokenizer: {results['tokenizer']}\n\n")
+              f"tokenizer: {args.tokenizer or 'random 128k BPE'}\n\n")
     (out / f"{stem}.md").write_text(header + "\n".join(lines) + "\n")
     print(header + "\n".join(lines))
 
