@@ -8,14 +8,17 @@ H200's host), so this measures:
 - leaves: a compiled program over N small donated arrays (replicated on a one-device
   mesh, as the engine places them) that only bumps a counter, calls queued back to back:
   the host's microseconds a call, and an argument;
-- engine: benchmarks/e2e.py's tiny model with L layers, its decode steps' dispatch
+- engine: benchmarks/e2e.py's tiny model (or its Llama-3-8B shape) with L layers, its decode steps' dispatch
   (ModelRunner._run) per step as generate runs them, its last step replayed with the
   device idle at each call, and a bare program over the step's own arrays (its
   arguments' share of the dispatch; the rest is launching the step's executable).
 
-    python benchmarks/dispatch.py [--leaves 16,64,256,512] [--layers 2,8,32] [--steps 48] [--out DIR]
+    python benchmarks/dispatch.py [--leaves 16,64,256,512] [--layers 2,8,32] [--model tiny|llama3_8b]
+                                  [--steps 48] [--out DIR]
 
-Writes dispatch.json and dispatch.md (date, device, JAX version) under $OUT or --out."""
+Run it with and without XLA_FLAGS=--xla_gpu_enable_command_buffer= to see what the
+GPU's command buffers take off (or add) to the launch. Writes dispatch.json and
+dispatch.md (date, device, JAX version, XLA_FLAGS) under $OUT or --out."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e import TINY, Bench  # noqa: E402
+from e2e import LLAMA3_8B, TINY, Bench  # noqa: E402
 from timing import runner_phases  # noqa: E402
 
 
@@ -56,18 +59,22 @@ def leaves_row(count: int, calls: int) -> dict:
     return {"arguments": count + 1, "dispatch_us": us, "us_per_argument": us / (count + 1)}
 
 
-def engine_row(layers: int, steps: int) -> dict:
-    """The tiny model with `layers` layers: its decode steps' dispatch per step."""
+MODELS = {"tiny": TINY, "llama3_8b": LLAMA3_8B}
+
+
+def engine_row(model: str, layers: int, steps: int) -> dict:
+    """`model` (dummy weights) with `layers` layers: its decode steps' dispatch per step."""
     import jax
     import numpy as np
 
     from jaxmtp import LLM, SamplingParams
 
-    folder = Bench.model_folder({**TINY, "num_hidden_layers": layers})
+    config = {**MODELS[model], "num_hidden_layers": layers}
+    folder = Bench.model_folder(config)
     llm = LLM(folder, load_format="dummy", max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
               num_pages=None)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, TINY["vocab_size"] - 2, size=16).tolist() for _ in range(8)]
+    prompts = [rng.integers(3, config["vocab_size"] - 2, size=16).tolist() for _ in range(8)]
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # compiles
     before = llm.engine.stats.steps
@@ -85,7 +92,7 @@ def engine_row(layers: int, steps: int) -> dict:
         runner._run(args)
         idle += time.perf_counter() - start
     jax.block_until_ready(runner.step_state())
-    return {"layers": layers, "arguments": arguments, "dispatch_ms": dispatch_ms,
+    return {"model": model, "layers": layers, "arguments": arguments, "dispatch_ms": dispatch_ms,
             "us_per_argument": 1e3 * dispatch_ms / arguments, "idle_dispatch_ms": 1e3 * idle / steps,
             "arguments_alone_ms": arguments_alone(runner, steps), "step_ms": 1e3 * phases["whole"] / done}
 
@@ -115,24 +122,34 @@ def arguments_alone(runner, calls: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--leaves", default="16,64,256,512", help="argument counts of the bare program (default: 16,64,256,512)")
-    parser.add_argument("--layers", default="2,8,32", help="the tiny model's layer counts (default: 2,8,32)")
+    parser.add_argument("--layers", default="2,8,32", help="the model's layer counts (default: 2,8,32)")
+    parser.add_argument("--model", choices=tuple(MODELS), default="tiny", help="the engine rows' model (default: tiny)")
     parser.add_argument("--steps", type=int, default=48, help="decode steps (and bare calls x 4) timed (default: 48)")
     parser.add_argument("--out", default=".", help="output folder when $OUT is unset (default: .)")
+    parser.add_argument("--dense-tilings", choices=("measured", "none"), default="measured",
+                        help="none: XLA's dot for every dense weight (no Pallas matmul among the step's kernels)")
     args = parser.parse_args()
     import jax
 
+    if args.dense_tilings == "none":  # read as each step is traced, so before any engine
+        from jaxmtp.kernels import fp8_matmul
+
+        fp8_matmul.DENSE_TILINGS.clear()
+
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""), "dense_tilings": args.dense_tilings,
                "leaves": [leaves_row(int(n), 4 * args.steps) for n in args.leaves.split(",") if n],
-               "engine": [engine_row(int(n), args.steps) for n in args.layers.split(",") if n]}
+               "engine": [engine_row(args.model, int(n), args.steps) for n in args.layers.split(",") if n]}
     out = Path(os.environ.get("OUT", args.out))
     out.mkdir(parents=True, exist_ok=True)
     (out / "dispatch.json").write_text(json.dumps(results, indent=1))
-    lines = [f"{results['date']}, {results['device']}, JAX {results['jax']}", "",
+    lines = [f"{results['date']}, {results['device']}, JAX {results['jax']}, XLA_FLAGS={results['xla_flags']!r}, dense tilings "
+             f"{results['dense_tilings']}", "",
              "| program | arguments | dispatch us a call | us an argument | idle device: us a call "
              "| its arguments alone: us a call |", "|---|---|---|---|---|---|"]
     lines += [f"| bare | {r['arguments']} | {r['dispatch_us']:.0f} | {r['us_per_argument']:.2f} | | |"
               for r in results["leaves"]]
-    lines += [f"| tiny model, {r['layers']} layers (step {r['step_ms']:.2f} ms) | {r['arguments']} | "
+    lines += [f"| {r['model']}, {r['layers']} layers (step {r['step_ms']:.2f} ms) | {r['arguments']} | "
               f"{1e3 * r['dispatch_ms']:.0f} | {r['us_per_argument']:.2f} | {1e3 * r['idle_dispatch_ms']:.0f} | "
               f"{1e3 * r['arguments_alone_ms']:.0f} |" for r in results["engine"]]
     (out / "dispatch.md").write_text("\n".join(lines) + "\n")

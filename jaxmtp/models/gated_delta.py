@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxmtp.kernels.reference import row_ownership
 
 F32 = jnp.float32
 L2NORM_EPS = 1e-6  # transformers' l2norm (as the FLA library's)
@@ -33,14 +34,6 @@ CHUNK = 64
 
 def _einsum(spec: str, *operands: jax.Array) -> jax.Array:
     return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST)
-
-
-def _row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
-    """The request each row belongs to (padding rows: clamped to the last request).
-    Empty requests own no row (jaxmtp.worker.batch.row_owner, which models/ may not
-    import)."""
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    return jnp.minimum(jnp.searchsorted(query_start[1:], rows, side="right"), query_start.shape[0] - 2)
 
 
 def stored_states(table: jax.Array, slots: jax.Array, fresh: jax.Array) -> jax.Array:
@@ -78,7 +71,7 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, conv_state: jax.Array, query_
     gives the windows the caller may commit (jaxmtp.worker.recurrent)."""
     num_rows = x.shape[0]
     rows = jnp.arange(num_rows)
-    owner = _row_owner(query_start, num_rows)
+    owner = row_ownership(query_start, num_rows)[0]
     window = _conv_inputs(x, conv_state, query_start, slots, fresh, owner, rows - query_start[owner], weight.shape[1])
     y = jax.nn.silu(_einsum("tjc,cj->tc", window, weight.astype(F32)))
     return jnp.where((rows < query_start[-1])[:, None], y, 0.0)
@@ -141,7 +134,7 @@ def scan_rows(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     num_rows, num_requests = v.shape[0], slots.shape[0]
     start = stored_states(state, slots, fresh)
     rows = jnp.arange(num_rows)
-    owner = _row_owner(query_start, num_rows)
+    owner = row_ownership(query_start, num_rows)[0]
     valid = rows < query_start[-1]
     first = valid & (rows == query_start[owner])
     tail_index = keep - (query_start[owner + 1] - rows)  # < 0: a row before the last `keep`
@@ -200,7 +193,7 @@ def _chunk_layout(query_start: jax.Array, num_rows: int, chunk: int):
     per_request = (query_start[1:] - query_start[:-1] + chunk - 1) // chunk
     chunk_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_request).astype(jnp.int32)])
     rows = jnp.arange(num_rows)
-    owner = _row_owner(query_start, num_rows)
+    owner = row_ownership(query_start, num_rows)[0]
     dest = jnp.where(rows < query_start[-1], chunk_start[owner] * chunk + rows - query_start[owner], num_chunks * chunk)
     return num_chunks, dest, chunk_start
 
@@ -289,10 +282,10 @@ def scan_chunks(terms: ChunkTerms, chunk_start: jax.Array, state: jax.Array, slo
     slots, fresh as gated_delta_recurrent's. Returns the chunks' outputs [n, Hv, C, dv]
     (any values in chunks no request owns) and final [B, Hv, dk, dv]: each request's
     state after its last chunk (its starting state if it has none)."""
-    num_requests, num_chunks = slots.shape[0], terms.decay.shape[0]
+    num_chunks = terms.decay.shape[0]
     start = stored_states(state, slots, fresh)
     chunks = jnp.arange(num_chunks)
-    chunk_owner = jnp.minimum(jnp.searchsorted(chunk_start[1:], chunks, side="right"), num_requests - 1)
+    chunk_owner = row_ownership(chunk_start, num_chunks)[0]
     real = chunks < chunk_start[-1]
     first = chunks == chunk_start[chunk_owner]
 

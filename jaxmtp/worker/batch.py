@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.models.params import pytree_dataclass
 from jaxmtp.worker.cache import dropped_index
 
@@ -105,8 +106,7 @@ def unprocessed(num_seqs: int) -> dict[str, np.ndarray]:
 
 def row_owner(query_start: jax.Array, num_rows: int) -> jax.Array:
     """The request each of num_rows rows belongs to (padding rows: clamped to the last)."""
-    rows = jnp.arange(num_rows, dtype=jnp.int32)
-    return jnp.minimum(jnp.searchsorted(query_start[1:], rows, side="right"), query_start.shape[0] - 2)
+    return row_ownership(query_start, num_rows)[0]
 
 
 def slot_of(page_table: jax.Array, row_seq: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
