@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e import LLAMA3_8B, TINY, Bench  # noqa: E402
+from structured import SCHEMA  # noqa: E402
 from timing import runner_phases  # noqa: E402
 
 
@@ -62,12 +63,17 @@ def leaves_row(count: int, calls: int) -> dict:
 MODELS = {"tiny": TINY, "llama3_8b": LLAMA3_8B}
 
 
-def engine_row(model: str, layers: int, steps: int) -> dict:
-    """`model` (dummy weights) with `layers` layers: its decode steps' dispatch per step."""
+def engine_row(model: str, layers: int, steps: int, sampling: str = "0:1") -> dict:
+    """`model` (dummy weights) with `layers` layers: its decode steps' dispatch per step.
+    sampling: "temperature:top_p" of the requests (greedy 0:1 and sampled steps are
+    programs of different shapes), or "json": greedy requests under structured.py's JSON
+    schema, whose steps run as two programs (forward, then finish with the masks), each
+    timed apart."""
     import jax
     import numpy as np
 
     from jaxmtp import LLM, SamplingParams
+    from jaxmtp.worker.sharding import put_replicated
 
     config = {**MODELS[model], "num_hidden_layers": layers}
     folder = Bench.model_folder(config)
@@ -75,25 +81,37 @@ def engine_row(model: str, layers: int, steps: int) -> dict:
               num_pages=None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"] - 2, size=16).tolist() for _ in range(8)]
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    if sampling == "json":
+        params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, structured_outputs={"json": SCHEMA})
+    else:
+        temperature, top_p = map(float, sampling.split(":"))
+        params = SamplingParams(max_tokens=steps, temperature=temperature, top_p=top_p, seed=0, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # compiles
     before = llm.engine.stats.steps
     with runner_phases(llm.engine) as phases:
         llm.generate(prompts, params, use_tqdm=False)
     done = llm.engine.stats.steps - before
-    runner = llm.engine.runner
+    runner, record = llm.engine.runner, llm.engine.last_step
     arguments = len(jax.tree.leaves((runner.params, *runner.step_state())))
-    dispatch_ms = 1e3 * phases["_run"] / done
     # the last step replayed with the device idle at each call: no step before it computes
-    args, idle = llm.engine.last_step.args, 0.0
+    # (a masked step: its forward's dispatch, and its finish's once the forward is done)
+    masks = None if record.token_bitmask is None else put_replicated(record.token_bitmask, runner.mesh)
+    idle = {"_run": 0.0, "_finish": 0.0}
     for _ in range(steps):
         jax.block_until_ready(runner.step_state())
         start = time.perf_counter()
-        runner._run(args)
-        idle += time.perf_counter() - start
+        runner._run(record.args)
+        idle["_run"] += time.perf_counter() - start
+        if masks is not None:
+            jax.block_until_ready(runner.step_state())
+            start = time.perf_counter()
+            runner._finish(masks)
+            idle["_finish"] += time.perf_counter() - start
     jax.block_until_ready(runner.step_state())
-    return {"model": model, "layers": layers, "arguments": arguments, "dispatch_ms": dispatch_ms,
-            "us_per_argument": 1e3 * dispatch_ms / arguments, "idle_dispatch_ms": 1e3 * idle / steps,
+    dispatch_ms = 1e3 * phases["_run"] / done
+    return {"model": model, "layers": layers, "sampling": sampling, "arguments": arguments, "dispatch_ms": dispatch_ms,
+            "us_per_argument": 1e3 * dispatch_ms / arguments, "idle_dispatch_ms": 1e3 * idle["_run"] / steps,
+            "finish_dispatch_ms": 1e3 * phases["_finish"] / done, "idle_finish_ms": 1e3 * idle["_finish"] / steps,
             "arguments_alone_ms": arguments_alone(runner, steps), "step_ms": 1e3 * phases["whole"] / done}
 
 
@@ -124,6 +142,9 @@ def main() -> None:
     parser.add_argument("--leaves", default="16,64,256,512", help="argument counts of the bare program (default: 16,64,256,512)")
     parser.add_argument("--layers", default="2,8,32", help="the model's layer counts (default: 2,8,32)")
     parser.add_argument("--model", choices=tuple(MODELS), default="tiny", help="the engine rows' model (default: tiny)")
+    parser.add_argument("--sampling", default="0:1",
+                        help="the engine rows' requests, comma-separated: temperature:top_p, or json (greedy under a "
+                             "JSON schema: two programs a step) (default: 0:1, greedy)")
     parser.add_argument("--steps", type=int, default=48, help="decode steps (and bare calls x 4) timed (default: 48)")
     parser.add_argument("--out", default=".", help="output folder when $OUT is unset (default: .)")
     parser.add_argument("--dense-tilings", choices=("measured", "none"), default="measured",
@@ -139,19 +160,23 @@ def main() -> None:
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "dense_tilings": args.dense_tilings,
                "leaves": [leaves_row(int(n), 4 * args.steps) for n in args.leaves.split(",") if n],
-               "engine": [engine_row(args.model, int(n), args.steps) for n in args.layers.split(",") if n]}
+               "engine": [engine_row(args.model, int(n), args.steps, sampling)
+                          for n in args.layers.split(",") if n for sampling in args.sampling.split(",")]}
     out = Path(os.environ.get("OUT", args.out))
     out.mkdir(parents=True, exist_ok=True)
     (out / "dispatch.json").write_text(json.dumps(results, indent=1))
     lines = [f"{results['date']}, {results['device']}, JAX {results['jax']}, XLA_FLAGS={results['xla_flags']!r}, dense tilings "
              f"{results['dense_tilings']}", "",
              "| program | arguments | dispatch us a call | us an argument | idle device: us a call "
-             "| its arguments alone: us a call |", "|---|---|---|---|---|---|"]
-    lines += [f"| bare | {r['arguments']} | {r['dispatch_us']:.0f} | {r['us_per_argument']:.2f} | | |"
+             "| its arguments alone: us a call | a masked step's finish: us a call, idle device |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| bare | {r['arguments']} | {r['dispatch_us']:.0f} | {r['us_per_argument']:.2f} | | | |"
               for r in results["leaves"]]
-    lines += [f"| {r['model']}, {r['layers']} layers (step {r['step_ms']:.2f} ms) | {r['arguments']} | "
+    lines += [f"| {r['model']}, {r['layers']} layers, sampling {r['sampling']} (step {r['step_ms']:.2f} ms) | {r['arguments']} | "
               f"{1e3 * r['dispatch_ms']:.0f} | {r['us_per_argument']:.2f} | {1e3 * r['idle_dispatch_ms']:.0f} | "
-              f"{1e3 * r['arguments_alone_ms']:.0f} |" for r in results["engine"]]
+              f"{1e3 * r['arguments_alone_ms']:.0f} | "
+              + (f"{1e3 * r['finish_dispatch_ms']:.0f}, {1e3 * r['idle_finish_ms']:.0f} |" if r["finish_dispatch_ms"] else "|")
+              for r in results["engine"]]
     (out / "dispatch.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
