@@ -260,10 +260,14 @@ def test_structured_outputs_constrained_against_free_with_a_given_tokenizer(tmp_
 
 
 def test_dispatch_times_a_bare_program_and_the_engines_step_per_argument(tmp_path):
-    run_script("dispatch.py", "--leaves", "4", "--layers", "1,2", "--steps", "4", "--out", str(tmp_path))
+    run_script("dispatch.py", "--leaves", "4", "--layers", "1,2", "--steps", "4", "--sampling", "0:1,json",
+               "--out", str(tmp_path))
     results = json.loads((tmp_path / "dispatch.json").read_text())
     assert [row["arguments"] for row in results["leaves"]] == [5]
-    one, two = results["engine"]
+    one, one_masked, two, _ = results["engine"]
     assert two["arguments"] > one["arguments"]  # a layer's weights and cache arrays are arguments of their own
     assert all(row["us_per_argument"] > 0 for row in results["leaves"] + results["engine"])
     assert all(row["idle_dispatch_ms"] > 0 and row["arguments_alone_ms"] > 0 for row in results["engine"])
+    # a constrained step's second program is timed apart, in the loop and with the device idle
+    assert one_masked["finish_dispatch_ms"] > 0 and one_masked["idle_finish_ms"] > 0
+    assert one["finish_dispatch_ms"] == one["idle_finish_ms"] == 0
