@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -372,10 +373,14 @@ def test_a_steps_masks_fill_on_a_worker_while_the_next_step_is_scheduled(spec, m
     thread, started as soon as the step before it is read, so that llguidance's fill runs
     beside the host's scheduling and batch building: on the engine's thread each fill is
     started before the next step is scheduled, and that step's sampling is queued after.
-    (The outputs on this path: test_json_schema_outputs_are_valid_and_spec_equals_plain.)"""
+    The fill is inside llguidance before the engine's thread goes on to schedule: a
+    worker that waits for the GIL would otherwise begin only when the engine's thread
+    blocks on its result. (The outputs on this path:
+    test_json_schema_outputs_are_valid_and_spec_equals_plain.)"""
     import threading
 
     import jaxmtp.engine.llm_engine as llm_engine
+    import jaxmtp.engine.structured_outputs as structured_outputs
 
     engine, events, fill_threads = spec.engine, [], []
     if engine._masks is not None:  # a test before this one left its last step's fill running
@@ -394,17 +399,39 @@ def test_a_steps_masks_fill_on_a_worker_while_the_next_step_is_scheduled(spec, m
         return fill(*args)
 
     monkeypatch.setattr(llm_engine, "step_bitmask", recorded_fill)
+    llnp = structured_outputs.llnp
+    for name in ("fill_next_token_bitmask_par", "fill_next_token_bitmask_par_with_draft_tokens"):
+        monkeypatch.setattr(llnp, name, recorded("llguidance fills", getattr(llnp, name)))
     monkeypatch.setattr(engine._mask_worker, "submit", recorded("start fill", submit))
     monkeypatch.setattr(engine.scheduler, "schedule", recorded("schedule", schedule))
+    step = engine.step
+
+    def recorded_step():
+        outputs = step()
+        events.append("step returns")
+        return outputs
+
+    monkeypatch.setattr(engine, "step", recorded_step)
     monkeypatch.setattr(engine.runner, "complete", recorded("queue sampling", complete))
     params = constrained({"json": {**SCHEMAS["nested"], **COMPACT}})
-    got = texts(spec, params)
+    # a thread that waits for the GIL takes it when its holder blocks, or after the switch
+    # interval: a long interval leaves the worker only the first, as a busy host does
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        got = texts(spec, params)
+    finally:
+        sys.setswitchinterval(interval)
     if engine._masks is not None:  # this test's last step's fill, started after its last output
         engine._masks.result()
     fills = [i for i, event in enumerate(events) if event == "start fill"]
     assert len(fills) > 10 and len(fill_threads) == len(fills), (len(fills), len(fill_threads))
     assert all(name.startswith("jaxmtp-masks") for name in fill_threads), fill_threads
-    assert all(events[i + 1 : i + 3] == ["schedule", "queue sampling"] for i in fills[:-1]), events[:12]
+    # (a step whose rows with drafts and without need two llguidance calls: the first
+    # comes before the step returns, the second when the GIL next passes to the worker)
+    host = [[event for event in events[i + 1 : j] if event != "llguidance fills"] for i, j in zip(fills, fills[1:])]
+    assert all(events[i + 1] == "llguidance fills" for i in fills[:-1]), events[:12]
+    assert all(steps == ["step returns", "schedule", "queue sampling"] for steps in host), host[:5]
     assert all(json.loads(text) for text, _, _ in got)
 
 

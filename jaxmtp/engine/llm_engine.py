@@ -38,6 +38,9 @@ if TYPE_CHECKING:
     from jaxmtp.worker.step_records import InFlightStep, StepResult
 
 log = logging.getLogger("jaxmtp.engine.llm_engine")
+# how long the engine's thread waits for the mask worker to reach llguidance: a fill
+# starts in well under a millisecond; past this the thread goes on (the fill still runs)
+MASK_START_WAIT_S = 0.05
 
 
 class StaleSchedule(Exception):
@@ -235,7 +238,7 @@ class LLMEngine:
         while len(self._in_flight) > keep:
             outputs += self._postprocess(self._in_flight.popleft())
         if self._awaiting is not None and self._masks is None:  # every step before it is read
-            self._masks = self._mask_worker.submit(self._step_bitmask, self._awaiting)
+            self._start_masks()
         return [out for out in outputs if out is not None]
 
     def _admit_and_abort(self) -> list[RequestOutput | None]:
@@ -306,9 +309,19 @@ class LLMEngine:
             return not lost
         return True
 
-    def _step_bitmask(self, record: InFlightStep):
+    def _start_masks(self) -> None:
+        """Start filling the awaiting step's masks on the worker, and let the worker run
+        until llguidance has them (it fills without the GIL). A thread waiting for the GIL
+        gets it only when the holder blocks or after the interpreter's switch interval
+        (5 ms): without the hand-over the fill would begin only once this thread waits
+        for its result, and nothing would overlap it."""
+        began = threading.Event()
+        self._masks = self._mask_worker.submit(self._step_bitmask, self._awaiting, began)
+        began.wait(MASK_START_WAIT_S)
+
+    def _step_bitmask(self, record: InFlightStep, began: threading.Event | None = None):
         return step_bitmask(record.scheduled.rows, record.preemptions, self.config.num_speculative_tokens,
-                            self.runner.mask_width)
+                            self.runner.mask_width, record.shape.num_seqs, began)
 
     def _postprocess(self, record: InFlightStep) -> list[RequestOutput | None]:
         """Read a dispatched step back and apply it to its sequences."""

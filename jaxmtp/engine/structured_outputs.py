@@ -16,20 +16,22 @@ has read them. Only rows up to the first draft the grammar refuses get masks
 where the grammar forces the next tokens (JSON punctuation, a property name) those are
 the drafts, and otherwise the MTP module's drafts up to the first one it forbids.
 
-A step's masks are computed in one llguidance call over all its rows, spread over
-llguidance's own threads with the GIL released, just before the step's masked part is
-queued (the device runs the step's forward meanwhile). Not on Python worker threads as
-each request's drafts arrive: those need the GIL to start and to finish, which the
-host's own Python work holds, so they ran only once the host waited for them, and no
-faster (benchmarks/structured.py and grammar_replay.py on the H200: a mask in a long
-JSON string costs llguidance up to a millisecond with a 128k vocabulary, and a batch's
-masks take as long on 1 thread as on 16)."""
+A step's masks are computed in one llguidance call over all its rows (two when some rows
+have drafts and some have none), spread over llguidance's own threads with the GIL
+released, on one worker thread: started as soon as the step before it is read, so that
+the fill runs while the host schedules and builds the next step (LLMEngine._start_masks
+hands the worker the GIL until the fill has begun). Not one Python thread per request as
+each request's drafts arrive: each needs the GIL to start and to finish, which the
+host's own Python work holds (benchmarks/structured.py and grammar_replay.py on the
+H200: a mask in a long JSON string costs llguidance up to a millisecond with a 128k
+vocabulary, and a batch's masks take as long on 1 thread as on 16)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import threading
 
 from typing import TYPE_CHECKING
 
@@ -186,36 +188,42 @@ class GrammarMatcher:
         return list(drafts[: self._matcher.validate_tokens(drafts)]) if drafts else []
 
 
-def fill_row_masks(rows: list[tuple[GrammarMatcher, int, list[int]]], masks: np.ndarray) -> None:
+def fill_row_masks(rows: list[tuple[GrammarMatcher, int, list[int]]], masks: np.ndarray,
+                   began: threading.Event | None = None) -> None:
     """masks [N, W] int32: for each (matcher, first mask row, drafts), the masks of rows
     first..first+len(row_drafts(drafts)), row j's after drafts[:j], in one llguidance
-    call over all of them. Other rows are left as they are."""
+    call over all of them. Other rows are left as they are. began: set just before the
+    first llguidance call (llm_engine.LLMEngine._start_masks waits for it)."""
     if not rows:
         return
     executor = rows[0][0]._compiler.executor
     row_drafts = [(matcher._matcher, first, matcher.row_drafts(drafts)) for matcher, first, drafts in rows]
     with_drafts = [row for row in row_drafts if row[2]]
+    without = [(matcher, first) for matcher, first, drafts in row_drafts if not drafts]
+    if began is not None:
+        began.set()
     if with_drafts:
         llnp.fill_next_token_bitmask_par_with_draft_tokens(executor, with_drafts, masks)
-    without = [(matcher, first) for matcher, first, drafts in row_drafts if not drafts]
     if without:
         llnp.fill_next_token_bitmask_par(executor, without, masks)
 
 
-def step_bitmask(rows: list[ScheduledRows], preemptions: list[int], k: int,
-                 width: int) -> tuple[np.ndarray, list[tuple[Sequence, Exception]]]:
-    """The token bitmasks [rows, k+1, W] of a masked step: each constrained request's
-    verify masks (fill_row_masks) where it has output and has neither ended nor been
-    preempted since dispatch (preemptions: each one's count then; its output is dropped
-    otherwise); every other mask allows every token. A sequence whose masks cannot be
-    computed leaves its rows allowing every token and is returned with its error."""
-    masks = np.full((len(rows), k + 1, width), -1, np.int32)
+def step_bitmask(rows: list[ScheduledRows], preemptions: list[int], k: int, width: int, num_seqs: int,
+                 began: threading.Event | None = None) -> tuple[np.ndarray, list[tuple[Sequence, Exception]]]:
+    """The token bitmasks [num_seqs, k+1, W] of a masked step whose shape holds num_seqs
+    requests: each constrained request's verify masks (fill_row_masks) where it has output
+    and has neither ended nor been preempted since dispatch (preemptions: each one's count
+    then; its output is dropped otherwise); every other mask, the padding requests' too,
+    allows every token. A sequence whose masks cannot be computed leaves its rows
+    allowing every token and is returned with its error. began: set once llguidance
+    runs (or when there is nothing to fill)."""
+    masks = np.full((num_seqs, k + 1, width), -1, np.int32)
     flat = masks.reshape(-1, width)
     wanted = [(item.seq, i * (k + 1), item.token_ids[1:] if item.num_drafts else []) for i, item in enumerate(rows)
               if item.seq.grammar is not None and item.has_output and not item.seq.finished
               and item.seq.num_preemptions == preemptions[i]]
     try:
-        fill_row_masks([(seq.grammar, first, drafts) for seq, first, drafts in wanted], flat)
+        fill_row_masks([(seq.grammar, first, drafts) for seq, first, drafts in wanted], flat, began)
         return masks, []
     except Exception:  # noqa: BLE001 - find the sequences whose grammar fails, one at a time
         failed = []
@@ -226,3 +234,6 @@ def step_bitmask(rows: list[ScheduledRows], preemptions: list[int], k: int,
                 flat[first : first + k + 1] = -1
                 failed.append((seq, err))
         return masks, failed
+    finally:
+        if began is not None:
+            began.set()

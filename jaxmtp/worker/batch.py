@@ -76,15 +76,6 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def padded_bitmask(masks: np.ndarray, num_seqs: int) -> np.ndarray:
-    """Host side: the token bitmasks [n, k+1, W] of a masked step's requests (per verify
-    row the allowed tokens, bit v % 32 of word v // 32), padded to the shape's B requests;
-    padding requests allow every token."""
-    padded = np.full((num_seqs,) + masks.shape[1:], -1, np.int32)
-    padded[: len(masks)] = masks
-    return padded
-
-
 def field_shapes(t: int, b: int, pages_per_seq: int, k: int, m: int) -> dict[str, tuple[int, ...]]:
     per_request = {
         "query_start": (b + 1,), "page_table": (b, pages_per_seq), "sample_index": (b, k + 1), "next_chunk_token": (b, m),

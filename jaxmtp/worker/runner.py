@@ -27,7 +27,7 @@ from jaxmtp.models.config import ModelConfig
 from jaxmtp.models.linear import dense_kernels_for, fp8_matmul_for, with_fp8_matmul
 from jaxmtp.models.qkv_layout import with_merged_qkv
 from jaxmtp.worker.batch import (
-    OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch, padded_bitmask,
+    OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch,
 )
 from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.worker.logits_processors import padded_state_rows, write_rows, zero_state
@@ -235,16 +235,19 @@ class ModelRunner:
 
     def apply_masks(self, token_bitmask: np.ndarray) -> StepOutput:
         """Run the second program of the masked step apply() began, with its requests'
-        token bitmasks [B, k+1, W] (batch.padded_bitmask)."""
+        token bitmasks [B, k+1, W] (structured_outputs.step_bitmask)."""
         if self.peers is not None:
             self.peers.send_masks(token_bitmask)
         return self._finish(put_replicated(token_bitmask, self.mesh))
 
     def complete(self, record: InFlightStep, masks: np.ndarray) -> None:
-        """Queue a masked step's second program with its rows' grammar masks [rows, k+1, W]
-        (-1: every token)."""
-        record.token_bitmask = padded_bitmask(masks, record.args[-1].num_seqs)
-        record.output = self.apply_masks(record.token_bitmask)
+        """Queue a masked step's second program with its grammar masks [B, k+1, W], B the
+        step shape's requests (-1: every token; padding requests allow every token)."""
+        expected = (record.shape.num_seqs, self.config.num_speculative_tokens + 1, self.mask_width)
+        if masks.shape != expected:
+            raise ValueError(f"a masked step takes masks of shape {expected}, got {masks.shape}")
+        record.token_bitmask = masks
+        record.output = self.apply_masks(masks)
 
     def _run(self, args: tuple, token_bitmask: jax.Array | None = None) -> StepOutput | None:
         """Run a step's programs: an unmasked shape's one; a masked shape's first, and its

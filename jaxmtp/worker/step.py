@@ -105,7 +105,7 @@ def finish(params: Params, cache: KVCache, recurrent: RecurrentState, logits_sta
            ) -> tuple[KVCache, RecurrentState, LogitsState, StepOutput]:
     """A masked shape's second program, on forward's hidden rows and the same batch and
     carry: verification and sampling under token_bitmask [B, k+1, W] (per verify row the
-    tokens its grammar allows, batch.padded_bitmask), the draft pass and the carry."""
+    tokens its grammar allows; structured_outputs.step_bitmask), the draft pass and the carry."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
         batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
         return _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidden, token_bitmask,

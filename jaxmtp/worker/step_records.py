@@ -32,6 +32,11 @@ class InFlightStep:
     def awaits_masks(self) -> bool:
         return self.output is None
 
+    @property
+    def shape(self) -> BatchShape:
+        """The compiled shape the step ran on."""
+        return self.args[-1]
+
 
 @dataclasses.dataclass
 class StepInputs:
