@@ -48,11 +48,14 @@ SCHEMA = {
 
 
 def timed_run(llm, prompts, params) -> dict:
-    """One batch to completion; the mask computation timed on the side."""
-    from jaxmtp.engine import llm_engine
+    """One batch to completion; the mask computation timed on the side, and when each
+    step's fill reached llguidance against when it was started and when the engine's
+    thread came to take it (fill_timeline)."""
+    from jaxmtp.engine import llm_engine, structured_outputs
 
-    spent = [0.0]
-    fill = llm_engine.step_bitmask
+    spent, marks = [0.0], {"start": [], "llguidance": [], "wanted": []}
+    fill, llnp, engine = llm_engine.step_bitmask, structured_outputs.llnp, llm.engine
+    originals = {name: getattr(llnp, name) for name in FILLS}
 
     def timed_fill(*args):
         t = time.perf_counter()
@@ -61,7 +64,23 @@ def timed_run(llm, prompts, params) -> dict:
         finally:
             spent[0] += time.perf_counter() - t
 
+    def marked(name, method):
+        def wrapper(*args, **kwargs):
+            now = time.perf_counter()
+            if name == "start":  # a fill's first llguidance call fills its slot
+                marks["llguidance"].append(None)
+            if name != "llguidance":
+                marks[name].append(now)
+            elif marks["llguidance"] and marks["llguidance"][-1] is None:
+                marks["llguidance"][-1] = now
+            return method(*args, **kwargs)
+        return wrapper
+
     llm_engine.step_bitmask = timed_fill
+    for name, method in originals.items():
+        setattr(llnp, name, marked("llguidance", method))
+    engine._start_masks = marked("start", engine._start_masks)
+    engine._complete_awaiting = marked("wanted", engine._complete_awaiting)
     steps_before = llm.engine.stats.steps
     try:
         with runner_phases(llm.engine) as phases:
@@ -69,6 +88,9 @@ def timed_run(llm, prompts, params) -> dict:
         elapsed = phases["whole"]
     finally:
         llm_engine.step_bitmask = fill
+        for name, method in originals.items():
+            setattr(llnp, name, method)
+        del engine._start_masks, engine._complete_awaiting  # the instance attributes over the methods
     steps = llm.engine.stats.steps - steps_before
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     # over the batch's steps that ran with drafts (a request with none has no length)
@@ -80,9 +102,31 @@ def timed_run(llm, prompts, params) -> dict:
             "acceptance_length": 1 + sum(stats["accepted"] for stats in spec) / drafting if drafting else None,
               "finish": sorted({o.outputs[0].finish_reason for o in outs})}
     if params.structured_outputs is not None:
+        result["fill_timeline"] = fill_timeline(marks)
         result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]  # to replay the grammar's work elsewhere
         result["grammar_alone_ms_per_step"] = grammar_alone(llm, params, result["outputs"])
     return result
+
+
+FILLS = ("fill_next_token_bitmask_par", "fill_next_token_bitmask_par_with_draft_tokens")
+
+
+def fill_timeline(marks: dict) -> dict:
+    """Over the steps whose fill called llguidance: the median ms from the fill's start
+    to its first llguidance call and to when the engine's thread came for the masks (its
+    next _complete_awaiting), and the share of fills inside llguidance by then."""
+    import numpy as np
+
+    wanted = np.array(marks["wanted"])
+    rows = [(start, fill, wanted[np.searchsorted(wanted, start)])
+            for start, fill in zip(marks["start"], marks["llguidance"])
+            if fill is not None and len(wanted) and start <= wanted[-1]]
+    if not rows:
+        return {}
+    start, fill, came = (1e3 * np.array(column) for column in zip(*rows))
+    return {"fills": len(rows), "ms_start_to_llguidance": float(np.median(fill - start)),
+            "ms_start_to_wanted": float(np.median(came - start)),
+            "share_in_llguidance_before_wanted": float(np.mean(fill < came))}
 
 
 def grammar_alone(llm, params, outputs: list[list[int]]) -> float:
@@ -158,16 +202,20 @@ def main() -> None:
     stem = f"{results['date']}_{results['device'].replace(' ', '-')}_structured{'_tiny' if args.tiny else '_tiny-layers' if args.tiny_layers else ''}{'_tokenizer' if args.tokenizer else ''}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     lines = ["| configuration | tokens/s | vs unconstrained | host ms / step | host vs unconstrained | mask ms / step "
-             "| grammar alone ms / step | host floor vs unconstrained | acceptance length | finish |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| grammar alone ms / step | host floor vs unconstrained | fill in llguidance / engine came, ms after start "
+             "(share before) | acceptance length | finish |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["rows"].items():
         ratio = f"{r['vs_unconstrained']:.3f}" if "vs_unconstrained" in r else ""
         host_ratio = f"{r['host_vs_unconstrained']:.2f}" if "host_vs_unconstrained" in r else ""
         accept = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else ""
         alone = f"{r['grammar_alone_ms_per_step']:.3f}" if "grammar_alone_ms_per_step" in r else ""
         floor = f"{r['host_floor_vs_unconstrained']:.2f}" if "host_floor_vs_unconstrained" in r else ""
+        timeline = r.get("fill_timeline") or {}
+        fills = (f"{timeline['ms_start_to_llguidance']:.2f} / {timeline['ms_start_to_wanted']:.2f} "
+                 f"({timeline['share_in_llguidance_before_wanted']:.2f})" if timeline else "")
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {r['host_ms_per_step']:.2f} | {host_ratio} | "
-                     f"{r['mask_ms_per_step']:.3f} | {alone} | {floor} | {accept} | {', '.join(r['finish'])} |")
+                     f"{r['mask_ms_per_step']:.3f} | {alone} | {floor} | {fills} | {accept} | {', '.join(r['finish'])} |")
     header = (f"{results['date']}, {results['device']}, JAX {results['jax']}, batch {batch}, {new} tokens each, "
               f"tokenizer: {args.tokenizer or 'random 128k BPE'}\n\n")
     (out / f"{stem}.md").write_text(header + "\n".join(lines) + "\n")

@@ -253,6 +253,10 @@ def test_structured_outputs_constrained_against_free_with_a_given_tokenizer(tmp_
     assert constrained["tokens"] == results["rows"]["k=0 unconstrained"]["tokens"] > 0
     assert 0 < constrained["vs_unconstrained"] and constrained["grammar_alone_ms_per_step"] > 0
     assert all(max(out) < 3 + 260 for out in constrained["outputs"])
+    # when each step's fill reached llguidance, after its start, and when the engine came for it
+    timeline = constrained["fill_timeline"]
+    assert timeline["fills"] > 0 and 0 < timeline["ms_start_to_llguidance"] and 0 < timeline["ms_start_to_wanted"]
+    assert 0 <= timeline["share_in_llguidance_before_wanted"] <= 1
     # the replay takes the run's own vocabulary: its tokens walk the grammar as they did
     run_script("grammar_replay.py", str(saved), "--threads", "1")
     replay = json.loads(saved.with_name(f"{saved.stem}_grammar_replay.json").read_text())

@@ -38,9 +38,11 @@ if TYPE_CHECKING:
     from jaxmtp.worker.step_records import InFlightStep, StepResult
 
 log = logging.getLogger("jaxmtp.engine.llm_engine")
-# how long the engine's thread waits for the mask worker to reach llguidance: a fill
-# starts in well under a millisecond; past this the thread goes on (the fill still runs)
-MASK_START_WAIT_S = 0.05
+# how long the engine's thread waits at most for the mask worker to reach llguidance: a
+# fill starts in well under a millisecond, and step_bitmask signals on every path, so
+# this bounds only a worker the OS does not run; past it the thread goes on (the fill
+# still runs)
+MASK_START_WAIT_S = 1.0
 
 
 class StaleSchedule(Exception):
