@@ -79,7 +79,7 @@ def timed_run(llm, prompts, params) -> dict:
     llm_engine.step_bitmask = timed_fill
     for name, method in originals.items():
         setattr(llnp, name, marked("llguidance", method))
-    engine._start_masks = marked("start", engine._start_masks)
+    engine._mask_worker.submit = marked("start", engine._mask_worker.submit)
     engine._complete_awaiting = marked("wanted", engine._complete_awaiting)
     steps_before = llm.engine.stats.steps
     try:
@@ -90,7 +90,7 @@ def timed_run(llm, prompts, params) -> dict:
         llm_engine.step_bitmask = fill
         for name, method in originals.items():
             setattr(llnp, name, method)
-        del engine._start_masks, engine._complete_awaiting  # the instance attributes over the methods
+        del engine._mask_worker.submit, engine._complete_awaiting  # the instance attributes over the methods
     steps = llm.engine.stats.steps - steps_before
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     # over the batch's steps that ran with drafts (a request with none has no length)
