@@ -16,8 +16,8 @@ has read them. Only rows up to the first draft the grammar refuses get masks
 where the grammar forces the next tokens (JSON punctuation, a property name) those are
 the drafts, and otherwise the MTP module's drafts up to the first one it forbids.
 
-A step's masks are computed in one llguidance call over all its rows (two when some rows
-have drafts and some have none), spread over llguidance's own threads with the GIL
+A step's masks are computed in one llguidance call over all its rows (two side by side
+when some rows have drafts and some have none), spread over llguidance's own threads with the GIL
 released, on one worker thread: started as soon as the step before it is read, so that
 the fill runs while the host schedules and builds the next step (LLMEngine._start_masks
 hands the worker the GIL until the fill has begun). Not one Python thread per request as
@@ -32,7 +32,7 @@ import dataclasses
 import functools
 import json
 import threading
-
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -128,6 +128,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.executor = llguidance.LLExecutor()
+        # fill_row_masks' second llguidance call of a step, beside its first
+        self.second_fills = ThreadPoolExecutor(1, thread_name_prefix="jaxmtp-masks-second")
         self.mask_words = llnp.get_bitmask_shape(1, vocab_size)[1]
 
     @functools.lru_cache(maxsize=256)
@@ -191,21 +193,38 @@ class GrammarMatcher:
 def fill_row_masks(rows: list[tuple[GrammarMatcher, int, list[int]]], masks: np.ndarray,
                    began: threading.Event | None = None) -> None:
     """masks [N, W] int32: for each (matcher, first mask row, drafts), the masks of rows
-    first..first+len(row_drafts(drafts)), row j's after drafts[:j], in one llguidance
-    call over all of them. Other rows are left as they are. began: set just before the
-    first llguidance call (llm_engine.LLMEngine._start_masks waits for it)."""
+    first..first+len(row_drafts(drafts)), row j's after drafts[:j]. Other rows are left
+    as they are. Rows with drafts and rows without take one llguidance call each (it
+    refuses an empty draft list); when a step has both, the second runs on a thread of
+    its own beside the first, both begun before this returns control: run one after the
+    other, the second would wait for the GIL between them, held by the engine's thread
+    while it builds the next step. began: set once every call is inside llguidance
+    (llm_engine.LLMEngine._start_masks waits for it)."""
     if not rows:
         return
-    executor = rows[0][0]._compiler.executor
+    compiler = rows[0][0]._compiler
     row_drafts = [(matcher._matcher, first, matcher.row_drafts(drafts)) for matcher, first, drafts in rows]
     with_drafts = [row for row in row_drafts if row[2]]
     without = [(matcher, first) for matcher, first, drafts in row_drafts if not drafts]
+    calls = [(fill, group) for fill, group in ((llnp.fill_next_token_bitmask_par_with_draft_tokens, with_drafts),
+                                                (llnp.fill_next_token_bitmask_par, without)) if group]
+    second = None
+    if len(calls) == 2:
+        second_began = threading.Event()
+
+        def second_call():
+            second_began.set()
+            calls[1][0](compiler.executor, calls[1][1], masks)
+
+        second = compiler.second_fills.submit(second_call)
+        second_began.wait()  # (the GIL goes to the second thread until it is inside llguidance)
     if began is not None:
         began.set()
-    if with_drafts:
-        llnp.fill_next_token_bitmask_par_with_draft_tokens(executor, with_drafts, masks)
-    if without:
-        llnp.fill_next_token_bitmask_par(executor, without, masks)
+    try:
+        calls[0][0](compiler.executor, calls[0][1], masks)
+    finally:
+        if second is not None:
+            second.result()
 
 
 def step_bitmask(rows: list[ScheduledRows], preemptions: list[int], k: int, width: int, num_seqs: int,
