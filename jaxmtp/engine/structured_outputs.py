@@ -17,10 +17,10 @@ where the grammar forces the next tokens (JSON punctuation, a property name) tho
 the drafts, and otherwise the MTP module's drafts up to the first one it forbids.
 
 A step's masks are computed in one llguidance call over all its rows (two side by side
-when some rows have drafts and some have none), spread over llguidance's own threads with the GIL
-released, on one worker thread: started as soon as the step before it is read, so that
-the fill runs while the host schedules and builds the next step (LLMEngine._start_masks
-hands the worker the GIL until the fill has begun). Not one Python thread per request as
+when some rows have drafts and some have none), spread over llguidance's own threads
+with the GIL released, on a worker thread: started as soon as the step before it is
+read, so that the fill runs while the host schedules and builds the next step
+(LLMEngine._start_masks hands the worker the GIL until the fill has begun). Not one Python thread per request as
 each request's drafts arrive: each needs the GIL to start and to finish, which the
 host's own Python work holds (benchmarks/structured.py and grammar_replay.py on the
 H200: a mask in a long JSON string costs llguidance up to a millisecond with a 128k
@@ -198,8 +198,8 @@ def fill_row_masks(rows: list[tuple[GrammarMatcher, int, list[int]]], masks: np.
     refuses an empty draft list); when a step has both, the second runs on a thread of
     its own beside the first, both begun before this returns control: run one after the
     other, the second would wait for the GIL between them, held by the engine's thread
-    while it builds the next step. began: set once every call is inside llguidance
-    (llm_engine.LLMEngine._start_masks waits for it)."""
+    while it builds the next step. began: set as the calls begin, the second one inside
+    llguidance already (llm_engine.LLMEngine._start_masks waits for it)."""
     if not rows:
         return
     compiler = rows[0][0]._compiler
