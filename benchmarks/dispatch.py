@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e import LLAMA3_8B, TINY, Bench  # noqa: E402
 from structured import SCHEMA  # noqa: E402
-from timing import runner_phases  # noqa: E402
+from timing import add_dense_tilings_option, apply_dense_tilings, runner_phases  # noqa: E402
 
 
 def leaves_row(count: int, calls: int) -> dict:
@@ -147,15 +147,11 @@ def main() -> None:
                              "JSON schema: two programs a step) (default: 0:1, greedy)")
     parser.add_argument("--steps", type=int, default=48, help="decode steps (and bare calls x 4) timed (default: 48)")
     parser.add_argument("--out", default=".", help="output folder when $OUT is unset (default: .)")
-    parser.add_argument("--dense-tilings", choices=("measured", "none"), default="measured",
-                        help="none: XLA's dot for every dense weight (no Pallas matmul among the step's kernels)")
+    add_dense_tilings_option(parser)
     args = parser.parse_args()
     import jax
 
-    if args.dense_tilings == "none":  # read as each step is traced, so before any engine
-        from jaxmtp.kernels import fp8_matmul
-
-        fp8_matmul.DENSE_TILINGS.clear()
+    apply_dense_tilings(args.dense_tilings)
 
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "xla_flags": os.environ.get("XLA_FLAGS", ""), "dense_tilings": args.dense_tilings,

@@ -235,17 +235,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: the tiny model")
     parser.add_argument("--model", choices=("llama3_8b", "moonlight"), default="llama3_8b",
                         help="the dummy model: e2e.py's Llama-3-8B shape or moe.py's Moonlight-16B-A3B")
-    parser.add_argument("--dense-tilings", choices=("measured", "none"), default="measured",
-                        help="none: XLA's dot for every dense weight, the ablation of the dense kernel's table")
+    from timing import add_dense_tilings_option, apply_dense_tilings
+
+    add_dense_tilings_option(parser)
     args = parser.parse_args()
     if args.no_command_buffer:  # before JAX starts its backend
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     import jax
 
-    if args.dense_tilings == "none":  # read as each step is traced, so before any engine
-        from jaxmtp.kernels import fp8_matmul
-
-        fp8_matmul.DENSE_TILINGS.clear()
+    apply_dense_tilings(args.dense_tilings)
 
     from e2e import LLAMA3_8B, TINY
     from moe import MODELS

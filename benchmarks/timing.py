@@ -9,6 +9,21 @@ import time
 import numpy as np
 
 
+def add_dense_tilings_option(parser) -> None:
+    """--dense-tilings measured|none: the ablation of the dense kernel's table."""
+    parser.add_argument("--dense-tilings", choices=("measured", "none"), default="measured",
+                        help="none: XLA's dot for every dense weight, the ablation of the dense kernel's table")
+
+
+def apply_dense_tilings(choice: str) -> None:
+    """With "none", empty the dense kernel's table so that every dense weight runs XLA's
+    dot; the table is read as each step is traced, so call this before any engine."""
+    if choice == "none":
+        from jaxmtp.kernels import fp8_matmul
+
+        fp8_matmul.DENSE_TILINGS.clear()
+
+
 def median_time(program, *args, warmup: int = 2, runs: int = 7) -> float:
     """Median wall seconds of program(*args) until its outputs are ready, after warm-up
     calls (which also compile)."""
