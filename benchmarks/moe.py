@@ -19,9 +19,9 @@ oracle drafts). Each timed program runs its kernel on several input sets (the we
 and pages together larger than L2), so dispatch is amortised and the cache cold.
 Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names dated) and
 prints the table last; the experts part also writes expert_paths.json (the routed-expert
-layer by pairs or sorted, per shape and pairs bucket) and the mla part mla_paths.json (the
-decode path per shape and bucket, XLA's absorbed form timed beside the kernel): copy them
-to kernels/; --tiny runs the kernels in interpret mode on a tiny model.
+layer by pairs or sorted, per shape and pairs bucket): copy it to kernels/. The mla part
+times the decode path the engine takes (kernels/mla_paths.json, which
+benchmarks/mla_sweep.py writes); --tiny runs the kernels in interpret mode on a tiny model.
 """
 
 from __future__ import annotations
@@ -585,14 +585,14 @@ def mla_args(case) -> tuple:
             case["query_start"])
 
 
-MLA_SWEEP = [(16, 32, None, 4, 3), (16, 64, None, 8, 2), (16, 64, "half", 4, 2), (16, 64, "double", 4, 2)]
-# prefill tilings (block_q, block_h, block_kv, num_warps, num_stages), beside default_config's
-MLA_PREFILL_SWEEP = [(4, 16, 32, 8, 2), (1, 16, 64, 4, 3), (2, 16, 32, 4, 3), (4, 8, 64, 4, 2), (8, 8, 32, 8, 2)]
+def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False) -> tuple[float, float]:
+    """(device, wall) seconds per call of the kernel (or with `xla` of XLA's absorbed form,
+    the jnp reference the engine runs off GPUs) over the case's input sets: the kernels'
+    time in a profiler trace, and the replayed program's wall time (which at small shapes
+    is the host's dispatch of the program, not the device's work)."""
+    import jax
 
-
-def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False):
-    """Seconds per call of the kernel (or with `xla` of XLA's absorbed form, the jnp
-    reference the engine runs off GPUs) over the case's input sets."""
+    from gemm_sweep import device_times
     from jaxmtp.kernels.mla_attention import mla_absorbed_attention
     from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 
@@ -604,19 +604,15 @@ def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False
                                       prefill=prefill, interpret=run.args.tiny, config=config)
 
     shared = (case["latent"], case["rope"], case["kv_lens"], case["query_start"])
-    return programs_over(call, shared, list(zip(case["q_latent"], case["q_rope"], case["tables"])))
+    reps = list(zip(case["q_latent"], case["q_rope"], case["tables"]))
+    program = jax.jit(lambda shared, reps: [call(*shared, *r) for r in reps])
+    times = device_times({"mla": lambda: program(shared, reps)}, 10, len(reps), run.args.tiny)
+    device_us, _, wall_us = times["mla"]
+    return (wall_us if device_us is None else device_us) / 1e6, wall_us / 1e6
 
 
-def mla_sweep_configs(base, prefill: bool):
-    """The tilings a sweep times beside the default one."""
-    from jaxmtp.kernels.mla_attention import MLAKernelConfig
-
-    if prefill:
-        return [MLAKernelConfig(q, h, kv, base.num_splits, w, st) for q, h, kv, w, st in MLA_PREFILL_SWEEP]
-    return [MLAKernelConfig(base.block_q, block_h, block_kv,
-                            {None: base.num_splits, "half": max(1, base.num_splits // 2),
-                             "double": 2 * base.num_splits}[splits], warps, stages)
-            for block_h, block_kv, splits, warps, stages in MLA_SWEEP]
+# prefill tilings (block_q, block_h, block_kv, num_warps, num_stages), beside default_config's
+MLA_PREFILL_SWEEP = [(4, 16, 32, 8, 2), (1, 16, 64, 4, 3), (2, 16, 32, 4, 3), (4, 8, 64, 4, 2), (8, 8, 32, 8, 2)]
 
 
 def prefill_flops(s: Shapes, chunk: int, context: int) -> tuple[float, float]:
@@ -634,16 +630,15 @@ XLA_FORM_MAX_BYTES = 16e9
 
 
 def part_mla(run: Run, cases):
-    """The kernel's rows (and XLA's absorbed form beside each decode row), a sweep of
-    tilings where --sweep asks, and mla_paths.json (kernels/mla_paths.json's form): per
-    decode shape and bucket, the fastest tiling timed, or "xla" where XLA's form beat it."""
+    """The kernel's rows at the engine's tiling for each shape (kernels/mla_paths.json's
+    entry, else default_config; benchmarks/mla_sweep.py measures that table), XLA's
+    absorbed form beside each decode row, and with --sweep a few prefill tilings. Each
+    row's value is the kernels' device time; the note gives the replayed wall time."""
     import numpy as np
 
-    from jaxmtp.kernels.mla_attention import default_config
-    from jaxmtp.kernels.tiling_table import row_bucket
+    from jaxmtp.kernels.mla_attention import MLAKernelConfig, default_config, measured_decode_path
 
     s, rng, peer = run.shapes, np.random.default_rng(4), run.results["peer"]
-    paths = {}
     for batch, context, rows, prefill in cases:
         if run.budget_left() < 45:
             run.results.setdefault("skipped_over_budget", []).append(f"mla {batch}x{context}x{rows}")
@@ -651,54 +646,52 @@ def part_mla(run: Run, cases):
         reps = 2 if prefill else int(np.clip(5e8 // (batch * context * (s.rank + s.rope) * 2), 2, 6))
         case = mla_inputs(rng, s, [rows] * batch, [context] * batch, reps)
         base = default_config(batch * rows, batch, s.heads, 1 if prefill else rows, context, prefill)
-        seconds = time_mla(run, case, rows, prefill)
+        measured = None if prefill else measured_decode_path(s.heads, s.rank, s.rope, rows, batch, context)
+        config = measured if isinstance(measured, MLAKernelConfig) else base
+        seconds, wall = time_mla(run, case, rows, prefill, config, xla=measured == "xla")
         p = peer.get(f"mla_{batch}_{context}_{rows}")
+        tiling = "XLA's absorbed form" if measured == "xla" else f"tiling {dataclasses.astuple(config)}" + (
+            " (measured table)" if measured else " (default)")
         if prefill:
             absorbed, expanded = prefill_flops(s, rows, context)
             run.row("mla", f"MLA prefill, a {rows}-row chunk at context {context}", seconds, run.flops_s(expanded), p,
                     ">= 50% of the matmul rate" if context == 8192 else "",
                     note=f"{absorbed / seconds / 1e12:.0f} TFLOP/s in the absorbed form (floor: the expanded "
-                         f"form's FLOPs); torch SDPA over expanded K/V {fmt_peer(p)}")
+                         f"form's FLOPs); wall {wall * 1e6:.0f} us; torch SDPA over expanded K/V {fmt_peer(p)}")
         else:
             kind = "decode" if rows == 1 else f"verify k+1={rows}"
-            target = ">= 75% of copy" if batch >= 32 and context == 4096 else ""
+            target = ">= 75% of copy" if batch >= 32 and context >= 4096 else ""
             run.row("mla", f"MLA {kind}, batch {batch}, context {context}", seconds, run.bytes_s(case["bytes"]), p,
-                    target, note=f"{case['bytes'] / seconds / 1e9:.0f} GB/s over the latent cache; torch SDPA over "
-                                 f"expanded K/V {fmt_peer(p)}")
-        timed = [(base, seconds)]
-        swept = prefill and context == max(c for _, c in s.mla_prefill) or rows == 1 and (
-            context == 4096 and batch > 1 or (batch == 1 and context > 4096))
-        if run.args.sweep and swept:
-            times = {str(dataclasses.astuple(base)): seconds * 1e6}
-            for config in mla_sweep_configs(base, prefill):
-                try:
-                    timed.append((config, time_mla(run, case, rows, prefill, config)))
-                    times[str(dataclasses.astuple(config))] = timed[-1][1] * 1e6
-                except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
-                    times[str(dataclasses.astuple(config))] = repr(e)[:120]
-            run.results["sweep"].append({"kernel": "mla prefill" if prefill else "mla", "batch": batch,
-                                         "context": context, "rows": rows, "us": times})
-            print("sweep mla", batch, context, rows, times, flush=True)
-        if not prefill:
-            best, best_s = min(timed, key=lambda t: t[1])
-            entry = list(dataclasses.astuple(best))
-            if batch * rows * context * (s.rank + s.rope) * 4 <= XLA_FORM_MAX_BYTES:
-                xla_s = time_mla(run, case, rows, xla=True)
+                    target, note=f"{case['bytes'] / seconds / 1e9:.0f} GB/s over the latent cache, {tiling}; wall "
+                                 f"{wall * 1e6:.0f} us; torch SDPA over expanded K/V {fmt_peer(p)}")
+            if batch * rows * context * (s.rank + s.rope) * 4 <= XLA_FORM_MAX_BYTES and measured != "xla":
+                xla_s, xla_wall = time_mla(run, case, rows, xla=True)
                 run.row("mla", f"XLA absorbed form, {kind}, batch {batch}, context {context}", xla_s,
-                        run.bytes_s(case["bytes"]), note=f"the kernel's best tiling {best_s / xla_s:.2f}x its time")
-                entry = "xla" if xla_s < best_s else entry
-            key = ",".join(map(str, (s.heads, s.rank, s.rope, rows, row_bucket(context))))
-            paths.setdefault(key, {})[str(row_bucket(batch))] = entry
+                        run.bytes_s(case["bytes"]), note=f"the engine's path {seconds / xla_s:.2f}x its time; wall "
+                                                         f"{xla_wall * 1e6:.0f} us")
+        if run.args.sweep and prefill and context == max(c for _, c in s.mla_prefill):
+            times = {str(dataclasses.astuple(base)): seconds * 1e6}
+            for q, h, kv, w, st in MLA_PREFILL_SWEEP:
+                swept = MLAKernelConfig(q, h, kv, base.num_splits, w, st)
+                try:
+                    times[str(dataclasses.astuple(swept))] = time_mla(run, case, rows, True, swept)[0] * 1e6
+                except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+                    times[str(dataclasses.astuple(swept))] = repr(e)[:120]
+            run.results["sweep"].append({"kernel": "mla prefill", "batch": batch, "context": context, "rows": rows,
+                                         "us": times})
+            print("sweep mla prefill", batch, context, rows, times, flush=True)
         del case
         gc.collect()
-    run.write_paths("mla_paths.json", "mla", paths)
 
 
-def mla_cases(s: Shapes):
-    """(batch, context, rows a sequence, prefill) for the kernel and its torch peer."""
+def mla_cases(s: Shapes, only: str = ""):
+    """(batch, context, rows a sequence, prefill) for the kernel and its torch peer; `only`:
+    those named "BxCxR" in its comma list (R: a prefill chunk's rows)."""
     cases = [(b, c, 1, False) for b in s.mla_batches for c in s.mla_contexts]
     cases.append((s.mla_batches[min(1, len(s.mla_batches) - 1)], s.mla_contexts[0], 2, False))
-    return cases + [(1, context, chunk, True) for chunk, context in s.mla_prefill]
+    cases += [(1, context, chunk, True) for chunk, context in s.mla_prefill]
+    names = set(filter(None, only.split(",")))
+    return [case for case in cases if not names or f"{case[0]}x{case[1]}x{case[2]}" in names]
 
 
 # ----- end to end ------------------------------------------------------------------------
@@ -826,7 +819,7 @@ def markdown(results) -> str:
             + "".join(f"\n- {k}: {v}" for k, v in extra.items()) + "\n")
 
 
-PARTS = {"checks": part_checks, "experts": part_experts, "mla": lambda run: part_mla(run, mla_cases(run.shapes)),
+PARTS = {"checks": part_checks, "experts": part_experts, "mla": lambda run: part_mla(run, mla_cases(run.shapes, run.args.mla_cases)),
          "e2e": part_e2e}
 
 
@@ -836,6 +829,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=540)
     parser.add_argument("--parts", default="checks,experts,mla,e2e", help="comma list of: " + ", ".join(PARTS))
     parser.add_argument("--tag", default="", help="suffix of the output files (moe<tag>.json/.md)")
+    parser.add_argument("--mla-cases", default="", help="mla part: only these BxCxR cases (comma list)")
     parser.add_argument("--sweep", action="store_true", help="also time a few tilings of each kernel")
     parser.add_argument("--fp8", action="store_true", help="experts part: also the layer with fp8 experts")
     parser.add_argument("--no-peer", action="store_true", help="skip torch")

@@ -40,11 +40,13 @@ from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 _LOG2E = math.log2(math.e)
-# Splits aim at about two programs per multiprocessor (as the GQA kernel's decode rule),
-# at most 32: batch 1 at context 16k took 140 / 89 / 71 us in 8 / 16 / 32 splits (H200,
-# docs/kernels.md, "MLA attention"); the merge reads R + 2 floats per row and head a split.
-_TARGET_PROGRAMS = 2 * NUM_SMS
-_MAX_SPLITS = 32
+# Splits: the largest power of 2 that keeps the grid within two programs a multiprocessor
+# (a program holds one SM's shared memory: two waves, none part-filled), at most 128. On
+# the H200 (benchmarks/mla_sweep.py, 2026-12-04) a split count that spills a third wave
+# lost up to 35% (batch 32 at 16k: 9 splits 245 us, 8 splits 181 us), and batch 1 gained
+# to 64 splits at 4k and 128 at 16k (10.9 / 19.0 us; 32 splits: 13.3 / 29.8 us).
+_MAX_PROGRAMS = 2 * NUM_SMS
+_MAX_SPLITS = 128
 _MIN_TILE_ROWS = 16  # a Triton MMA minimum
 
 
@@ -60,10 +62,12 @@ class MLAKernelConfig:
     num_stages: int  # software-pipelining depth of the page loads
 
 
-# mla_paths.json, as benchmarks/moe.py --parts mla writes it: (heads, R, Dr, decode rows,
-# context bucket) -> {batch bucket: the kernel's tiling where it beat XLA's absorbed form,
-# or "xla"}; the buckets: the page table's width in tokens and its sequences, each rounded
-# up to a power of 2. Decode calls at shapes it has not measured, and every prefill call
+# mla_paths.json, as benchmarks/mla_sweep.py writes it: (heads, R, Dr, decode rows,
+# context bucket) -> {batch bucket: the kernel's fastest tiling, or "xla" where XLA's
+# absorbed form beat it}; the buckets: the page table's width in tokens and its sequences,
+# each rounded up to a power of 2. A context bucket the table lacks takes the nearest one
+# measured (the tiling's splits follow the batch, and each split divides the sequence's
+# actual context whatever the width); a batch bucket it lacks, and every prefill call
 # (XLA's forms hold each row's whole context), run the kernel with default_config.
 MEASURED_PATHS = read_tilings("mla_paths.json", MLAKernelConfig)
 
@@ -72,8 +76,13 @@ def measured_decode_path(num_heads: int, rank: int, rope_dim: int, decode_rows: 
                          context: int) -> MLAKernelConfig | str | None:
     """The measured table's entry for a decode call: a tiling, "xla", or None where the
     table has none."""
-    key = (num_heads, rank, rope_dim, decode_rows, row_bucket(context))
-    return MEASURED_PATHS.get(key, {}).get(row_bucket(num_seqs))
+    shape = (num_heads, rank, rope_dim, decode_rows)
+    measured = [key[-1] for key in MEASURED_PATHS if key[:-1] == shape]
+    if not measured:
+        return None
+    bucket = row_bucket(context)
+    nearest = min(measured, key=lambda c: (abs(c.bit_length() - bucket.bit_length()), c))
+    return MEASURED_PATHS[shape + (nearest,)].get(row_bucket(num_seqs))
 
 
 def supports(kv_lora_rank: int, rope_dim: int) -> bool:
@@ -86,8 +95,8 @@ def default_config(num_rows: int, num_seqs: int, num_heads: int, decode_rows: in
     """Tiling from static shapes (docs/kernels.md, "MLA attention"): tiles of at most 32
     rows (the float32 accumulator is 32 x R): a decode call one sequence's rows x the
     heads that fill the rest, a prefill call 16 heads x 2 rows (first choices, not yet
-    swept on the GPU); 64 tokens a step, splits until the grid has about two programs
-    per multiprocessor."""
+    swept on the GPU); 64 tokens a step, the largest power-of-2 split count that keeps
+    the grid within two programs per multiprocessor."""
     if prefill:
         block_h = min(next_power_of_2(num_heads), 16)
         block_q = max(1, 32 // block_h)
@@ -98,7 +107,8 @@ def default_config(num_rows: int, num_seqs: int, num_heads: int, decode_rows: in
         programs = num_seqs * cdiv(num_heads, block_h)
     block_kv = 64
     kv_steps = max(1, cdiv(max_context, block_kv))
-    num_splits = 1 if programs >= NUM_SMS else min(cdiv(_TARGET_PROGRAMS, programs), kv_steps, _MAX_SPLITS)
+    fit = max(1, _MAX_PROGRAMS // programs)
+    num_splits = 1 << (min(fit, kv_steps, _MAX_SPLITS).bit_length() - 1)
     return MLAKernelConfig(block_q, block_h, block_kv, num_splits, 4, 2)
 
 

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -60,6 +62,31 @@ def test_grouped_sweep_checks_xla_and_the_tilings_and_writes_the_table(tmp_path)
     assert all(v["ok"] and v["us"] > 0 for v in variants)
     table = json.loads((tmp_path / "grouped_tilings.json").read_text())
     assert all(key.count(",") == 3 for key in table)
+
+
+def test_mla_sweep_checks_the_tilings_and_writes_the_table_the_engine_reads(tmp_path):
+    """The MLA decode sweep on tiny heads (interpret mode, one decode case): XLA's
+    absorbed form and the kernel's tilings, each checked against the default tiling and
+    timed, and a table in kernels/mla_paths.json's form that the kernel's lookup reads:
+    the case's context bucket, and a width it lacks through the nearest one measured."""
+    from jaxmtp.kernels import mla_attention as mk
+    from jaxmtp.kernels.tiling_table import read_tilings
+
+    run_script("mla_sweep.py", "--tiny", "--rows", "", "--out", str(tmp_path))
+    (case,) = json.loads((tmp_path / "mla_sweep.json").read_text())["cases"]
+    variants = case["variants"]
+    assert "xla" in variants and len(variants) > 2
+    assert all(v["ok"] and v["us"] > 0 for v in variants.values())
+    assert {v["config"]["block_kv"] for v in variants.values() if v["config"]} == {32, 64}
+    table = read_tilings(tmp_path / "mla_paths.json", mk.MLAKernelConfig)
+    assert list(table) == [(4, 32, 16, 1, 64)] and list(table[(4, 32, 16, 1, 64)]) == [2]
+    entry = table[(4, 32, 16, 1, 64)][2]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mk, "MEASURED_PATHS", table)
+        assert mk.measured_decode_path(4, 32, 16, 1, 2, 40) == entry
+        assert mk.measured_decode_path(4, 32, 16, 1, 2, 4000) == entry  # nearest width measured
+        assert mk.measured_decode_path(4, 32, 16, 1, 8, 40) is None  # a batch bucket it lacks
+        assert mk.measured_decode_path(4, 32, 16, 2, 2, 40) is None  # verify rows: none measured
 
 
 def test_gated_delta_times_both_forms_and_writes_the_table_the_engine_reads(tmp_path):
@@ -185,8 +212,6 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     assert any(name.startswith("fp8 expert layer by pairs, 8 tokens") for name in rows)
     experts = json.loads((tmp_path / "expert_paths.json").read_text())  # read as kernels/expert_paths.json is
     assert set(experts["8,32,16"]) == set(experts["8,32,16,16"]) == {"2", "16"}
-    paths = json.loads((tmp_path / "mla_paths.json").read_text())  # read as kernels/mla_paths.json is
-    assert set(paths["4,32,16,1,64"]) == {"2"} and set(paths["4,32,16,2,64"]) == {"2"}
     mtp = rows["glm45_air_fp8 b1 MTP k=1 oracle drafts: tokens/s over plain"]
     assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]
     assert not results.get("failed_parts") and not results.get("skipped_over_budget")
