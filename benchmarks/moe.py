@@ -669,6 +669,16 @@ def part_mla(run: Run, cases):
                 run.row("mla", f"XLA absorbed form, {kind}, batch {batch}, context {context}", xla_s,
                         run.bytes_s(case["bytes"]), note=f"the engine's path {seconds / xla_s:.2f}x its time; wall "
                                                          f"{xla_wall * 1e6:.0f} us")
+            if rows == 1 and batch > 1 and context == s.mla_contexts[min(1, len(s.mla_contexts) - 1)]:
+                # the same decode call in a step that also holds a prefill chunk's rows
+                chunk = s.mla_prefill[0][0]
+                mixed = mla_inputs(rng, s, [1] * batch + [chunk], [context] * (batch + 1), reps)
+                mixed_s, mixed_wall = time_mla(run, mixed, 1, config=config)
+                run.row("mla", f"MLA decode beside a {chunk}-row prefill chunk, batch {batch}, context {context}",
+                        mixed_s, run.bytes_s(case["bytes"]),
+                        note=f"the decode call of a step of {batch + chunk} rows, {tiling}: {mixed_s / seconds:.2f}x "
+                             f"its time in a decode step; wall {mixed_wall * 1e6:.0f} us")
+                del mixed
         if run.args.sweep and prefill and context == max(c for _, c in s.mla_prefill):
             times = {str(dataclasses.astuple(base)): seconds * 1e6}
             for q, h, kv, w, st in MLA_PREFILL_SWEEP:

@@ -184,16 +184,17 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
                               functools.partial(step, masked=masked), carry)
     acc, row_max, row_sum = carry
 
-    out_index = (q_index[:, None], rank_ids[None, :])
     row_mask = jnp.broadcast_to(row_ok[:, None], (tile_rows, rank))
     if num_splits == 1:
         (o_ref,) = out_refs
-        plgpu.store(o_ref.at[out_index], (acc / row_sum[:, None]).astype(o_ref.dtype), mask=row_mask)
-    else:
+        plgpu.store(o_ref.at[q_index[:, None], rank_ids[None, :]], (acc / row_sum[:, None]).astype(o_ref.dtype),
+                    mask=row_mask)
+    else:  # partial results by q block, not by row: see mla_absorbed_attention
         acc_ref, max_ref, sum_ref = out_refs
-        plgpu.store(acc_ref.at[(split, *out_index)], acc, mask=row_mask)
-        plgpu.store(max_ref.at[split, q_index], row_max, mask=row_ok)
-        plgpu.store(sum_ref.at[split, q_index], row_sum, mask=row_ok)
+        part_index = ((num_blocks - 1 - program) * block_q + row_in_block) * num_heads + head
+        plgpu.store(acc_ref.at[split, part_index[:, None], rank_ids[None, :]], acc, mask=row_mask)
+        plgpu.store(max_ref.at[split, part_index], row_max, mask=row_ok)
+        plgpu.store(sum_ref.at[split, part_index], row_sum, mask=row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "decode_rows", "prefill", "interpret", "config"))
@@ -221,9 +222,13 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
     if config.num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((flat_rows, rank), q_latent.dtype)]
     else:
-        out_shape = [jax.ShapeDtypeStruct((config.num_splits, flat_rows, rank), jnp.float32),
-                     jax.ShapeDtypeStruct((config.num_splits, flat_rows), jnp.float32),
-                     jax.ShapeDtypeStruct((config.num_splits, flat_rows), jnp.float32)]
+        # Split results are kept per q block row (num_blocks x block_q), not per step row:
+        # a decode call in a step with a prefill chunk takes a few of its rows, and the
+        # merge reads every split's buffer whole.
+        part_rows = num_blocks * config.block_q * num_heads
+        out_shape = [jax.ShapeDtypeStruct((config.num_splits, part_rows, rank), jnp.float32),
+                     jax.ShapeDtypeStruct((config.num_splits, part_rows), jnp.float32),
+                     jax.ShapeDtypeStruct((config.num_splits, part_rows), jnp.float32)]
     kernel = functools.partial(
         _kernel, num_heads=num_heads, rows_taken=(min_rows, max_rows), num_blocks=num_blocks, block_q=config.block_q,
         block_h=config.block_h, block_kv=config.block_kv, page_size=page_size, pages_per_seq=pages_per_seq,
@@ -248,13 +253,17 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
         rope_pages.reshape(num_pages * page_size, rope_dim),
     )
     seq, owned = row_ownership(query_start, num_rows)
-    seq_rows = (query_start[1:] - query_start[:-1])[seq]
-    taken = owned & (seq_rows >= min_rows)
+    seq_rows = query_start[1:] - query_start[:-1]
+    seq_taken = seq_rows >= min_rows
     if max_rows is not None:
-        taken &= seq_rows <= max_rows
-    taken = jnp.repeat(taken, num_heads)
-    if config.num_splits == 1:
-        out = jnp.where(taken[:, None], outs[0], 0)  # rows the kernel did not take were never written
-    else:
-        out = merge_splits(*outs, taken).astype(q_latent.dtype)
-    return out.reshape(num_rows, num_heads, rank)
+        seq_taken &= seq_rows <= max_rows
+    taken = owned & seq_taken[seq]
+    if config.num_splits == 1:  # rows the kernel did not take were never written
+        return jnp.where(taken[:, None, None], outs[0].reshape(num_rows, num_heads, rank), 0)
+    # a taken sequence's q blocks follow the taken sequences before it (locate_q_block)
+    blocks = jnp.where(seq_taken, cdiv(seq_rows, config.block_q), 0)
+    first_block = jnp.cumsum(blocks) - blocks
+    part_row = first_block[seq] * config.block_q + jnp.arange(num_rows, dtype=jnp.int32) - query_start[seq]
+    merged = merge_splits(*outs).reshape(num_blocks * config.block_q, num_heads, rank)
+    out = merged[jnp.clip(part_row, 0, num_blocks * config.block_q - 1)]
+    return jnp.where(taken[:, None, None], out, 0).astype(q_latent.dtype)

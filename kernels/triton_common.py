@@ -61,15 +61,15 @@ def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_row
     return seq, row_start, num_rows, first_pos
 
 
-def merge_splits(acc, row_max, row_sum, owned):
-    """Combines per-split (unnormalised acc, base-2 max, sum) into the output rows."""
+def merge_splits(acc, row_max, row_sum, owned=None):
+    """Combines per-split (unnormalised acc, base-2 max, sum) into the output rows; rows
+    not `owned` (never written) come out 0, where the caller has not masked them itself."""
     overall_max = jnp.max(row_max, axis=0)
     overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
     weight = jnp.exp2(row_max - overall_max)
     total = jnp.sum(weight * row_sum, axis=0)
     out = jnp.sum(weight[..., None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
-    # Rows no sequence owns were never written.
-    return jnp.where(owned[:, None], out, 0.0)
+    return out if owned is None else jnp.where(owned[:, None], out, 0.0)
 
 
 def step_slots(page_table_ref, page_table_offset, kv_step, *, block_kv: int, page_size: int, kv_end,

@@ -208,6 +208,7 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     assert any(name.startswith("expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("fp8 expert layer, 8 tokens") for name in rows)
     assert any(name.startswith("MLA verify k+1=2") for name in rows)
+    assert any(name.startswith("MLA decode beside a 12-row prefill chunk") for name in rows)
     assert any(name.startswith("MLA prefill, a 12-row chunk") for name in rows)
     assert any(name.startswith("fp8 expert layer by pairs, 8 tokens") for name in rows)
     experts = json.loads((tmp_path / "expert_paths.json").read_text())  # read as kernels/expert_paths.json is

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -405,6 +406,30 @@ def test_mla_kernel_matches_the_reference(case):
     assert_within(out[taken], ref[taken], 2 * bound[taken], f"seed={seed}")  # two float32 evaluations
 
 
+def pallas_output_shapes(jaxpr) -> list[tuple]:
+    """The output shapes of every pallas_call in a jaxpr, nested jaxprs included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            shapes += [tuple(v.aval.shape) for v in eqn.outvars]
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                shapes += pallas_output_shapes(inner)
+    return shapes
+
+
+def test_a_decode_calls_split_results_are_kept_per_q_block():
+    """A decode call in a step that also holds a 60-row prefill chunk keeps its splits'
+    partial results for its 3 q blocks (3 x 4 heads), not for the step's 65 rows: the
+    merge reads every split's buffer whole."""
+    rng, _ = seeded()
+    args = mla_case(rng, [(1, 9), (60, 70), (1, 5)])
+    call = functools.partial(mla_absorbed_attention, sm_scale=0.3, decode_rows=1, interpret=True,
+                             config=MLAKernelConfig(1, 4, 4, 3, 4, 2))
+    assert pallas_output_shapes(jax.make_jaxpr(call)(*args).jaxpr) == [(3, 12, R), (3, 12), (3, 12)]
+
+
 def test_mla_kernel_in_bfloat16():
     """As the attention kernel in bf16 (test_kernels.check_kernel): a few bf16 roundings
     (the probabilities fed to the value product, the output; u = 2^-8), 3 u at most."""
@@ -468,7 +493,6 @@ def test_auto_on_a_gpu_takes_the_measured_decode_path(monkeypatch):
     """"auto" on a GPU: the decode call at the tiling kernels/mla_paths.json gives its
     shape and buckets, XLA's absorbed form where the table says "xla", the kernel's
     default tiling where it has no entry; the prefill call is always the kernel's."""
-    import jax
 
     import jaxmtp.kernels.mla_attention as mk
     import jaxmtp.models.mla as mla
@@ -580,7 +604,6 @@ def test_routed_fp8_experts_pass_their_scales_to_the_grouped_calls():
 def test_fp8_grouped_kernels_lower_for_the_gpu(dtype):
     """The Triton lowering of both fp8 grouped kernels, from the CPU (what interpret mode
     does not check: the fp8 load, its conversion, the scale gathers)."""
-    import jax
 
     lhs = jax.ShapeDtypeStruct((24, 256), dtype)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
@@ -596,7 +619,6 @@ def test_mla_kernel_lowers_for_the_gpu_at_moonlight_shapes(prefill):
     """Both calls through the Triton lowering, from the CPU (what interpret mode does not
     check: the tile shapes Triton accepts), at Moonlight's MLA (16 heads, R 512, rope 64,
     bf16, pages of 16): a decode batch of 32 and a 2048-row prefill chunk."""
-    import jax
 
     num_rows, num_seqs = (2048, 1) if prefill else (32, 32)
     shapes = [((num_rows, 16, 512), jnp.bfloat16), ((num_rows, 16, 64), jnp.bfloat16),
@@ -612,7 +634,6 @@ def test_mla_kernel_lowers_for_the_gpu_at_moonlight_shapes(prefill):
 def test_paired_kernels_lower_for_the_gpu_at_moonlight_shapes(fp8):
     """Both paired kernels through the Triton lowering, from the CPU, at Moonlight's
     experts (64 of 2048 x 1408; fp8 in 128 x 128 blocks) for one token's 6 pairs."""
-    import jax
 
     x, groups = jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((6,), jnp.int32)
     rows, act = jax.ShapeDtypeStruct((6,), jnp.int32), jax.ShapeDtypeStruct((6, 1408), jnp.bfloat16)
