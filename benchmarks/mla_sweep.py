@@ -18,8 +18,8 @@ splits. Each variant's output is checked against the default tiling's (a float32
 accumulation of the same bf16 products: equal within bf16 rounding of the output,
 relative error < 1e-2). Times are the kernels' device time (one profiler trace, every
 variant of a case in it, benchmarks/gemm_sweep.device_times); XLA's form is timed where
-its float32 gather of every row's context stays under 2 GB an input set (the larger
-shapes have it 5-9x slower than the kernel: docs/benchmarks, 2026-12-04 MLA run).
+its float32 gather of every row's context stays under 2 GB an input set (at the larger
+shapes it took 7-11x the kernel's time: docs/benchmarks/README.md, 2026-12-04 MLA).
 Writes mla_sweep.json (every variant) and mla_paths.json under --out, saved after every
 case, so a run cut short keeps what it measured (with --table, that table's entries
 with this run's over them); --tiny: a CPU smoke test.

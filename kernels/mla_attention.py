@@ -43,7 +43,7 @@ _LOG2E = math.log2(math.e)
 # Splits: the largest power of 2 that keeps the grid within two programs a multiprocessor
 # (a program holds one SM's shared memory: two waves, none part-filled), at most 128. On
 # the H200 (benchmarks/mla_sweep.py, 2026-12-04) a split count that spills a third wave
-# lost up to 35% (batch 32 at 16k: 9 splits 245 us, 8 splits 181 us), and batch 1 gained
+# lost up to 36% (batch 32 at 16k: 9 splits 245 us, 8 splits 181 us), and batch 1 gained
 # to 64 splits at 4k and 128 at 16k (10.9 / 19.0 us; 32 splits: 13.3 / 29.8 us).
 _MAX_PROGRAMS = 2 * NUM_SMS
 _MAX_SPLITS = 128

@@ -480,7 +480,7 @@ def test_mla_entry_point_takes_the_kernel_for_every_row():
 def test_default_splits_keep_the_grid_within_two_waves_in_powers_of_two():
     """default_config's split count: the largest power of 2 that keeps a decode call's grid
     within two programs a multiprocessor (on the H200 a part-filled third wave cost up to
-    35%), at most the context's 64-token steps and 128."""
+    36%), at most the context's 64-token steps and 128."""
     from jaxmtp.kernels.mla_attention import default_config
 
     for batch, rows, context, want in ((1, 1, 4096, 64), (1, 1, 16384, 128), (1, 1, 100, 2), (4, 1, 16384, 64),
