@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemm_sweep import device_times  # noqa: E402
-from moe import TINY, Shapes, mla_inputs  # noqa: E402
+from moe import TINY, Shapes, mla_inputs, mla_program  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
 # first-stage grids of at least a quarter of the SMs and at most 8 programs each
@@ -87,26 +87,6 @@ class MLASweep:
             note += f"; over the table of {self.results['table_before']}"
         (self.out / "mla_paths.json").write_text(json.dumps({"_note": note} | self.paths, indent=1))
 
-    def program(self, case, rows: int, config=None, xla: bool = False):
-        """A zero-argument call running the kernel at `config` (or XLA's absorbed form)
-        over every input set of the case in one jitted program."""
-        import jax
-
-        from jaxmtp.kernels.mla_attention import mla_absorbed_attention
-        from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
-
-        def one(latent, rope, kv_lens, query_start, q_latent, q_rope, table):
-            args = (q_latent, q_rope, latent, rope, kv_lens, table, query_start)
-            if xla:
-                return mla_absorbed_attention_reference(*args, sm_scale=0.1)
-            return mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=rows, interpret=self.args.tiny,
-                                          config=config)
-
-        shared = (case["latent"], case["rope"], case["kv_lens"], case["query_start"])
-        reps = list(zip(case["q_latent"], case["q_rope"], case["tables"]))
-        compiled = jax.jit(lambda shared, reps: [one(*shared, *r) for r in reps])
-        return lambda: compiled(shared, reps)
-
     def time_variants(self, case, rows: int, configs: list, reference, with_xla: bool) -> dict:
         """label -> {config, us (device), wall_us, ok, error}; each variant compiled,
         checked against `reference` (the default tiling's output), then all timed in
@@ -117,7 +97,7 @@ class MLASweep:
         for config in configs:
             label = str(dataclasses.astuple(config))
             try:
-                call = self.program(case, rows, config)
+                call = mla_program(case, rows, config=config, interpret=self.args.tiny)
                 out = np.asarray(call()[0], np.float32)
                 error = float(np.linalg.norm(out - reference) / max(np.linalg.norm(reference), 1e-30))
                 rows_out[label] = {"config": dataclasses.asdict(config), "rel_error": error,
@@ -126,7 +106,7 @@ class MLASweep:
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
                 rows_out[label] = {"config": dataclasses.asdict(config), "ok": False, "error": repr(e)[:160]}
         if with_xla:
-            calls["xla"] = self.program(case, rows, xla=True)
+            calls["xla"] = mla_program(case, rows, xla=True)
             rows_out["xla"] = {"config": None, "ok": True}
         reps = len(case["tables"])
         times = device_times(calls, 5, reps, self.args.tiny)
@@ -148,7 +128,7 @@ class MLASweep:
         reps = int(np.clip(5e8 // (batch * context * (s.rank + s.rope) * 2), 2, 6))
         case = mla_inputs(rng, s, [rows] * batch, [context] * batch, reps)
         base = default_config(batch * rows, batch, s.heads, rows, context)
-        reference = np.asarray(self.program(case, rows, base)()[0], np.float32)
+        reference = np.asarray(mla_program(case, rows, config=base, interpret=self.args.tiny)()[0], np.float32)
         kv_steps = cdiv(context, base.block_kv)
         programs = batch * cdiv(s.heads, base.block_h)  # a split's
         first = [dataclasses.replace(base, num_splits=n) for n in SPLITS if n <= kv_steps

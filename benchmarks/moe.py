@@ -585,14 +585,13 @@ def mla_args(case) -> tuple:
             case["query_start"])
 
 
-def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False) -> tuple[float, float]:
-    """(device, wall) seconds per call of the kernel (or with `xla` of XLA's absorbed form,
-    the jnp reference the engine runs off GPUs) over the case's input sets: the kernels'
-    time in a profiler trace, and the replayed program's wall time (which at small shapes
-    is the host's dispatch of the program, not the device's work)."""
+def mla_program(case, rows_per_seq: int, prefill: bool = False, config=None, xla: bool = False,
+                interpret: bool = False):
+    """A zero-argument call running the kernel at `config` (or with `xla` XLA's absorbed
+    form, the jnp reference the engine runs off GPUs) over every input set of the case in
+    one jitted program."""
     import jax
 
-    from gemm_sweep import device_times
     from jaxmtp.kernels.mla_attention import mla_absorbed_attention
     from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 
@@ -601,13 +600,22 @@ def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False
         if xla:
             return mla_absorbed_attention_reference(*args, sm_scale=0.1)
         return mla_absorbed_attention(*args, sm_scale=0.1, decode_rows=1 if prefill else rows_per_seq,
-                                      prefill=prefill, interpret=run.args.tiny, config=config)
+                                      prefill=prefill, interpret=interpret, config=config)
 
     shared = (case["latent"], case["rope"], case["kv_lens"], case["query_start"])
     reps = list(zip(case["q_latent"], case["q_rope"], case["tables"]))
     program = jax.jit(lambda shared, reps: [call(*shared, *r) for r in reps])
-    times = device_times({"mla": lambda: program(shared, reps)}, 10, len(reps), run.args.tiny)
-    device_us, _, wall_us = times["mla"]
+    return lambda: program(shared, reps)
+
+
+def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False) -> tuple[float, float]:
+    """(device, wall) seconds per call of mla_program's calls: the kernels' time in a
+    profiler trace, and the replayed program's wall time (which at small shapes is the
+    host's dispatch of the program, not the device's work)."""
+    from gemm_sweep import device_times
+
+    program = mla_program(case, rows_per_seq, prefill, config, xla, run.args.tiny)
+    device_us, _, wall_us = device_times({"mla": program}, 10, len(case["tables"]), run.args.tiny)["mla"]
     return (wall_us if device_us is None else device_us) / 1e6, wall_us / 1e6
 
 
@@ -829,8 +837,8 @@ def markdown(results) -> str:
             + "".join(f"\n- {k}: {v}" for k, v in extra.items()) + "\n")
 
 
-PARTS = {"checks": part_checks, "experts": part_experts, "mla": lambda run: part_mla(run, mla_cases(run.shapes, run.args.mla_cases)),
-         "e2e": part_e2e}
+PARTS = {"checks": part_checks, "experts": part_experts,
+         "mla": lambda run: part_mla(run, mla_cases(run.shapes, run.args.mla_cases)), "e2e": part_e2e}
 
 
 def main() -> None:
