@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemm_sweep import L2_BYTES, copy_bandwidth, device_times  # noqa: E402
+from gemm_sweep import L2_BYTES, checked_kernel, copy_bandwidth, device_times, fastest_over  # noqa: E402
 
 # (Hk, Hv, dk, dv) of the linear-attention layers, from each checkpoint's config.json
 MODELS = {
@@ -74,21 +74,12 @@ def tilings(form: str, dv: int, tiny: bool) -> list:
     return [DeltaKernelConfig(*t) for t in grid if t[0] <= dv]
 
 
-def checked_kernel(row: dict) -> bool:
-    """A kernel variant that agreed with XLA's form and was timed."""
-    return bool(row["config"]) and row.get("ok", False) and row.get("us") is not None
-
-
 def bucket_choice(cases: list[list[dict]]):
     """The table entry of cases that share a bucket (each case's variants, XLA's first):
     the tiling fastest over all of them together, where it beats XLA's form over all of
     them by WIN, else "xla"."""
-    xla = sum(rows[0].get("us") or float("inf") for rows in cases)
-    timed = [{tuple(r["config"].values()): r["us"] for r in rows if checked_kernel(r)} for rows in cases]
-    common = set.intersection(*(set(t) for t in timed))
-    best = min(common, key=lambda c: sum(t[c] for t in timed), default=None)
-    won = best is not None and sum(t[best] for t in timed) * WIN < xla
-    return list(best) if won else "xla"
+    best, best_us, xla = fastest_over(cases)
+    return list(best) if best is not None and best_us * WIN < xla else "xla"
 
 
 def fastest_kernel(rows: list[dict]) -> dict | None:

@@ -28,6 +28,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -243,13 +244,29 @@ class Sweep:
               f"{tiling}  ({len(kernels)} timed, {failed} failed)", flush=True)
 
 
+def checked_kernel(row: dict) -> bool:
+    """A kernel variant that agreed with the reference and was timed."""
+    return bool(row["config"]) and row.get("ok", False) and row.get("us") is not None
+
+
 def fastest(rows: list[dict], count: int, config_class=None) -> list:
     """The configs (config_class: the dense kernel's MatmulConfig unless given) of the
     `count` fastest correct kernel rows."""
     from jaxmtp.kernels.fp8_matmul import MatmulConfig
 
-    timed = sorted((r for r in rows if r["config"] and r.get("ok") and r.get("us") is not None), key=lambda r: r["us"])
+    timed = sorted((r for r in rows if checked_kernel(r)), key=lambda r: r["us"])
     return [(config_class or MatmulConfig)(**r["config"]) for r in timed[:count]]
+
+
+def fastest_over(cases: list[list[dict]]) -> tuple[tuple | None, float, float]:
+    """Over cases that share a table bucket (each its variant rows, XLA's with config
+    None): the tiling (its config's values) with the least time summed over all of them,
+    among those checked and timed in every one (None if none was), that sum, and XLA's."""
+    xla = sum(next((r.get("us") for r in rows if r["config"] is None), None) or math.inf for rows in cases)
+    timed = [{tuple(r["config"].values()): r["us"] for r in rows if checked_kernel(r)} for rows in cases]
+    common = set.intersection(*(set(t) for t in timed))
+    best = min(common, key=lambda c: sum(t[c] for t in timed), default=None)
+    return best, math.inf if best is None else sum(t[best] for t in timed), xla
 
 
 def device_times(calls: dict, repeats: int, per_call: int, tiny: bool) -> dict:

@@ -5,7 +5,7 @@ count. Writes the tilings that win into a table in the form of the kernel's
 GROUPED_TILINGS, which the engine reads at trace time.
 
     python benchmarks/grouped_sweep.py [--models moonlight,glm45_air] [--tokens 1,8,32,...]
-        [--kernels swiglu,down] [--fp8] [--budget-s 540] [--out DIR] [--tiny]
+        [--kernels swiglu,down] [--fp8] [--step-tokens 8] [--budget-s 540] [--out DIR] [--tiny]
 
 A case is a model's expert layer at T tokens: T x top_k (token, expert) pairs routed
 uniformly at random (seeded by the case) and sorted by expert, as jaxmtp/models/moe.py
@@ -19,7 +19,11 @@ over the bf16 matmul rate, also measured here. Writes grouped_sweep.json (every 
 and grouped_tilings.json ({kernel key: {row bucket: tiling}}, the measured best where it
 beat both XLA and the kernel's default by 5%); --fp8: the experts in fp8 with 128 x 128
 block scales, XLA's path being the reference's (dequantize, then a float32 ragged_dot),
-the keys "G,K,N,swiglu,128"; --tiny: a CPU smoke test.
+the keys "G,K,N,swiglu,128"; --step-tokens S: each --tokens count is the real tokens of
+a step of S rows whose other rows are padding routed to no expert (as an engine step pads
+to its token bucket: a batch-1 decode step is 8 rows), every count timed at the same
+tilings (their first stages together), and the bucket's table entry is the tiling with the
+least time summed over the mix; --tiny: a CPU smoke test.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemm_sweep import L2_BYTES, NUM_SMS, Sweep, copy_bandwidth, fastest, second_stage  # noqa: E402
+from gemm_sweep import L2_BYTES, NUM_SMS, Sweep, copy_bandwidth, fastest, fastest_over, second_stage  # noqa: E402
 
 # (experts, top_k, hidden, moe_intermediate) from each checkpoint's config.json
 MODELS = {
@@ -57,6 +61,7 @@ class Case:
     parts: int  # 2: gate and up side by side (swiglu), 1: down
     n: int
     scale_k: int = 0  # fp8 experts: the square scale block's side (DeepSeek-V3's 128); 0: bf16
+    padding: int = 0  # rows past the groups (a step's padding rows, routed to no expert)
 
     @property
     def scale_block(self) -> tuple[int, int] | None:
@@ -64,7 +69,7 @@ class Case:
 
     @property
     def rows(self) -> int:
-        return sum(self.sizes)
+        return sum(self.sizes) + self.padding
 
     @property
     def touched_bytes(self) -> int:
@@ -148,24 +153,27 @@ class GroupedSweep(Sweep):
         reference = gm.grouped_swiglu_reference if case.parts == 2 else gm.grouped_matmul_reference
         return reference(x.astype(jnp.float32), weight, sizes, **scales)
 
-    def run_case(self, model: str, kernel: str, tokens: int, case: Case, seed: int) -> None:
+    def run_case(self, model: str, kernel: str, tokens: int, case: Case, seed: int, tilings=None) -> None:
+        """XLA, the default tiling and the first stage's (or `tilings`, the same list for
+        every case of a mix, with no second stage), then the second stage's."""
         from jaxmtp.kernels.grouped_matmul import default_config
 
         x, weights = self.inputs_of(case, seed)
         reference = self.reference(case, x, weights[0])
-        flops = 2 * case.rows * case.k * case.parts * case.n
+        flops = 2 * sum(case.sizes) * case.k * case.parts * case.n
         floor_us = max(case.touched_bytes / self.results["copy_bytes_per_s"],
                        flops / self.results["matmul_flops_per_s"]) * 1e6
         default = default_config(case.rows, len(case.sizes), case.k, case.parts * case.n, case.parts == 2,
                                  case.scale_block)
-        configs = [None, default] + [c for c in first_stage(case, self.tiny) if c != default]
+        configs = [None, default] + [c for c in tilings or first_stage(case, self.tiny) if c != default]
         rows = self.measure(configs, case, x, weights, reference, floor_us)
         tried = {c for c in configs if c is not None}
-        refine = second_stage(fastest(rows, 3, type(default)), tried)
+        refine = [] if tilings else second_stage(fastest(rows, 3, type(default)), tried)
         if refine and self.budget_left() > 60 and not self.tiny:
             rows.extend(self.measure(refine, case, x, weights, reference, floor_us))
         rows[1]["default"] = True
-        entry = {"model": model, "kernel": kernel, "tokens": tokens, "rows": case.rows, "groups": len(case.sizes),
+        entry = {"model": model, "kernel": kernel, "tokens": tokens, "rows": case.rows, "padding": case.padding,
+                 "groups": len(case.sizes),
                  "touched": sum(1 for s in case.sizes if s), "k": case.k, "n": case.n, "scale_k": case.scale_k,
                  "floor_us": floor_us,
                  "variants": rows}
@@ -213,28 +221,27 @@ def routed_sizes(experts: int, top_k: int, tokens: int, seed: int) -> tuple:
 
 
 def table(results: dict) -> dict:
-    """{"G,K,N,swiglu": {bucket: tiling or "xla"}}: the best tiling where it beat XLA and
-    the default by WIN, "xla" where XLA beat every tiling by WIN (the default elsewhere);
-    a bucket measured more than once keeps its larger token count's choice."""
+    """{"G,K,N,swiglu": {bucket: tiling or "xla"}}: per row bucket, over the cases that
+    measured it (a --step-tokens mix, or one case), the tiling fastest over all of them
+    where it beat XLA and the default by WIN, "xla" where XLA beat it by WIN (the default
+    elsewhere)."""
     from jaxmtp.kernels.tiling_table import row_bucket
 
-    out: dict = {}
+    buckets: dict = {}  # (key, bucket) -> every case's variants
     for case in results["cases"]:
-        rows = [r for r in case["variants"] if r.get("us") and (r["config"] is None or r.get("ok"))]
-        xla = next((r["us"] for r in rows if r["config"] is None), math.inf)
-        default = next((r["us"] for r in rows if r.get("default")), math.inf)
-        best = min((r for r in rows if r["config"]), key=lambda r: r["us"], default=None)
         swiglu = case["kernel"] == "swiglu"
         key = f"{case['groups']},{case['k']},{case['n'] * (2 if swiglu else 1)},{int(swiglu)}"
         key += f",{case['scale_k']}" if case.get("scale_k") else ""
-        buckets = out.setdefault(key, {})
-        if xla * WIN < (math.inf if best is None else best["us"]):
-            buckets[str(row_bucket(case["rows"]))] = "xla"
-        elif best is not None and not best.get("default") and best["us"] * WIN < min(xla, default):
-            c = best["config"]
-            buckets[str(row_bucket(case["rows"]))] = [c["block_m"], c["block_n"], c["block_k"], c["num_warps"],
-                                                  c["num_stages"], c["split_k"]]
-    return {key: buckets for key, buckets in out.items() if buckets}
+        buckets.setdefault((key, str(row_bucket(case["rows"]))), []).append(case["variants"])
+    out: dict = {}
+    for (key, bucket), cases in buckets.items():
+        best, best_us, xla = fastest_over(cases)
+        default = sum(next((r["us"] for r in rows if r.get("default") and r.get("us")), math.inf) for rows in cases)
+        if xla * WIN < best_us:
+            out.setdefault(key, {})[bucket] = "xla"
+        elif best_us * WIN < min(xla, default):
+            out.setdefault(key, {})[bucket] = list(best)
+    return out
 
 
 def main() -> None:
@@ -247,6 +254,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, a tiny shape")
     parser.add_argument("--fp8", action="store_true", help="fp8 experts with 128 x 128 block scales "
                         "(DeepSeek-V3's format; their table keys end in the block's 128)")
+    parser.add_argument("--step-tokens", type=int, default=0,
+                        help="each --tokens count as the real tokens of a step of this many rows (the rest "
+                             "padding, routed to no expert, as a decode step's bucket pads), every count timed "
+                             "at the same tilings: the table's bucket takes the one fastest over the mix")
     args = parser.parse_args()
     sweep = GroupedSweep(args)
     scale_k = (16 if args.tiny else 128) if args.fp8 else 0
@@ -256,16 +267,32 @@ def main() -> None:
     print(f"copy {sweep.results['copy_bytes_per_s'] / 1e12:.3f} TB/s, bf16 matmul "
           f"{sweep.results['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     models = TINY_MODELS if args.tiny else {m: MODELS[m] for m in args.models.split(",")}
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        for model, (experts, top_k, hidden, inter) in models.items():
-            sizes = routed_sizes(experts, top_k, tokens, seed=tokens)
+    token_counts = [int(t) for t in args.tokens.split(",")]
+
+    def case_of(model: str, kernel: str, tokens: int) -> Case:
+        experts, top_k, hidden, inter = models[model]
+        sizes = routed_sizes(experts, top_k, tokens, seed=tokens)
+        padding = (args.step_tokens - tokens) * top_k if args.step_tokens else 0
+        return Case(sizes, hidden, 2, inter, scale_k, padding) if kernel == "swiglu" else \
+            Case(sizes, inter, 1, hidden, scale_k, padding)
+
+    def mix_tilings(model: str, kernel: str) -> list | None:
+        """A step-tokens mix's tilings: every count's first stage, in order, once."""
+        if not args.step_tokens:
+            return None
+        tilings = [c for t in token_counts for c in first_stage(case_of(model, kernel, t), args.tiny)]
+        return list(dict.fromkeys(tilings))
+
+    for tokens in token_counts:
+        if args.step_tokens and tokens > args.step_tokens:
+            raise SystemExit(f"--tokens {tokens} is more than --step-tokens {args.step_tokens}")
+        for model in models:
             for kernel in args.kernels.split(","):
                 if sweep.budget_left() < 40:
                     sweep.results.setdefault("skipped_over_budget", []).append(f"{model} {kernel} T={tokens}")
                     continue
-                case = Case(sizes, hidden, 2, inter, scale_k) if kernel == "swiglu" else \
-                    Case(sizes, inter, 1, hidden, scale_k)
-                sweep.run_case(model, kernel, tokens, case, seed=tokens)
+                sweep.run_case(model, kernel, tokens, case_of(model, kernel, tokens), seed=tokens,
+                               tilings=mix_tilings(model, kernel))
     sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
     sweep.results["table"] = table(sweep.results)
     sweep.save()

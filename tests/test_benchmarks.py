@@ -135,6 +135,46 @@ def test_gated_delta_table_entry_is_the_tiling_fastest_over_every_case_of_its_bu
     assert bucket_choice([failed, case(40.0, b32=5.0)]) == "xla"  # no tiling ran in both
 
 
+def test_grouped_sweep_times_a_steps_padded_mix_at_the_same_tilings(tmp_path):
+    """--step-tokens: 1 and 40 real tokens in a step of 40 (the rest padding routed to no
+    expert, as an engine step pads to its bucket): both cases have the step's rows and
+    time the same tilings, the two first stages together (1 token's alone has no 32-row
+    blocks), and their bucket gets one table entry."""
+    run_script("grouped_sweep.py", "--tiny", "--tokens", "1,40", "--step-tokens", "40", "--kernels", "down", "--out",
+               str(tmp_path))
+    one, full = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]
+    assert (one["rows"], one["padding"], full["rows"], full["padding"]) == (80, 78, 80, 0)  # top-2
+    tilings = [{tuple(v["config"].values()) for v in case["variants"] if v["config"]} for case in (one, full)]
+    assert tilings[0] == tilings[1] and {16, 32} <= {t[0] for t in tilings[0]}
+    assert all(v["ok"] and v["us"] > 0 for case in (one, full) for v in case["variants"])
+    assert [list(buckets) for buckets in json.loads((tmp_path / "grouped_tilings.json").read_text()).values()] \
+        in ([], [["128"]])
+
+
+def test_a_grouped_bucket_takes_the_tiling_fastest_over_its_mix():
+    """grouped_sweep.table: cases that share a bucket give it the tiling with the least
+    summed time (not the last case's winner), where that beats XLA and the default by 5%;
+    XLA where it beats that tiling by 5%; nothing (the default) in between."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from grouped_sweep import table
+
+    def case(rows, xla_us, default_us, **tilings_us):
+        variants = [{"config": None, "us": xla_us},
+                    {"config": {"block_m": 16, "block_n": 8, "block_k": 8}, "ok": True, "us": default_us,
+                     "default": True}]
+        variants += [{"config": {"block_m": 16, "block_n": int(name[1:]), "block_k": 64}, "ok": True, "us": us}
+                     for name, us in tilings_us.items()]
+        return {"kernel": "down", "groups": 8, "k": 32, "n": 64, "rows": rows, "variants": variants}
+
+    few, full = case(12, 50.0, 40.0, n32=10.0, n64=12.0), case(16, 60.0, 45.0, n32=30.0, n64=20.0)
+    assert table({"cases": [few]}) == {"8,32,64,0": {"16": [16, 32, 64]}}
+    assert table({"cases": [full]}) == {"8,32,64,0": {"16": [16, 64, 64]}}
+    assert table({"cases": [few, full]}) == {"8,32,64,0": {"16": [16, 64, 64]}}  # 32 us against 40
+    assert table({"cases": [full, few]}) == {"8,32,64,0": {"16": [16, 64, 64]}}
+    assert table({"cases": [case(8, 9.6, 40.0, n32=10.0)]}) == {}  # within 5% of each other: the default stands
+    assert table({"cases": [case(8, 8.0, 40.0, n32=10.0)]}) == {"8,32,64,0": {"8": "xla"}}
+
+
 def test_grouped_sweep_of_fp8_experts_keys_its_table_by_the_scale_block(tmp_path):
     run_script("grouped_sweep.py", "--tiny", "--fp8", "--tokens", "1", "--kernels", "down", "--out", str(tmp_path))
     (case,) = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]
