@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from gemm_sweep import (  # noqa: E402
-    NUM_SMS, SHAPES, SMEM_BYTES, Sweep, copy_bandwidth, fastest, second_stage, sweep_parser, sweep_shapes,
+    NUM_SMS, SHAPES, SMEM_BYTES, Sweep, copy_bandwidth, fastest, merged_table, second_stage, sweep_parser, sweep_shapes,
     weight_copies,
 )
 
@@ -204,11 +204,7 @@ def main() -> None:
     sweep_shapes(sweep, TINY_SHAPES if args.tiny else FP8_SHAPES, lambda label, m, ms: sweep.run(label, m))
     sweep.results["table"] = table(sweep.results)
     sweep.save()
-    tilings = sweep.results["table"]
-    if args.update:  # this run's buckets replace the same buckets of a table measured before
-        tilings = json.loads(Path(args.update).read_text())
-        for key, buckets in sweep.results["table"].items():
-            tilings.setdefault(key, {}).update(buckets)
+    tilings = merged_table(args.update, sweep.results["table"])
     (sweep.out / "fp8_tilings.json").write_text(json.dumps(tilings, indent=1))
     print("table", json.dumps(sweep.results["table"]), flush=True)
 

@@ -244,6 +244,15 @@ class Sweep:
               f"{tiling}  ({len(kernels)} timed, {failed} failed)", flush=True)
 
 
+def merged_table(earlier: str | None, measured: dict) -> dict:
+    """A table file measured before (None: none) with this run's buckets over its own, its
+    other buckets and its notes kept (a sweep in several device calls)."""
+    table = json.loads(Path(earlier).read_text()) if earlier else {}
+    for key, buckets in measured.items():
+        table.setdefault(key, {}).update(buckets)
+    return table
+
+
 def checked_kernel(row: dict) -> bool:
     """A kernel variant that agreed with the reference and was timed."""
     return bool(row["config"]) and row.get("ok", False) and row.get("us") is not None

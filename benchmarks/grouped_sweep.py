@@ -5,7 +5,8 @@ count. Writes the tilings that win into a table in the form of the kernel's
 GROUPED_TILINGS, which the engine reads at trace time.
 
     python benchmarks/grouped_sweep.py [--models moonlight,glm45_air] [--tokens 1,8,32,...]
-        [--kernels swiglu,down] [--fp8] [--step-tokens 8] [--budget-s 540] [--out DIR] [--tiny]
+        [--kernels swiglu,down] [--fp8] [--step-tokens 8] [--update kernels/grouped_tilings.json]
+        [--budget-s 540] [--out DIR] [--tiny]
 
 A case is a model's expert layer at T tokens: T x top_k (token, expert) pairs routed
 uniformly at random (seeded by the case) and sorted by expert, as jaxmtp/models/moe.py
@@ -40,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemm_sweep import L2_BYTES, NUM_SMS, Sweep, copy_bandwidth, fastest, fastest_over, second_stage  # noqa: E402
+from gemm_sweep import (L2_BYTES, NUM_SMS, Sweep, copy_bandwidth, fastest, fastest_over, merged_table,  # noqa: E402
+                        second_stage)
 
 # (experts, top_k, hidden, moe_intermediate) from each checkpoint's config.json
 MODELS = {
@@ -254,6 +256,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret mode, a tiny shape")
     parser.add_argument("--fp8", action="store_true", help="fp8 experts with 128 x 128 block scales "
                         "(DeepSeek-V3's format; their table keys end in the block's 128)")
+    parser.add_argument("--update", default=None, help="a table file (kernels/grouped_tilings.json) whose buckets "
+                        "this run's replace, the rest kept, written as grouped_tilings.json")
     parser.add_argument("--step-tokens", type=int, default=0,
                         help="each --tokens count as the real tokens of a step of this many rows (the rest "
                              "padding, routed to no expert, as a decode step's bucket pads), every count timed "
@@ -296,7 +300,8 @@ def main() -> None:
     sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
     sweep.results["table"] = table(sweep.results)
     sweep.save()
-    (sweep.out / "grouped_tilings.json").write_text(json.dumps(sweep.results["table"], indent=1))
+    tilings = merged_table(args.update, sweep.results["table"])
+    (sweep.out / "grouped_tilings.json").write_text(json.dumps(tilings, indent=1))
     print("table", json.dumps(sweep.results["table"]), flush=True)
 
 

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemm_sweep import device_times  # noqa: E402
+from gemm_sweep import device_times, merged_table  # noqa: E402
 from moe import TINY, Shapes, mla_inputs, mla_program  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -63,17 +63,15 @@ class MLASweep:
         import jax
 
         self.args, self.t0 = args, time.perf_counter()
-        self.shapes = dataclasses.replace(TINY if args.tiny else Shapes(), **({} if args.tiny else {"heads": args.heads}))
+        self.shapes = TINY if args.tiny else dataclasses.replace(Shapes(), heads=args.heads)
         self.out = Path(os.environ.get("OUT", args.out))
         self.out.mkdir(parents=True, exist_ok=True)
         self.results = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/mla_sweep.py "
                         + " ".join(sys.argv[1:]), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                         "cases": []}
         self.paths = {}
-        if args.table:  # a table measured before: this run's cases replace its entries
-            earlier = json.loads(Path(args.table).read_text())
-            self.results["table_before"] = earlier.pop("_note", args.table)
-            self.paths = earlier
+        if args.table:
+            self.results["table_before"] = json.loads(Path(args.table).read_text()).get("_note", args.table)
 
     def budget_left(self) -> float:
         return self.args.budget_s - (time.perf_counter() - self.t0)
@@ -85,7 +83,8 @@ class MLASweep:
                 f"block_h, block_kv, num_splits, num_warps, num_stages] or \"xla\"}}")
         if "table_before" in self.results:
             note += f"; over the table of {self.results['table_before']}"
-        (self.out / "mla_paths.json").write_text(json.dumps({"_note": note} | self.paths, indent=1))
+        table = merged_table(self.args.table, self.paths) | {"_note": note}
+        (self.out / "mla_paths.json").write_text(json.dumps(table, indent=1))
 
     def time_variants(self, case, rows: int, configs: list, reference, with_xla: bool) -> dict:
         """label -> {config, us (device), wall_us, ok, error}; each variant compiled,

@@ -72,14 +72,18 @@ def test_mla_sweep_checks_the_tilings_and_writes_the_table_the_engine_reads(tmp_
     from jaxmtp.kernels import mla_attention as mk
     from jaxmtp.kernels.tiling_table import read_tilings
 
-    run_script("mla_sweep.py", "--tiny", "--rows", "", "--out", str(tmp_path))
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"_note": "an earlier run", "4,32,16,1,8": {"2": "xla"}}))
+    run_script("mla_sweep.py", "--tiny", "--rows", "", "--table", str(earlier), "--out", str(tmp_path))
     (case,) = json.loads((tmp_path / "mla_sweep.json").read_text())["cases"]
     variants = case["variants"]
     assert "xla" in variants and len(variants) > 2
     assert all(v["ok"] and v["us"] > 0 for v in variants.values())
     assert {v["config"]["block_kv"] for v in variants.values() if v["config"]} == {32, 64}
     table = read_tilings(tmp_path / "mla_paths.json", mk.MLAKernelConfig)
-    assert list(table) == [(4, 32, 16, 1, 64)] and list(table[(4, 32, 16, 1, 64)]) == [2]
+    assert set(table) == {(4, 32, 16, 1, 8), (4, 32, 16, 1, 64)} and list(table[(4, 32, 16, 1, 64)]) == [2]
+    assert "over the table of an earlier run" in json.loads((tmp_path / "mla_paths.json").read_text())["_note"]
+    del table[(4, 32, 16, 1, 8)]  # the earlier run's width, for the lookups below
     entry = table[(4, 32, 16, 1, 64)][2]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mk, "MEASURED_PATHS", table)
@@ -139,16 +143,18 @@ def test_grouped_sweep_times_a_steps_padded_mix_at_the_same_tilings(tmp_path):
     """--step-tokens: 1 and 40 real tokens in a step of 40 (the rest padding routed to no
     expert, as an engine step pads to its bucket): both cases have the step's rows and
     time the same tilings, the two first stages together (1 token's alone has no 32-row
-    blocks), and their bucket gets one table entry."""
-    run_script("grouped_sweep.py", "--tiny", "--tokens", "1,40", "--step-tokens", "40", "--kernels", "down", "--out",
-               str(tmp_path))
+    blocks), and their bucket gets one table entry, merged into --update's table."""
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"8,32,64,0": {"8": "xla"}, "2,16,32,1": {"8": "xla"}}))
+    run_script("grouped_sweep.py", "--tiny", "--tokens", "1,40", "--step-tokens", "40", "--kernels", "down",
+               "--update", str(earlier), "--out", str(tmp_path))
     one, full = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]
     assert (one["rows"], one["padding"], full["rows"], full["padding"]) == (80, 78, 80, 0)  # top-2
     tilings = [{tuple(v["config"].values()) for v in case["variants"] if v["config"]} for case in (one, full)]
     assert tilings[0] == tilings[1] and {16, 32} <= {t[0] for t in tilings[0]}
     assert all(v["ok"] and v["us"] > 0 for case in (one, full) for v in case["variants"])
-    assert [list(buckets) for buckets in json.loads((tmp_path / "grouped_tilings.json").read_text()).values()] \
-        in ([], [["128"]])
+    merged = json.loads((tmp_path / "grouped_tilings.json").read_text())  # over --update's, whose buckets stay
+    assert merged["2,16,32,1"] == {"8": "xla"} and set(merged["8,32,64,0"]) in ({"8"}, {"8", "128"})
 
 
 def test_a_grouped_bucket_takes_the_tiling_fastest_over_its_mix():
