@@ -198,7 +198,7 @@ def main() -> None:
     sweep = Fp8Sweep(args)
     sweep.references = {}  # label -> the first weight copy [K, P, N] and its scales
     sweep.block = TINY_BLOCK if args.tiny else BLOCK
-    sweep.results.update(command="python benchmarks/fp8_sweep.py " + " ".join(sys.argv[1:]), block=list(sweep.block))
+    sweep.results["block"] = list(sweep.block)
     sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)
     print(f"copy bandwidth {sweep.results['copy_bytes_per_s'] / 1e12:.3f} TB/s", flush=True)
     sweep_shapes(sweep, TINY_SHAPES if args.tiny else FP8_SHAPES, lambda label, m, ms: sweep.run(label, m))

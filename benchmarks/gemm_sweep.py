@@ -101,7 +101,7 @@ def weight_copies(shape, dtype) -> int:
 
 
 class Sweep:
-    name = "gemm_sweep"  # of the JSON file it writes
+    name = "gemm_sweep"  # of the script and of the JSON file it writes
 
     def __init__(self, args):
         import jax
@@ -111,7 +111,7 @@ class Sweep:
         self.t0 = time.perf_counter()
         self.tiny = args.tiny
         self.dtype = jnp.bfloat16
-        self.results = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/gemm_sweep.py "
+        self.results = {"date": time.strftime("%Y-%m-%d"), "command": f"python benchmarks/{self.name}.py "
                         + " ".join(sys.argv[1:]), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
                         "shapes": {}}
         self.inputs = {}  # label -> (shape, x, weight copies)

@@ -263,15 +263,18 @@ def main() -> None:
                              "padding, routed to no expert, as a decode step's bucket pads), every count timed "
                              "at the same tilings: the table's bucket takes the one fastest over the mix")
     args = parser.parse_args()
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.step_tokens and max(token_counts) > args.step_tokens:
+        raise SystemExit(f"--tokens {max(token_counts)} is more than --step-tokens {args.step_tokens}")
     sweep = GroupedSweep(args)
     scale_k = (16 if args.tiny else 128) if args.fp8 else 0
-    sweep.results.update(command="python benchmarks/grouped_sweep.py " + " ".join(sys.argv[1:]), cases=[])
+    sweep.results["cases"] = []
     sweep.results["copy_bytes_per_s"] = copy_bandwidth(sweep)
     sweep.results["matmul_flops_per_s"] = matmul_rate(sweep)
     print(f"copy {sweep.results['copy_bytes_per_s'] / 1e12:.3f} TB/s, bf16 matmul "
           f"{sweep.results['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     models = TINY_MODELS if args.tiny else {m: MODELS[m] for m in args.models.split(",")}
-    token_counts = [int(t) for t in args.tokens.split(",")]
+    kernels = args.kernels.split(",")
 
     def case_of(model: str, kernel: str, tokens: int) -> Case:
         experts, top_k, hidden, inter = models[model]
@@ -280,23 +283,18 @@ def main() -> None:
         return Case(sizes, hidden, 2, inter, scale_k, padding) if kernel == "swiglu" else \
             Case(sizes, inter, 1, hidden, scale_k, padding)
 
-    def mix_tilings(model: str, kernel: str) -> list | None:
-        """A step-tokens mix's tilings: every count's first stage, in order, once."""
-        if not args.step_tokens:
-            return None
-        tilings = [c for t in token_counts for c in first_stage(case_of(model, kernel, t), args.tiny)]
-        return list(dict.fromkeys(tilings))
-
+    # a step-tokens mix's tilings: every count's first stage, in order, once
+    mix_tilings = {(model, kernel): list(dict.fromkeys(
+        c for t in token_counts for c in first_stage(case_of(model, kernel, t), args.tiny)))
+        for model in models for kernel in kernels} if args.step_tokens else {}
     for tokens in token_counts:
-        if args.step_tokens and tokens > args.step_tokens:
-            raise SystemExit(f"--tokens {tokens} is more than --step-tokens {args.step_tokens}")
         for model in models:
-            for kernel in args.kernels.split(","):
+            for kernel in kernels:
                 if sweep.budget_left() < 40:
                     sweep.results.setdefault("skipped_over_budget", []).append(f"{model} {kernel} T={tokens}")
                     continue
                 sweep.run_case(model, kernel, tokens, case_of(model, kernel, tokens), seed=tokens,
-                               tilings=mix_tilings(model, kernel))
+                               tilings=mix_tilings.get((model, kernel)))
     sweep.results["elapsed_s"] = time.perf_counter() - sweep.t0
     sweep.results["table"] = table(sweep.results)
     sweep.save()

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from gemm_sweep import device_times, merged_table  # noqa: E402
+from gemm_sweep import Sweep, device_times, merged_table  # noqa: E402
 from moe import TINY, Shapes, mla_inputs, mla_program  # noqa: E402
 
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -58,26 +57,19 @@ def parse_ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v]
 
 
-class MLASweep:
-    def __init__(self, args):
-        import jax
+class MLASweep(Sweep):
+    name = "mla_sweep"
 
-        self.args, self.t0 = args, time.perf_counter()
+    def __init__(self, args):
+        super().__init__(args)
         self.shapes = TINY if args.tiny else dataclasses.replace(Shapes(), heads=args.heads)
-        self.out = Path(os.environ.get("OUT", args.out))
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.results = {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/mla_sweep.py "
-                        + " ".join(sys.argv[1:]), "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-                        "cases": []}
+        self.results["cases"] = []
         self.paths = {}
         if args.table:
             self.results["table_before"] = json.loads(Path(args.table).read_text()).get("_note", args.table)
 
-    def budget_left(self) -> float:
-        return self.args.budget_s - (time.perf_counter() - self.t0)
-
     def save(self) -> None:
-        (self.out / "mla_sweep.json").write_text(json.dumps(self.results, indent=1))
+        super().save()
         note = (f"{self.results['command']} on {self.results['device']}, {self.results['date']}, jax "
                 f"{self.results['jax']}: (heads, R, Dr, decode rows, context bucket) -> {{batch bucket: [block_q, "
                 f"block_h, block_kv, num_splits, num_warps, num_stages] or \"xla\"}}")

@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
-                                          mma_sizes, next_power_of_2, online_softmax_step, step_slots)
+                                          mma_sizes, next_power_of_2, online_softmax_step, q_blocks_per_seq,
+                                          step_slots)
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
@@ -253,15 +254,12 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
         rope_pages.reshape(num_pages * page_size, rope_dim),
     )
     seq, owned = row_ownership(query_start, num_rows)
-    seq_rows = query_start[1:] - query_start[:-1]
-    seq_taken = seq_rows >= min_rows
-    if max_rows is not None:
-        seq_taken &= seq_rows <= max_rows
-    taken = owned & seq_taken[seq]
+    blocks = q_blocks_per_seq(query_start[1:] - query_start[:-1], block_q=config.block_q, min_rows=min_rows,
+                              max_rows=max_rows)
+    taken = owned & (blocks[seq] > 0)
     if config.num_splits == 1:  # rows the kernel did not take were never written
         return jnp.where(taken[:, None, None], outs[0].reshape(num_rows, num_heads, rank), 0)
     # a taken sequence's q blocks follow the taken sequences before it (locate_q_block)
-    blocks = jnp.where(seq_taken, cdiv(seq_rows, config.block_q), 0)
     first_block = jnp.cumsum(blocks) - blocks
     part_row = first_block[seq] * config.block_q + jnp.arange(num_rows, dtype=jnp.int32) - query_start[seq]
     merged = merge_splits(*outs).reshape(num_blocks * config.block_q, num_heads, rank)

@@ -29,6 +29,18 @@ def mma_sizes(*dims: int) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in dims)
 
 
+def q_blocks_per_seq(rows, *, block_q: int, min_rows: int = 1, max_rows: int | None = None):
+    """Each sequence's q blocks of block_q rows in a call that takes the sequences with
+    between min_rows and max_rows rows (the others have none)."""
+    # lax.div, not //: operands are non-negative, so skip jnp's floor fix-ups.
+    blocks = lax.div(rows + block_q - 1, block_q)
+    if min_rows > 1:
+        blocks = jnp.where(rows >= min_rows, blocks, 0)
+    if max_rows is not None:
+        blocks = jnp.where(rows <= max_rows, blocks, 0)
+    return blocks
+
+
 def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_rows: int = 1,
                    max_rows: int | None = None):
     """The rows of q block `block`: each sequence with between min_rows and max_rows rows
@@ -41,13 +53,7 @@ def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_row
     seq_ok = seq_ids < num_seqs
     seq_starts = plgpu.load(query_start_ref.at[seq_ids], mask=seq_ok, other=0)
     seq_ends = plgpu.load(query_start_ref.at[seq_ids + 1], mask=seq_ok, other=0)
-    rows = seq_ends - seq_starts
-    # lax.div/rem, not // and %: operands are non-negative, so skip jnp's floor fix-ups.
-    blocks_per_seq = lax.div(rows + block_q - 1, block_q)
-    if min_rows > 1:
-        blocks_per_seq = jnp.where(rows >= min_rows, blocks_per_seq, 0)
-    if max_rows is not None:
-        blocks_per_seq = jnp.where(rows <= max_rows, blocks_per_seq, 0)
+    blocks_per_seq = q_blocks_per_seq(seq_ends - seq_starts, block_q=block_q, min_rows=min_rows, max_rows=max_rows)
     blocks_end = jnp.cumsum(blocks_per_seq)
     seq = jnp.sum((blocks_end <= block).astype(jnp.int32))
     live = seq < num_seqs
