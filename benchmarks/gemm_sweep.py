@@ -118,6 +118,11 @@ class Sweep:
         self.out = Path(os.environ.get("OUT", args.out))
         self.out.mkdir(parents=True, exist_ok=True)
 
+    def max_rel_error(self, config) -> float:
+        """A variant's largest relative error against the float32 reference: bfloat16
+        outputs are ~1e-3 off from their one rounding."""
+        return 1e-2
+
     def budget_left(self) -> float:
         return self.args.budget_s - (time.perf_counter() - self.t0)
 
@@ -217,7 +222,7 @@ class Sweep:
                 if isinstance(program, str):
                     raise RuntimeError(program)
                 row["rel_err"] = self.check(program, x, weights, reference)
-                row["ok"] = bool(row["rel_err"] < 1e-2)  # bfloat16 outputs: ~1e-3 from their one rounding
+                row["ok"] = bool(row["rel_err"] < self.max_rel_error(config))
                 programs[len(rows)] = program
             except Exception as e:  # a compile error, or a launch Triton could not fit
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

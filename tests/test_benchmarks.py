@@ -200,6 +200,9 @@ def test_fp8_sweep_checks_each_path_and_merges_its_table_into_a_measured_one(tmp
     rows = json.loads((tmp_path / "fp8_sweep.json").read_text())["shapes"]["q_o"]["by_m"]["1"]
     assert [r.get("path") for r in rows if r.get("path")] == ["dequantize", "bf16"]
     assert len(rows) > 2 and all(r["ok"] and r["us"] > 0 for r in rows)
+    # fp8 x: checked at e4m3's rounding of x (about 2e-2 here), the rest at bfloat16's
+    assert {bool(r["config"] and r["config"]["x_fp8"]) for r in rows} == {False, True}
+    assert all(r["rel_err"] < 1e-2 for r in rows if not (r["config"] and r["config"]["x_fp8"]))
     table = json.loads((tmp_path / "fp8_tilings.json").read_text())
     assert table["_about"] == "earlier" and table["1,1,1,1,1"] == {"1": "z"}
     assert table["64,1,96,16,32"]["512"] == "y" and table["64,1,96,16,32"]["1"] != "x"

@@ -16,7 +16,7 @@ import pytest
 from jaxmtp.kernels import fp8_matmul as kernel_module
 from jaxmtp.kernels.fp8_matmul import (
     F16_SHIFT, MatmulConfig, default_config, dequantize_blocks, fp8_matmul, fp8_matmul_dequantized,
-    fp8_matmul_measured, fp8_matmul_reference, fp8_tiling,
+    fp8_matmul_measured, fp8_matmul_reference, fp8_tiling, quantize_activations,
 )
 
 E4M3_MAX = 448.0
@@ -85,6 +85,39 @@ def test_kernel_in_interpret_mode_matches_the_reference(rng, m, k, parts, n, blo
     assert rounded.dtype == np.dtype(dtype)
     ulp = np.abs(got) * float(jnp.finfo(dtype).eps) + float(jnp.finfo(dtype).tiny)
     assert (np.abs(rounded.astype(np.float64) - got) <= ulp + bound).all()
+
+
+@pytest.mark.parametrize("m, k, parts, n, block_k, block_n, dtype, k_major", [
+    (70, 260, 2, 96, 128, 128, jnp.bfloat16, False),
+    (37, 77, 1, 64, 128, 128, jnp.float16, True),
+    (17, 48, 3, 40, 16, 16, jnp.float32, True),
+])
+def test_fp8_x_multiplies_the_rows_quantized_per_k_block_by_both_scales(rng, m, k, parts, n, block_k, block_n,
+                                                                        dtype, k_major):
+    """x_fp8: x rounded to e4m3 per row and K block (each element within e4m3's half
+    step of x: 2**-4 relative, or 2**-10 of its block's scale below e4m3's normal
+    range), then the kernel's sums are the float64 product of those rows within float32
+    sums of k terms (e4m3 x e4m3 products are exact in float32); partial edge blocks,
+    several row tiles, the weight [K, P, N] and [P, N, K]."""
+    x, q, scale = make_case(rng, m, k, parts, n, block_k, block_n, dtype)
+    x8, x_scale = quantize_activations(x, block_k)
+    assert x8.dtype == jnp.float8_e4m3fn and x_scale.shape == (m, math.ceil(k / block_k))
+    per_element = np.repeat(np.asarray(x_scale, np.float64), block_k, 1)[:, :k]
+    x_rounded = np.asarray(x8.astype(jnp.float32), np.float64) * per_element
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    assert np.all(np.abs(x_rounded - x64) <= 2.0**-4 * np.abs(x64) + 2.0**-10 * per_element)
+    assert np.abs(x8.astype(jnp.float32)).max() == 448.0  # each block's largest magnitude maps to e4m3's largest
+    config = MatmulConfig(16, 32, 4, 3, x_fp8=True)
+    weight = q.transpose(1, 2, 0) if k_major else q
+    got = np.asarray(fp8_matmul(x, weight, scale, block_k=block_k, block_n=block_n, out_dtype=jnp.float32,
+                                interpret=True, config=config, k_major=k_major))
+    w = np.asarray(dequantize_blocks(q, scale, (block_k, 1, block_n)), np.float64)
+    exact = np.einsum("mk,kpn->mpn", x_rounded, w)
+    magnitude = np.einsum("mk,kpn->mpn", np.abs(x_rounded), np.abs(w))
+    assert np.all(np.abs(got - exact) <= 4 * k * np.finfo(np.float32).eps * magnitude)
+    with pytest.raises(ValueError, match="x_fp8 is the fp8 kernel's in MMA tiles"):
+        fp8_matmul(x, q, scale, block_k=block_k, block_n=block_n, interpret=True,
+                   config=MatmulConfig(4, 32, 4, 3, x_fp8=True))
 
 
 def signed_powers(rng, shape, low, high):
@@ -160,7 +193,8 @@ def test_dequantize_blocks_scales_each_block_of_stacked_and_expert_weights(rng):
 
 @pytest.mark.parametrize("dtype, m, config", [(jnp.bfloat16, 1, None), (jnp.bfloat16, 300, None),
                                               (jnp.float32, 40, None), (jnp.float16, 16, None),
-                                              (jnp.bfloat16, 3, MatmulConfig(4, 64, 4, 3, split_k=3))])
+                                              (jnp.bfloat16, 3, MatmulConfig(4, 64, 4, 3, split_k=3)),
+                                              (jnp.bfloat16, 300, MatmulConfig(64, 64, 8, 3, x_fp8=True))])
 def test_kernel_lowers_for_the_gpu(dtype, m, config):
     """The Triton lowering runs without a GPU: it rejects what Triton cannot express
     (a masked fp8 load's fill value once failed there and nowhere else)."""
@@ -246,7 +280,7 @@ def test_a_k_major_weight_lowers_for_the_gpu():
     x = jax.ShapeDtypeStruct((2, 300), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((2, 200, 300), jnp.float8_e4m3fn)
     scale = jax.ShapeDtypeStruct((3, 2, 2), jnp.float32)
-    for config in (None, MatmulConfig(2, 64, 4, 3, split_k=3)):
+    for config in (None, MatmulConfig(2, 64, 4, 3, split_k=3), MatmulConfig(16, 64, 4, 3, split_k=3, x_fp8=True)):
         lowered = jax.jit(lambda x, q, s: fp8_matmul(x, q, s, block_k=128, block_n=128, config=config, k_major=True))
         assert "triton" in lowered.trace(x, q, scale).lower(lowering_platforms=("cuda",)).as_text()
 
