@@ -23,11 +23,12 @@ block, so one row of scales serves a whole step). With `x_fp8` x is first quanti
 e4m3 per row and K block, one float32 scale each (DeepSeek-V3's activations,
 `quantize_activations`), and each K step is an fp8 x fp8 product on the tensor cores,
 scaled by its row and column scales into the float32 accumulator: the e4m3 rounding of
-x (relative 2**-4 at most) buys fp8 operands in every register and shared-memory tile. Where N / block_n leaves too few
-programs for the GPU (narrow projections), `split_k` programs share a column tile, each
-over its own run of K steps, and their float32 partials are summed after the call. Edge
-tiles are masked (rows past M, columns past N, the part of the last K step past K), and
-masks are left out where the shapes divide the tiles, so any shape runs.
+x (relative 2**-4 at most) buys fp8 operands in every register and shared-memory tile.
+Where N / block_n leaves too few programs for the GPU (narrow projections), `split_k`
+programs share a column tile, each over its own run of K steps, and their float32
+partials are summed after the call. Edge tiles are masked (rows past M, columns past N,
+the part of the last K step past K), and masks are left out where the shapes divide the
+tiles, so any shape runs.
 
 On the GPU the engine calls `fp8_matmul_measured`: per weight shape, scale block and
 row bucket, the tiling that benchmarks/fp8_sweep.py measured fastest (kernels/
@@ -178,6 +179,7 @@ def quantize_activations(x: jax.Array, block_k: int) -> tuple[jax.Array, jax.Arr
     scale = jnp.maximum(jnp.abs(padded).max(axis=-1), jnp.finfo(jnp.float32).tiny) / E4M3_MAX
     x8 = (padded / scale[:, :, None]).astype(jnp.float8_e4m3fn).reshape(m, blocks * block_k)[:, :k]
     return x8, scale
+
 
 # bfloat16 activations times an fp8 weight in MMA tiles run as float16 x float16
 # products: e4m3 to float16 is one hardware conversion for two values, e4m3 to bfloat16
