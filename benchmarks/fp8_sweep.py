@@ -81,6 +81,20 @@ def first_stage(m: int, k: int, parts: int, n: int, block_k: int, tiny: bool) ->
     return configs
 
 
+WGMMA_MIN_ROWS = 64  # one warpgroup's wgmma tile: fewer rows would be mostly padding
+
+
+def wgmma_stage(m: int, k: int, n: int, block: tuple[int, int], tiny: bool) -> list:
+    """The Hopper kernel's tilings (kernels/fp8_wgmma.py) where the weight fits it: 64 or
+    128 columns a program, 2 to 4 K steps in flight."""
+    from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fits
+
+    if tiny or m < WGMMA_MIN_ROWS:
+        return []
+    configs = [WgmmaConfig(64, block_n, steps) for block_n in (64, 128) for steps in (2, 3, 4)]
+    return [c for c in configs if fits(k, n, block, c)]
+
+
 def quantize(w, block: tuple[int, ...]):
     """w in float32 as float8_e4m3fn with one float32 scale per block (block[i]: its size
     along axis i; the block's largest magnitude maps to e4m3's 448), DeepSeek-V3's
@@ -103,12 +117,17 @@ class Fp8Sweep(Sweep):
     name = "fp8_sweep"
 
     def max_rel_error(self, config) -> float:
-        """x_fp8 rounds x to e4m3 (relative 2**-4 at most, 2**-4 / sqrt(3) rms over a
-        binade), which the output's relative error follows: 5e-2 leaves the rms room."""
-        return 5e-2 if config is not None and config.x_fp8 else super().max_rel_error(config)
+        """fp8 x (x_fp8 tiles, the Hopper kernel) rounds x to e4m3 (relative 2**-4 at
+        most, 2**-4 / sqrt(3) rms over a binade), which the output's relative error
+        follows: 5e-2 leaves the rms room."""
+        from jaxmtp.kernels.fp8_wgmma import WgmmaConfig
+
+        fp8_x = isinstance(config, WgmmaConfig) or (config is not None and config.x_fp8)
+        return 5e-2 if fp8_x else super().max_rel_error(config)
 
     def program(self, config, shape):
-        from jaxmtp.kernels.fp8_matmul import fp8_matmul, fp8_matmul_dequantized
+        from jaxmtp.kernels.fp8_matmul import fp8_matmul, fp8_matmul_dequantized, quantize_activations
+        from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fp8_wgmma_matmul
 
         jax = self.jax
         k, parts, n = shape
@@ -121,6 +140,8 @@ class Fp8Sweep(Sweep):
             blocks = dict(block_k=block_k, block_n=block_n, k_major=True)
             if config is None:
                 return fp8_matmul_dequantized(x, *w, **blocks)
+            if isinstance(config, WgmmaConfig):
+                return fp8_wgmma_matmul(*quantize_activations(x, block_k), *w, config=config, out_dtype=x.dtype)
             return fp8_matmul(x, *w, **blocks, config=config, interpret=self.tiny)
 
         return jax.jit(lambda x, *ws: [one(x, w) for w in ws])
@@ -157,6 +178,10 @@ class Fp8Sweep(Sweep):
                             entry["floor_us"])
         rows[0]["path"] = "dequantize"
         refine = second_stage(fastest(rows, 3), {MatmulConfig(**r["config"]) for r in rows if r["config"]})
+        hopper = wgmma_stage(m, shape[0], shape[2], self.block, self.tiny)
+        if hopper:
+            rows.extend({**r, "path": "wgmma"} for r in self.measure(hopper, shape, x, fp8, reference,
+                                                                      entry["floor_us"]))
         refine = [c for c in refine if c.num_stages <= fp8_stages(c, block_k)]
         if refine and self.budget_left() > 60 and not self.tiny:
             rows.extend(self.measure(refine, shape, x, fp8, reference, entry["floor_us"]))
@@ -176,8 +201,10 @@ class Fp8Sweep(Sweep):
 
         line = f"[{time.perf_counter() - self.t0:5.0f}s] {label:8} M={m:<5} bf16 {fmt(by_path.get('bf16'))}  " \
                f"dequantize {fmt(by_path.get('dequantize'))}"
-        for name, x_fp8 in (("kernel", False), ("fp8 x", True)):
-            best = min((r for r in kernels if r["config"]["x_fp8"] == x_fp8), key=lambda r: r["us"], default=None)
+        kinds = {"kernel": lambda c: not c.get("x_fp8", True), "fp8 x": lambda c: c.get("x_fp8", False),
+                 "wgmma": lambda c: "max_concurrent_steps" in c}
+        for name, kind in kinds.items():
+            best = min((r for r in kernels if kind(r["config"])), key=lambda r: r["us"], default=None)
             if best is not None:
                 tiling = " ".join(f"{k}={v}" for k, v in best["config"].items() if k != "x_fp8")
                 line += f"  {name} {fmt(best)} err {best['rel_err']:.1e} [{tiling}]"
@@ -185,9 +212,9 @@ class Fp8Sweep(Sweep):
 
 
 def table(results: dict) -> dict:
-    """{"K,P,N,block_k,block_n": {row bucket: the best tiling's fields, or "dequantize"
-    where the dequantized dot was faster}}; a bucket measured more than once keeps its
-    larger row count's choice."""
+    """{"K,P,N,block_k,block_n": {row bucket: the best tiling's fields ({"wgmma":
+    fields} for the Hopper kernel's), or "dequantize" where the dequantized dot was
+    faster}}; a bucket measured more than once keeps its larger row count's choice."""
     from jaxmtp.kernels.tiling_table import row_bucket
 
     out: dict = {}
@@ -199,8 +226,14 @@ def table(results: dict) -> dict:
                 continue
             best = min(timed, key=lambda r: r["us"])
             c = best["config"]
-            out.setdefault(key, {})[str(row_bucket(int(m)))] = "dequantize" if c is None else [
-                c["block_m"], c["block_n"], c["num_warps"], c["num_stages"], c["block_k"], c["split_k"], c["x_fp8"]]
+            if c is None:
+                choice = "dequantize"
+            elif best.get("path") == "wgmma":
+                choice = {"wgmma": [c["block_m"], c["block_n"], c["max_concurrent_steps"]]}
+            else:
+                choice = [c["block_m"], c["block_n"], c["num_warps"], c["num_stages"], c["block_k"], c["split_k"],
+                          c["x_fp8"]]
+            out.setdefault(key, {})[str(row_bucket(int(m)))] = choice
     return out
 
 

@@ -47,6 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fits, fp8_wgmma_matmul
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 # `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams` before
@@ -110,12 +111,13 @@ def dense_tiling(m: int, weight_shape: tuple[int, int, int], dtype) -> MatmulCon
 
 
 # fp8_tilings.json, as benchmarks/fp8_sweep.py writes it: (K, P, N, block_k, block_n) ->
-# {row bucket: the tiling measured fastest, or "dequantize" where XLA's dot of the
-# dequantized weight beat every tiling}
-FP8_TILINGS = read_tilings("fp8_tilings.json", MatmulConfig)
+# {row bucket: the tiling measured fastest (this kernel's, or {"wgmma": fields} for the
+# Hopper kernel of fp8_wgmma.py), or "dequantize" where XLA's dot of the dequantized
+# weight beat every tiling}
+FP8_TILINGS = read_tilings("fp8_tilings.json", MatmulConfig, kernels={"wgmma": WgmmaConfig})
 
 
-def fp8_tiling(m: int, weight_shape: tuple[int, int, int], block: tuple[int, int]) -> MatmulConfig | str:
+def fp8_tiling(m: int, weight_shape: tuple[int, int, int], block: tuple[int, int]) -> MatmulConfig | WgmmaConfig | str:
     """For m rows times a [K, P, N] fp8 weight with block_k x block_n scales: the entry of
     the smallest measured row bucket at or above m's (the largest past them all), or
     default_config for a weight the table has not measured."""
@@ -320,12 +322,16 @@ def fp8_matmul(
 
 def fp8_matmul_measured(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *, block_k: int, block_n: int,
                         out_dtype=None, interpret: bool = False, k_major: bool = False) -> jax.Array:
-    """The engine's fp8 matmul on the GPU: the kernel at fp8_tiling's tiling, or the
-    dequantized dot where the table names it. k_major: the weight is [P, N, K]."""
+    """The engine's fp8 matmul on the GPU: the kernel at fp8_tiling's tiling, the Hopper
+    kernel (fp8_wgmma.py) or the dequantized dot where the table names them. k_major:
+    the weight is [P, N, K]."""
     shape = (weight.shape[-1], *weight.shape[:-1]) if k_major else weight.shape
     tiling = fp8_tiling(x.shape[0], shape, (block_k, block_n))
     blocks = dict(block_k=block_k, block_n=block_n, out_dtype=out_dtype, k_major=k_major)
-    if tiling == "dequantize":
+    if isinstance(tiling, WgmmaConfig) and k_major and fits(shape[0], shape[-1], (block_k, block_n), tiling):
+        return fp8_wgmma_matmul(*quantize_activations(x, block_k), weight, scale_inv, config=tiling,
+                                out_dtype=out_dtype or x.dtype)
+    if tiling == "dequantize" or isinstance(tiling, WgmmaConfig):  # a Hopper entry for a weight it cannot read
         return fp8_matmul_dequantized(x, weight, scale_inv, **blocks)
     return fp8_matmul(x, weight, scale_inv, **blocks, interpret=interpret, config=tiling)
 

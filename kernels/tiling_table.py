@@ -1,6 +1,7 @@
 """The measured tiling tables that benchmarks/ sweeps write next to the kernels (JSON),
-read once at import: {"d0,d1,...": {row bucket: [tiling fields] or the name of a path
-that beat every tiling}}; keys that start with "_" are notes."""
+read once at import: {"d0,d1,...": {row bucket: [tiling fields], {a kernel's name: [its
+tiling's fields]}, or the name of a path that beat every tiling}}; keys that start with
+"_" are notes."""
 
 from __future__ import annotations
 
@@ -8,11 +9,20 @@ import json
 from pathlib import Path
 
 
-def read_tilings(filename: str, config_class) -> dict:
-    """{tuple of ints: {row bucket: config_class(*fields) or a path's name}}."""
+def read_tilings(filename: str, config_class, kernels: dict | None = None) -> dict:
+    """{tuple of ints: {row bucket: config_class(*fields), kernels[name](*fields) for an
+    entry {name: fields}, or a path's name}}."""
     table = json.loads((Path(__file__).parent / filename).read_text())
-    return {tuple(int(v) for v in key.split(",")): {int(b): c if isinstance(c, str) else config_class(*c)
-                                                     for b, c in buckets.items()}
+
+    def entry(c):
+        if isinstance(c, str):
+            return c
+        if isinstance(c, dict):
+            (name, fields), = c.items()
+            return kernels[name](*fields)
+        return config_class(*c)
+
+    return {tuple(int(v) for v in key.split(",")): {int(b): entry(c) for b, c in buckets.items()}
             for key, buckets in table.items() if not key.startswith("_")}
 
 
