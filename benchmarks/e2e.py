@@ -814,7 +814,39 @@ def run_peer(budget_s: float, only: str | None = None) -> dict:
         "error": peer_out[-1500:]}
 
 
+def greedy_runs(config: dict, prompts, engines: dict) -> dict:
+    """{name: outputs} of greedy runs (32 tokens, logprobs) of a dummy-weight model of
+    `config`, one per engines[name] (LLM options)."""
+    from jaxmtp import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "config.json").write_text(json.dumps(config))
+        return {name: LLM(folder, load_format="dummy", max_num_seqs=4, max_num_batched_tokens=256,
+                          prefill_chunk_size=100, **options).generate(prompts, params, use_tqdm=False)
+                for name, options in engines.items()}
+
+
+def agreement(ours, theirs) -> dict:
+    """Greedy paths of a random model part at near-ties: the tokens equal up to the first
+    difference, and the largest difference of a token's logprob on the shared prefix."""
+    agree, diffs = [], []
+    for a, b in zip(ours, theirs):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        agree.append(n)
+        diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())).logprob
+                      - next(iter(b.outputs[0].logprobs[i].values())).logprob)
+                  for i in range(min(n + 1, len(ta)))]
+    return {"tokens_equal_before_first_difference": agree, "of": len(ours[0].outputs[0].token_ids),
+            "max_logprob_diff_on_shared_prefix": float(max(diffs))}
+
+
 def gpu_checks(results) -> None:
+    """The stories260K golden output; a small bf16 model on the Pallas kernels against
+    the reference path (MTP k=2, chunked prefill); two layers of the 8B shape in fp8 (the
+    shapes kernels/fp8_tilings.json measured, so the table's fp8 paths run) against the
+    reference path, and MTP k=2 against plain decoding on those paths."""
     import numpy as np
 
     from jaxmtp import LLM, SamplingParams
@@ -825,30 +857,19 @@ def gpu_checks(results) -> None:
     stories = LLM(STORIES, max_num_seqs=1, max_num_batched_tokens=64)
     got = stories.generate([[1]], SamplingParams(max_tokens=200, temperature=0.0), use_tqdm=False)[0].outputs[0].token_ids
     results["stories_golden_on_gpu"] = got == golden_ids()
-    with tempfile.TemporaryDirectory() as small:
-        cfg = {**LLAMA3_8B, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4,
-               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096}
-        Path(small, "config.json").write_text(json.dumps(cfg))
-        runs = {}
-        prompts = [np.random.default_rng(i).integers(3, 4096, size=n).tolist() for i, n in enumerate((37, 300, 5))]
-        for backend in ("pallas", "reference"):
-            llm = LLM(small, load_format="dummy", attention_backend=backend, max_num_seqs=4,
-                      max_num_batched_tokens=256, prefill_chunk_size=100, num_speculative_tokens=2)
-            runs[backend] = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True,
-                                                                 logprobs=0), use_tqdm=False)
-        # Greedy paths of a random bf16 model part at near-ties; compare the tokens up to
-        # the first difference and the logprob of every token both runs share.
-        agree, diffs = [], []
-        for a, b in zip(runs["pallas"], runs["reference"]):
-            ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-            n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-            agree.append(n)
-            diffs += [abs(next(iter(a.outputs[0].logprobs[i].values())).logprob
-                          - next(iter(b.outputs[0].logprobs[i].values())).logprob)
-                      for i in range(min(n + 1, len(ta)))]
-        results["bf16_pallas_vs_reference"] = {"tokens_equal_before_first_difference": agree, "of": 32,
-                                               "max_logprob_diff_on_shared_prefix": float(max(diffs))}
-    print("correctness", results["stories_golden_on_gpu"], results["bf16_pallas_vs_reference"], flush=True)
+    prompts = [np.random.default_rng(i).integers(3, 4096, size=n).tolist() for i, n in enumerate((37, 300, 5))]
+    small = {**LLAMA3_8B, "hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 4,
+             "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 4096}
+    backends = {backend: {"attention_backend": backend, "num_speculative_tokens": 2} for backend in ("pallas", "reference")}
+    runs = greedy_runs(small, prompts, backends)
+    results["bf16_pallas_vs_reference"] = agreement(runs["pallas"], runs["reference"])
+    fp8 = {**LLAMA3_8B, "num_hidden_layers": 2, "vocab_size": 4096, "quantization_config": FP8_BLOCK_SCALED}
+    runs = greedy_runs(fp8, prompts, {**backends, "pallas_plain": {"attention_backend": "pallas"}})
+    results["fp8_pallas_vs_reference"] = agreement(runs["pallas"], runs["reference"])
+    results["fp8_pallas_mtp_k2_vs_plain"] = agreement(runs["pallas"], runs["pallas_plain"])
+    print("correctness", {k: results[k] for k in ("stories_golden_on_gpu", "bf16_pallas_vs_reference",
+                                                  "fp8_pallas_vs_reference", "fp8_pallas_mtp_k2_vs_plain")},
+          flush=True)
 
 
 def ratio(ours, peer):
