@@ -85,13 +85,15 @@ WGMMA_MIN_ROWS = 64  # one warpgroup's wgmma tile: fewer rows would be mostly pa
 
 
 def wgmma_stage(m: int, k: int, n: int, block: tuple[int, int], tiny: bool) -> list:
-    """The Hopper kernel's tilings (kernels/fp8_wgmma.py) where the weight fits it: 64 or
-    128 columns a program, 2 to 4 K steps in flight."""
+    """The Hopper kernel's tilings (kernels/fp8_wgmma.py) where the weight fits it: 64
+    rows (one warpgroup) or 128 (two, from 128 rows), 64 or 128 columns, 2 to 4 K steps
+    in flight."""
     from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fits
 
     if tiny or m < WGMMA_MIN_ROWS:
         return []
-    configs = [WgmmaConfig(64, block_n, steps) for block_n in (64, 128) for steps in (2, 3, 4)]
+    configs = [WgmmaConfig(block_m, block_n, steps) for block_m in (64, 128) if block_m <= m
+               for block_n in (64, 128) for steps in (2, 3, 4)]
     return [c for c in configs if fits(k, n, block, c)]
 
 

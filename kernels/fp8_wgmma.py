@@ -19,8 +19,10 @@ row's x scale and the column's weight scale of that K step, is added into a floa
 accumulator kept in registers (DeepGEMM's promotion: a K step's scales differ per row
 and per column block, so no single accumulator can carry them). The weight's scales
 reach the kernel one per column (`column_scales`), so a tile may span several scale
-blocks. One warpgroup per program: block_m 64 (wgmma's M), block_n up to 128 keeps the
-two accumulators within the registers. M is padded to block_m; K and N must be whole
+blocks. A compute warpgroup owns 64 rows (wgmma's M), and block_n up to 128 keeps its
+two accumulators within the registers; with block_m 128 two compute warpgroups share
+each weight tile (half the weight's reads from L2 per row), fed by a third warpgroup
+that only issues the copies (Mosaic GPU's warp-specialized pipeline). M is padded to block_m; K and N must be whole
 scale blocks and N whole tiles (`fits`). Mosaic GPU's interpreter (the CPU tests) has no
 transposed wgmma operand, so there the weight goes in as [K, P * N] and its tiles are
 read as they lie; the rest of the kernel is the GPU's.
@@ -42,20 +44,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SCALE_BLOCK = 128  # DeepSeek-V3's, and the K step: 128 e4m3 bytes are one 128-byte swizzle row
+WGMMA_ROWS = 64  # wgmma's M: the rows of one warpgroup's accumulators
 
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaConfig:
     """Static tiling of one call, as benchmarks/fp8_sweep.py times it."""
 
-    block_m: int = 64  # wgmma's M for one warpgroup
+    block_m: int = 64  # WGMMA_ROWS a compute warpgroup: 64 (one) or 128 (two sharing each weight tile)
     block_n: int = 128  # output columns per program, a multiple of 8 and at most 128
     max_concurrent_steps: int = 4  # K steps in flight in the TMA pipeline
 
 
 def fits(k: int, n: int, block: tuple[int, int], config: WgmmaConfig) -> bool:
-    """Whether a [P, N, K] weight with block scales can run here."""
-    return block == (SCALE_BLOCK, SCALE_BLOCK) and k % SCALE_BLOCK == 0 and n % config.block_n == 0
+    """Whether a [P, N, K] weight with block scales can run here at this tiling."""
+    return (block == (SCALE_BLOCK, SCALE_BLOCK) and k % SCALE_BLOCK == 0 and n % config.block_n == 0
+            and config.block_m in (WGMMA_ROWS, 2 * WGMMA_ROWS))
 
 
 def column_scales(scale_inv: jax.Array, n: int) -> jax.Array:
@@ -73,8 +77,11 @@ def _tile_transforms(columns: int, dtype):
 
 
 def _body(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, config: WgmmaConfig, k_steps: int, interpret: bool):
-    """One [block_m, block_n] output tile (grid axes "m" and "n")."""
+    """One [block_m, block_n] output tile (grid axes "m" and "n"), WGMMA_ROWS rows a
+    compute warpgroup: one runs the pipeline itself; two share each x and weight tile
+    that a third, the memory warpgroup, copies in (axis "wg")."""
     block_m, block_n = config.block_m, config.block_n
+    warpgroups = block_m // WGMMA_ROWS
 
     def layout(value, register_layout):
         """value in register_layout: a hint to the GPU's lowering (Mosaic GPU's
@@ -84,43 +91,63 @@ def _body(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, config: WgmmaConfig, k_
     row_block, col_block = lax.axis_index("m"), lax.axis_index("n")
     operand = _tile_transforms(SCALE_BLOCK, x_gmem.dtype)
 
+    def warpgroup():
+        """The index of this compute warpgroup (its rows are the tile's WGMMA_ROWS-th)."""
+        return 0 if warpgroups == 1 else lax.axis_index("wg")
+
     def k_step(_, x_smem, w_smem, xs_smem, ws_smem, acc):
+        """This warpgroup's rows of one K step, scaled into acc."""
+        rows = pl.ds(warpgroup() * WGMMA_ROWS, WGMMA_ROWS)
+
         def product(acc_ref):
-            plgpu.wgmma(acc_ref, x_smem, w_smem if interpret else plgpu.transpose_ref(w_smem, (1, 0)))
+            plgpu.wgmma(acc_ref, x_smem.at[rows], w_smem if interpret else plgpu.transpose_ref(w_smem, (1, 0)))
             return acc_ref[...]
 
-        step = pl.run_scoped(product, plgpu.ACC((block_m, block_n), jnp.float32))
-        row_scale = layout(xs_smem[0], plgpu.Layout.WGMMA.reduce(1))
+        step = pl.run_scoped(product, plgpu.ACC((WGMMA_ROWS, block_n), jnp.float32))
+        row_scale = layout(xs_smem[0, rows], plgpu.Layout.WGMMA.reduce(1))
         col_scale = layout(ws_smem[0], plgpu.Layout.WGMMA.reduce(0))
-        scale = (lax.broadcast_in_dim(row_scale, (block_m, block_n), [0])
-                 * lax.broadcast_in_dim(col_scale, (block_m, block_n), [1]))
+        scale = (lax.broadcast_in_dim(row_scale, (WGMMA_ROWS, block_n), [0])
+                 * lax.broadcast_in_dim(col_scale, (WGMMA_ROWS, block_n), [1]))
         return acc + step * scale
 
-    acc = plgpu.emit_pipeline(
-        k_step,
-        grid=(k_steps,),
-        in_specs=[
-            plgpu.BlockSpec((block_m, SCALE_BLOCK), lambda k: (row_block, k), transforms=operand),
-            # the interpreter's wgmma takes no transposed operand: it gets the weight [K, N]
-            plgpu.BlockSpec((SCALE_BLOCK, block_n), lambda k: (k, col_block),
-                            transforms=_tile_transforms(block_n, w_gmem.dtype)) if interpret
-            else plgpu.BlockSpec((block_n, SCALE_BLOCK), lambda k: (col_block, k), transforms=operand),
-            plgpu.BlockSpec((1, block_m), lambda k: (k, row_block)),
-            plgpu.BlockSpec((1, block_n), lambda k: (k, col_block)),
-        ],
-        max_concurrent_steps=config.max_concurrent_steps,
-        init_carry=layout(jnp.zeros((block_m, block_n), jnp.float32), plgpu.Layout.WGMMA),
-    )(x_gmem, w_gmem, xs_gmem, ws_gmem)
-
-    def store(o_smem):
-        o_smem[...] = acc.astype(o_smem.dtype)
+    def store(acc, o_smem):
+        """This warpgroup's rows of the tile, through its part of o_smem by TMA."""
+        part = o_smem.at[warpgroup()]
+        part[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[pl.ds(row_block * block_m, block_m),
-                                                     pl.ds(col_block * block_n, block_n)])
+        first_row = row_block * block_m + warpgroup() * WGMMA_ROWS
+        plgpu.copy_smem_to_gmem(part, out_gmem.at[pl.ds(first_row, WGMMA_ROWS),
+                                                   pl.ds(col_block * block_n, block_n)])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(store, plgpu.SMEM((block_m, block_n), out_gmem.dtype,
-                                    transforms=_tile_transforms(block_n, out_gmem.dtype)))
+    in_specs = [
+        plgpu.BlockSpec((block_m, SCALE_BLOCK), lambda k: (row_block, k), transforms=operand),
+        # the interpreter's wgmma takes no transposed operand: it gets the weight [K, N]
+        plgpu.BlockSpec((SCALE_BLOCK, block_n), lambda k: (k, col_block),
+                        transforms=_tile_transforms(block_n, w_gmem.dtype)) if interpret
+        else plgpu.BlockSpec((block_n, SCALE_BLOCK), lambda k: (col_block, k), transforms=operand),
+        plgpu.BlockSpec((1, block_m), lambda k: (k, row_block)),
+        plgpu.BlockSpec((1, block_n), lambda k: (k, col_block)),
+    ]
+    zeros = layout(jnp.zeros((WGMMA_ROWS, block_n), jnp.float32), plgpu.Layout.WGMMA)
+
+    def run(o_smem):
+        if warpgroups == 1:
+            acc = plgpu.emit_pipeline(k_step, grid=(k_steps,), in_specs=in_specs,
+                                      max_concurrent_steps=config.max_concurrent_steps,
+                                      init_carry=zeros)(x_gmem, w_gmem, xs_gmem, ws_gmem)
+            store(acc, o_smem)
+            return
+        plgpu.emit_pipeline_warp_specialized(
+            k_step, grid=(k_steps,), in_specs=in_specs, max_concurrent_steps=config.max_concurrent_steps,
+            memory_registers=40, wg_axis="wg", num_compute_wgs=warpgroups,
+            compute_context=lambda pipeline: store(pipeline(zeros), o_smem),
+        )(x_gmem, w_gmem, xs_gmem, ws_gmem)
+
+    # shared memory of a kernel with several warpgroups is allocated by all of them together
+    pl.run_scoped(run, plgpu.SMEM((warpgroups, WGMMA_ROWS, block_n), out_gmem.dtype,
+                                  transforms=_tile_transforms(block_n, out_gmem.dtype)),
+                  collective_axes=() if warpgroups == 1 else "wg")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "interpret"))
@@ -147,6 +174,8 @@ def fp8_wgmma_matmul(x8: jax.Array, x_scale: jax.Array, weight: jax.Array, scale
         out_type=jax.ShapeDtypeStruct((rows, columns), out_dtype),
         grid=(rows // config.block_m, columns // config.block_n),
         grid_names=("m", "n"),
+        # two compute warpgroups and the memory warpgroup that feeds them
+        **({} if config.block_m == WGMMA_ROWS else {"num_threads": 3, "thread_name": "wg"}),
         interpret=interpret,
     )
     weight = weight.reshape(columns, k)

@@ -39,10 +39,12 @@ def quantized_rows_product(x, q, scale):
 
 
 # (M, K, P, N, config): rows padded to the tile and past one tile, two column groups,
-# tiles of half a scale block and of a whole one, more K steps than the pipeline holds
+# tiles of half a scale block and of a whole one, more K steps than the pipeline holds,
+# one warpgroup and two
 CASES = [(70, 256, 2, 128, WgmmaConfig(64, 128, 2)),
          (5, 384, 1, 256, WgmmaConfig(64, 64, 2)),
-         (64, 128, 1, 128, WgmmaConfig(64, 128, 3))]
+         (64, 128, 1, 128, WgmmaConfig(64, 128, 3)),
+         (150, 256, 1, 128, WgmmaConfig(128, 128, 2))]  # two compute warpgroups fed by a memory one
 
 
 @pytest.mark.parametrize("m, k, parts, n, config", CASES)
@@ -68,7 +70,7 @@ def test_column_scales_give_each_column_its_blocks_scale(rng):
     np.testing.assert_array_equal(got[:, 200 + 130], scale[:, 1, 1])
 
 
-@pytest.mark.parametrize("config", [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 64, 2)])
+@pytest.mark.parametrize("config", [WgmmaConfig(64, 128, 4), WgmmaConfig(64, 64, 2), WgmmaConfig(128, 128, 4)])
 def test_the_kernel_lowers_for_the_gpu(config):
     """Mosaic GPU's lowering runs without a GPU: the wgmma operands' shapes, swizzles
     and register layouts (the scales' row and column vectors) are checked there."""
