@@ -22,10 +22,10 @@ reach the kernel one per column (`column_scales`), so a tile may span several sc
 blocks. A compute warpgroup owns 64 rows (wgmma's M), and block_n up to 128 keeps its
 two accumulators within the registers; with block_m 128 two compute warpgroups share
 each weight tile (half the weight's reads from L2 per row), fed by a third warpgroup
-that only issues the copies (Mosaic GPU's warp-specialized pipeline). M is padded to block_m; K and N must be whole
-scale blocks and N whole tiles (`fits`). Mosaic GPU's interpreter (the CPU tests) has no
-transposed wgmma operand, so there the weight goes in as [K, P * N] and its tiles are
-read as they lie; the rest of the kernel is the GPU's.
+that only issues the copies (Mosaic GPU's warp-specialized pipeline). M is padded to
+block_m; K and N must be whole scale blocks and N whole tiles (`fits`). Mosaic GPU's
+interpreter (the CPU tests) has no transposed wgmma operand, so there the weight goes
+in as [K, P * N] and its tiles are read as they lie; the rest of the kernel is the GPU's.
 
 Not yet measured on a GPU: benchmarks/fp8_sweep.py times it beside the Triton tiles
 from 64 rows and writes {"wgmma": [block_m, block_n, max_concurrent_steps]} into
@@ -161,7 +161,8 @@ def fp8_wgmma_matmul(x8: jax.Array, x_scale: jax.Array, weight: jax.Array, scale
     steps = k // SCALE_BLOCK
     if k_weight != k or not fits(k, n, (SCALE_BLOCK, SCALE_BLOCK), config):
         raise ValueError(f"fp8_wgmma_matmul: x {x8.shape} and weight {weight.shape} need K a multiple of "
-                         f"{SCALE_BLOCK} and N a multiple of block_n={config.block_n}")
+                         f"{SCALE_BLOCK}, N a multiple of block_n={config.block_n} and block_m "
+                         f"{WGMMA_ROWS} or {2 * WGMMA_ROWS} (got {config.block_m})")
     if x_scale.shape != (m, steps) or scale_inv.shape != (steps, parts, n // SCALE_BLOCK + (n % SCALE_BLOCK > 0)):
         raise ValueError(f"fp8_wgmma_matmul: x_scale {x_scale.shape} and scale_inv {scale_inv.shape} do not "
                          f"fit x {x8.shape} and weight {weight.shape}")
