@@ -313,24 +313,32 @@ def device_times(calls: dict, repeats: int, per_call: int, tiny: bool) -> dict:
             time.sleep(4 * GAP_US / 1e6)
         return out
 
-    groups = idle_separated(trace_events(run_each, 1))
-    if len(groups) != len(calls):
+    groups = idle_separated(trace_events(run_each, 1), len(calls))
+    if groups is None:
         return {name: (None, None, us) for name, us in wall.items()} | {
-            "trace_error": f"{len(groups)} kernel groups for {len(calls)} variants"}
+            "trace_error": f"the trace's kernels do not part into {len(calls)} variants at idle gaps of "
+                           f"more than {GAP_US} us"}
     units = repeats * per_call
     return {name: (sum(e["us"] for e in group) / units, len(group) / units, wall[name])
             for name, group in zip(calls, groups)}
 
 
-def idle_separated(events: list[dict]) -> list[list[dict]]:
-    """The trace's kernels in runs separated by idle gaps of more than GAP_US."""
-    groups, end = [], None
-    for e in sorted(events, key=lambda e: e["ts"]):
-        if end is None or e["ts"] - end > GAP_US:
-            groups.append([])
-        groups[-1].append(e)
+def idle_separated(events: list[dict], count: int) -> list[list[dict]] | None:
+    """The trace's kernels in `count` runs, parted at the count - 1 longest idle gaps
+    (the host sleeps between variants; a stall of the host inside one variant's run
+    leaves a shorter gap, which a fixed threshold took for a boundary); None where there
+    are too few kernels or a parting gap is not longer than GAP_US."""
+    events = sorted(events, key=lambda e: e["ts"])
+    gaps, end = [], None
+    for i, e in enumerate(events):
+        if end is not None:
+            gaps.append((e["ts"] - end, i))
         end = max(end or 0, e["ts"] + e["us"])
-    return groups
+    parting = sorted(gaps, reverse=True)[:count - 1]
+    if len(events) < count or any(gap <= GAP_US for gap, _ in parting):
+        return None
+    bounds = [0, *sorted(i for _, i in parting), len(events)]
+    return [events[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def copy_bandwidth(sweep: Sweep) -> float:

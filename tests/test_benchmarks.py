@@ -118,6 +118,29 @@ def test_gated_delta_times_both_forms_and_writes_the_table_the_engine_reads(tmp_
         assert entry == "xla" or DeltaKernelConfig(*entry)
 
 
+def test_a_trace_parts_into_its_variants_at_the_longest_idle_gaps():
+    """The sweeps' trace timing: variants parted at the longest gaps, so a host stall
+    inside one variant's run (3 ms here, past the 2 ms that once parted them) stays in
+    it; too few kernels, or variants not parted by more than GAP_US, give None."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gemm_sweep import GAP_US, idle_separated
+
+    def kernels(start_us, count, us=5.0, stall_after=None):
+        out = []
+        t = start_us
+        for i in range(count):
+            out.append({"ts": t, "us": us})
+            t += us + (1.5 * GAP_US if i == stall_after else 1.0)
+        return out
+
+    first, second, third = kernels(0, 4), kernels(20_000, 6, stall_after=2), kernels(40_000, 3)
+    events = third + first + second  # a trace's events come in no particular order
+    groups = idle_separated(events, 3)
+    assert [len(g) for g in groups] == [4, 6, 3] and groups[1][0]["ts"] == 20_000
+    assert idle_separated(events, 14) is None
+    assert idle_separated(kernels(0, 4), 2) is None  # one run, no gap past GAP_US to part it
+
+
 def test_gated_delta_table_entry_is_the_tiling_fastest_over_every_case_of_its_bucket():
     """Decode and verify rows of one batch size share a bucket: its entry is the tiling
     fastest over both cases, not the last case's winner, and XLA's where it is faster
