@@ -136,6 +136,9 @@ class Fp8Sweep(Sweep):
         block_k, block_n = self.block
 
         def one(x, w):
+            # each weight copy gets its own x, as each layer's linear does: XLA would
+            # otherwise quantize the shared x once for every copy (the wgmma rows)
+            x, w = jax.lax.optimization_barrier((x, w))
             if not isinstance(w, tuple):  # the bf16 baseline: XLA's dot as linear() computes it
                 engine_w = w.reshape(k, n) if parts == 1 else w
                 return jax.lax.dot_general(x, engine_w, (((1,), (0,)), ((), ()))).reshape(x.shape[0], parts, n)

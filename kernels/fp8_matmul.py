@@ -19,11 +19,12 @@ An fp8 tile is converted to x's dtype in registers (exact: every e4m3 value is a
 bfloat16, float16 and float32 value), multiplied with the x tile on the tensor cores,
 and its per-column block scales multiply the float32 product before it is accumulated,
 so a scale is applied exactly once per block and product (the fp8 K step is the scale
-block, so one row of scales serves a whole step). With `x_fp8` x is first quantized to
-e4m3 per row and K block, one float32 scale each (DeepSeek-V3's activations,
-`quantize_activations`), and each K step is an fp8 x fp8 product on the tensor cores,
-scaled by its row and column scales into the float32 accumulator: the e4m3 rounding of
-x (relative 2**-4 at most) buys fp8 operands in every register and shared-memory tile.
+block, so one row of scales serves a whole step). With `x_fp8` each K step's x tile is
+quantized in registers to e4m3 per row, one float32 scale each (DeepSeek-V3's
+activations, as `quantize_activations` gives them), and multiplied fp8 x fp8 on the
+tensor cores, scaled by its row and column scales into the float32 accumulator: the
+e4m3 rounding of x (relative 2**-4 at most) buys fp8 operands in every register and
+shared-memory tile, and no pass over x before the call.
 Where N / block_n leaves too few programs for the GPU (narrow projections), `split_k`
 programs share a column tile, each over its own run of K steps, and their float32
 partials are summed after the call. Edge tiles are masked (rows past M, columns past N,
@@ -64,7 +65,7 @@ class MatmulConfig:
     num_stages: int
     block_k: int = 128  # the dense kernel's K step (the fp8 kernel steps by its scale block)
     split_k: int = 1  # programs per column tile, each over a run of K steps (float32 partials)
-    x_fp8: bool = False  # the fp8 kernel in MMA tiles: x quantized to e4m3 per row and K step
+    x_fp8: bool = False  # the fp8 kernel in MMA tiles: each x tile quantized to e4m3 per row
 
 
 def _next_power_of_2(n: int) -> int:
@@ -171,16 +172,22 @@ MMA_ROWS = 16  # the smallest row tile of Triton's MMA; fewer rows multiply on t
 E4M3_MAX = 448.0  # the largest float8_e4m3fn value
 
 
+def e4m3_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., B] as float8_e4m3fn with one float32 scale per row of B values (the row's
+    largest magnitude maps to 448): the kernel's x_fp8 tiles and quantize_activations."""
+    x = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.abs(x).max(axis=-1), jnp.finfo(jnp.float32).tiny) / E4M3_MAX
+    return (x / scale[..., None]).astype(jnp.float8_e4m3fn), scale
+
+
 def quantize_activations(x: jax.Array, block_k: int) -> tuple[jax.Array, jax.Array]:
     """x [M, K] as float8_e4m3fn with one float32 scale per row and block of block_k
-    columns ([M, ceil(K / block_k)]; the block's largest magnitude maps to 448), the
-    activations of DeepSeek-V3's fp8 GEMMs; x8 * scale is x to e4m3's precision."""
+    columns ([M, ceil(K / block_k)]), the activations of DeepSeek-V3's fp8 GEMMs; x8 *
+    scale is x to e4m3's precision."""
     m, k = x.shape
     blocks = pl.cdiv(k, block_k)
-    padded = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, blocks * block_k - k))).reshape(m, blocks, block_k)
-    scale = jnp.maximum(jnp.abs(padded).max(axis=-1), jnp.finfo(jnp.float32).tiny) / E4M3_MAX
-    x8 = (padded / scale[:, :, None]).astype(jnp.float8_e4m3fn).reshape(m, blocks * block_k)[:, :k]
-    return x8, scale
+    x8, scale = e4m3_rows(jnp.pad(x, ((0, 0), (0, blocks * block_k - k))).reshape(m, blocks, block_k))
+    return x8.reshape(m, blocks * block_k)[:, :k], scale
 
 
 # bfloat16 activations times an fp8 weight in MMA tiles run as float16 x float16
@@ -206,12 +213,11 @@ def _outer_mask(rows_ok, cols_ok):
     return rows_ok[:, None] & cols_ok[None, :]
 
 
-def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n, f16_shift, k_major):
+def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block_n, f16_shift, k_major, x_fp8):
     """One [block_m, block_n] tile of one column group over k_steps K steps (the
-    program's run of K); refs are (scale_inv, out) for an fp8 weight, (scale_inv,
-    x_scale, out) with fp8 x, (out,) else. out is [split_k, M, P, N]: each run of K
-    writes its own partial."""
-    s_ref, xs_ref, o_ref = {1: (None, None), 2: (refs[0], None), 3: refs[:2]}[len(refs)] + (refs[-1],)
+    program's run of K); refs are (scale_inv, out) for an fp8 weight, (out,) else.
+    out is [split_k, M, P, N]: each run of K writes its own partial."""
+    s_ref, o_ref = refs if scale_block_n else (None, *refs)
     row_block, part, col_block, split = (pl.program_id(axis) for axis in range(4))
     m, k = x_ref.shape
     n = w_ref.shape[1 if k_major else -1]
@@ -229,7 +235,7 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
         ks = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
         k_ok = None if k % block_k == 0 else ks < k
         x_mask, w_mask = _outer_mask(row_ok, k_ok), _outer_mask(k_ok, col_ok)
-        x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=x_mask, other=None if x_mask is None else 0.0)
+        x = plgpu.load(x_ref.at[rows[:, None], ks[None, :]], mask=x_mask, other=None if x_mask is None else 0)
         if k_major:  # [P, N, K]: a K-contiguous tile, transposed in registers
             w_mask = _outer_mask(col_ok, k_ok)
             w = plgpu.load(w_ref.at[part, cols[:, None], ks[None, :]], mask=w_mask,
@@ -239,9 +245,9 @@ def _kernel(x_ref, w_ref, *refs, block_m, block_n, block_k, k_steps, scale_block
                            other=None if w_mask is None else 0.0)
         scale = None if s_ref is None else plgpu.load(
             s_ref.at[kb, part, lax.div(cols, scale_block_n)], mask=col_ok, other=None if col_ok is None else 0)
-        if xs_ref is not None:  # fp8 x fp8 on the tensor cores, both scales on the float32 product
-            x_scale = plgpu.load(xs_ref.at[rows, kb], mask=row_ok, other=None if row_ok is None else 0)
-            return acc + plgpu.dot(x, w) * x_scale[:, None] * scale[None, :]
+        if x_fp8:  # fp8 x fp8 on the tensor cores, both scales on the float32 product
+            x8, x_scale = e4m3_rows(x)  # the rows past M and the columns past K are zeros
+            return acc + plgpu.dot(x8, w) * x_scale[:, None] * scale[None, :]
         if vector:  # float32 products on the vector units, summed over K after the loop
             if w.dtype == jnp.float8_e4m3fn:
                 w = w.astype(jnp.float16)  # exact, and one hardware conversion for two values
@@ -279,14 +285,9 @@ def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype
     f16_shift = F16_SHIFT if (scale_block_n and x.dtype == jnp.bfloat16 and config.block_m >= MMA_ROWS
                               and not config.x_fp8) else 0
     kernel = functools.partial(_kernel, block_m=config.block_m, block_n=config.block_n, block_k=block_k,
-                               k_steps=k_steps, scale_block_n=scale_block_n, f16_shift=f16_shift, k_major=k_major)
-    if scale_inv is None:
-        operands = (x, weight)
-    elif config.x_fp8:
-        x8, x_scale = quantize_activations(x, block_k)
-        operands = (x8, weight, scale_inv.astype(jnp.float32), x_scale)
-    else:
-        operands = (x, weight, scale_inv.astype(jnp.float32))
+                               k_steps=k_steps, scale_block_n=scale_block_n, f16_shift=f16_shift, k_major=k_major,
+                               x_fp8=config.x_fp8)
+    operands = (x, weight) if scale_inv is None else (x, weight, scale_inv.astype(jnp.float32))
     partial_dtype = out_dtype if config.split_k == 1 else jnp.float32
     out = pl.pallas_call(
         kernel,
