@@ -128,8 +128,7 @@ class Fp8Sweep(Sweep):
         return 5e-2 if fp8_x else super().max_rel_error(config)
 
     def program(self, config, shape):
-        from jaxmtp.kernels.fp8_matmul import fp8_matmul, fp8_matmul_dequantized, quantize_activations
-        from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fp8_wgmma_matmul
+        from jaxmtp.kernels.fp8_matmul import fp8_matmul, fp8_matmul_dequantized
 
         jax = self.jax
         k, parts, n = shape
@@ -145,8 +144,6 @@ class Fp8Sweep(Sweep):
             blocks = dict(block_k=block_k, block_n=block_n, k_major=True)
             if config is None:
                 return fp8_matmul_dequantized(x, *w, **blocks)
-            if isinstance(config, WgmmaConfig):
-                return fp8_wgmma_matmul(*quantize_activations(x, block_k), *w, config=config, out_dtype=x.dtype)
             return fp8_matmul(x, *w, **blocks, config=config, interpret=self.tiny)
 
         return jax.jit(lambda x, *ws: [one(x, w) for w in ws])
@@ -183,13 +180,13 @@ class Fp8Sweep(Sweep):
                             entry["floor_us"])
         rows[0]["path"] = "dequantize"
         refine = second_stage(fastest(rows, 3), {MatmulConfig(**r["config"]) for r in rows if r["config"]})
+        refine = [c for c in refine if c.num_stages <= fp8_stages(c, block_k)]
+        if refine and self.budget_left() > 60 and not self.tiny:
+            rows.extend(self.measure(refine, shape, x, fp8, reference, entry["floor_us"]))
         hopper = wgmma_stage(m, shape[0], shape[2], self.block, self.tiny)
         if hopper:
             rows.extend({**r, "path": "wgmma"} for r in self.measure(hopper, shape, x, fp8, reference,
                                                                       entry["floor_us"]))
-        refine = [c for c in refine if c.num_stages <= fp8_stages(c, block_k)]
-        if refine and self.budget_left() > 60 and not self.tiny:
-            rows.extend(self.measure(refine, shape, x, fp8, reference, entry["floor_us"]))
         baseline = self.measure([None], shape, x, bf16, dense_matmul_reference(x, bf16[0], out_dtype=f32),
                                 entry["floor_us"])
         rows.append({**baseline[0], "path": "bf16"})
@@ -206,10 +203,10 @@ class Fp8Sweep(Sweep):
 
         line = f"[{time.perf_counter() - self.t0:5.0f}s] {label:8} M={m:<5} bf16 {fmt(by_path.get('bf16'))}  " \
                f"dequantize {fmt(by_path.get('dequantize'))}"
-        kinds = {"kernel": lambda c: not c.get("x_fp8", True), "fp8 x": lambda c: c.get("x_fp8", False),
-                 "wgmma": lambda c: "max_concurrent_steps" in c}
+        kinds = {"kernel": lambda r: "path" not in r and not r["config"]["x_fp8"],
+                 "fp8 x": lambda r: "path" not in r and r["config"]["x_fp8"], "wgmma": lambda r: "path" in r}
         for name, kind in kinds.items():
-            best = min((r for r in kernels if kind(r["config"])), key=lambda r: r["us"], default=None)
+            best = min((r for r in kernels if kind(r)), key=lambda r: r["us"], default=None)
             if best is not None:
                 tiling = " ".join(f"{k}={v}" for k, v in best["config"].items() if k != "x_fp8")
                 line += f"  {name} {fmt(best)} err {best['rel_err']:.1e} [{tiling}]"

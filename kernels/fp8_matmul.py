@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fits, fp8_wgmma_matmul
+from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fp8_wgmma_matmul
 from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
 
 # `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams` before
@@ -303,11 +303,12 @@ def _streaming_matmul(x, weight, scale_inv, *, block_k, scale_block_n, out_dtype
 @functools.partial(jax.jit, static_argnames=("block_k", "block_n", "out_dtype", "interpret", "config", "k_major"))
 def fp8_matmul(
     x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *, block_k: int, block_n: int, out_dtype=None,
-    interpret: bool = False, config: MatmulConfig | None = None, k_major: bool = False,
+    interpret: bool = False, config: MatmulConfig | WgmmaConfig | None = None, k_major: bool = False,
 ) -> jax.Array:
     """Pallas (Triton) block-scaled fp8 matmul; see the module docstring for the layout.
     block_k (the scales' K block, and the kernel's K step) must be a power of 2 >= 16;
-    config.block_k is not used. k_major: the weight is [P, N, K]."""
+    config.block_k is not used. k_major: the weight is [P, N, K]. A WgmmaConfig runs the
+    Hopper kernel of fp8_wgmma.py instead (a K-major weight; x quantized before it)."""
     m, k = x.shape
     parts, n = weight.shape[:2] if k_major else weight.shape[1:]
     if not is_k_step(block_k):
@@ -316,6 +317,12 @@ def fp8_matmul(
     if weight.shape[-1 if k_major else 0] != k or scale_inv.shape != expected:
         raise ValueError(f"x {x.shape}, weight {weight.shape} and scale_inv {scale_inv.shape} do not fit "
                          f"(scale_inv should be {expected} for blocks of {block_k} x {block_n})")
+    if isinstance(config, WgmmaConfig):
+        if not k_major or interpret:
+            raise ValueError(f"{config} (the Hopper kernel) reads a K-major weight and has no Triton interpreter "
+                             f"(k_major={k_major}, interpret={interpret})")
+        return fp8_wgmma_matmul(*quantize_activations(x, block_k), weight, scale_inv, config=config,
+                                out_dtype=out_dtype or x.dtype)
     return _streaming_matmul(x, weight, scale_inv, block_k=block_k, scale_block_n=block_n, out_dtype=out_dtype,
                              interpret=interpret, config=config or default_config(m, n), name="fp8_matmul",
                              k_major=k_major)
@@ -329,10 +336,7 @@ def fp8_matmul_measured(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, *
     shape = (weight.shape[-1], *weight.shape[:-1]) if k_major else weight.shape
     tiling = fp8_tiling(x.shape[0], shape, (block_k, block_n))
     blocks = dict(block_k=block_k, block_n=block_n, out_dtype=out_dtype, k_major=k_major)
-    if isinstance(tiling, WgmmaConfig) and k_major and fits(shape[0], shape[-1], (block_k, block_n), tiling):
-        return fp8_wgmma_matmul(*quantize_activations(x, block_k), weight, scale_inv, config=tiling,
-                                out_dtype=out_dtype or x.dtype)
-    if tiling == "dequantize" or isinstance(tiling, WgmmaConfig):  # a Hopper entry for a weight it cannot read
+    if tiling == "dequantize" or (isinstance(tiling, WgmmaConfig) and not k_major):  # a Hopper entry, [K, P, N]
         return fp8_matmul_dequantized(x, weight, scale_inv, **blocks)
     return fp8_matmul(x, weight, scale_inv, **blocks, interpret=interpret, config=tiling)
 

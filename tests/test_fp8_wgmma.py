@@ -12,7 +12,9 @@ import pytest
 from test_fp8_matmul import make_case
 
 from jaxmtp.kernels import fp8_matmul as kernel_module
-from jaxmtp.kernels.fp8_matmul import dequantize_blocks, fp8_matmul_measured, fp8_tiling, quantize_activations
+from jaxmtp.kernels.fp8_matmul import (
+    dequantize_blocks, fp8_matmul, fp8_matmul_measured, fp8_tiling, quantize_activations,
+)
 from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, column_scales, fp8_wgmma_matmul
 
 
@@ -89,6 +91,9 @@ def test_shapes_the_kernel_cannot_tile_are_named():
     with pytest.raises(ValueError, match="do not fit"):
         fp8_wgmma_matmul(jnp.zeros((2, 256), jnp.float8_e4m3fn), x_scale[:, :1],
                          jnp.zeros((1, 128, 256), jnp.float8_e4m3fn), jnp.zeros((2, 1, 1)))
+    with pytest.raises(ValueError, match="reads a K-major weight"):  # fp8_matmul at a Hopper tiling
+        fp8_matmul(jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((256, 1, 128), jnp.float8_e4m3fn),
+                   jnp.ones((2, 1, 1)), block_k=128, block_n=128, config=WgmmaConfig())
 
 
 def test_the_measured_table_sends_a_bucket_to_the_hopper_kernel(monkeypatch, rng):
