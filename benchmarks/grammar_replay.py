@@ -1,7 +1,7 @@
 """The grammar's host work of a constrained batch, replayed from the outputs that
 benchmarks/structured.py saved: per step, the time to accept each request's token and
 the time to fill every request's next mask in one llguidance call, at several
-llguidance thread counts, and the slowest single masks (their state's text), so a slow
+llguidance thread counts and counts of compiled matchers the requests copy, and the slowest single masks (their state's text), so a slow
 host can be told from slow grammar states.
 
     python benchmarks/structured.py --k 0 --out DIR      # saves the outputs
@@ -78,17 +78,20 @@ def slowest_masks(grammars, tokenizer, outputs: list[list[int]], schema: dict, c
 
 
 def main() -> None:
+    from jaxmtp.engine.structured_outputs import MATCHER_FAMILIES, GrammarCompiler
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("saved", help="benchmarks/structured.py's JSON")
     parser.add_argument("--row", default="k=0 json_schema", help="which configuration's outputs (default: k=0 json_schema)")
     parser.add_argument("--no-max-length", action="store_true",
                         help="the schema without its free-text field's maxLength (default: as structured.py ran it)")
     parser.add_argument("--threads", default="1,4,8,12", help="llguidance thread counts (default: 1,4,8,12)")
+    parser.add_argument("--families", default=f"1,{MATCHER_FAMILIES}",
+                        help="compiled matchers the requests copy in turn (structured_outputs.MATCHER_FAMILIES; "
+                             f"default: 1,{MATCHER_FAMILIES})")
     args = parser.parse_args()
     import llguidance
     from tokenizers import Tokenizer
-
-    from jaxmtp.engine.structured_outputs import GrammarCompiler
 
     saved = json.loads(Path(args.saved).read_text())
     outputs = saved["rows"][args.row]["outputs"]
@@ -98,15 +101,17 @@ def main() -> None:
     config = {**TINY, "vocab_size": vocab_size}
     folder = Path(Bench.model_folder(config, saved.get("tokenizer")))
     text = (folder / "tokenizer.json").read_text()
-    grammars = GrammarCompiler(text, vocab_size, [config["eos_token_id"]])
     schema = copy.deepcopy(SCHEMA)
     if args.no_max_length:  # the same outputs fit: the schema only loses a bound
         del schema["properties"]["summary"]["maxLength"]
-    results = {"saved": args.saved, "row": args.row, "cpus": os.cpu_count(), "schema": schema, "threads": {}}
-    replay(grammars, outputs, schema)  # warm
-    for n in map(int, args.threads.split(",")):
-        results["threads"][n] = replay(grammars, outputs, schema, llguidance.LLExecutor(n))
-        print(n, "threads:", results["threads"][n], flush=True)
+    results = {"saved": args.saved, "row": args.row, "cpus": os.cpu_count(), "schema": schema, "families": {}}
+    for families in map(int, args.families.split(",")):
+        grammars = GrammarCompiler(text, vocab_size, [config["eos_token_id"]], num_families=families)
+        replay(grammars, outputs, schema)  # warm: compiles, and fills each family's caches
+        results["families"][families] = {}
+        for n in map(int, args.threads.split(",")):
+            results["families"][families][n] = replay(grammars, outputs, schema, llguidance.LLExecutor(n))
+            print(families, "families,", n, "threads:", results["families"][families][n], flush=True)
     results["single_masks"] = slowest_masks(grammars, Tokenizer.from_str(text), outputs, schema)
     print(json.dumps(results["single_masks"], indent=1))
     out = Path(os.environ.get("OUT", Path(args.saved).parent))

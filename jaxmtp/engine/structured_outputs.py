@@ -22,15 +22,18 @@ with the GIL released, on a worker thread: started as soon as the step before it
 read, so that the fill runs while the host schedules and builds the next step
 (LLMEngine._start_masks hands the worker the GIL until the fill has begun). Not one Python thread per request as
 each request's drafts arrive: each needs the GIL to start and to finish, which the
-host's own Python work holds (benchmarks/structured.py and grammar_replay.py on the
-H200: a mask in a long JSON string costs llguidance up to a millisecond with a 128k
-vocabulary, and a batch's masks take as long on 1 thread as on 16)."""
+host's own Python work holds. The requests' matchers are copies of several compiled
+matchers of their grammar (MATCHER_FAMILIES), since copies of one share caches that
+only one thread at a time uses: on the H200's host a batch of 32 masks took 2.45 ms on
+16 threads from one, 0.40 ms from 8 (benchmarks/grammar_replay.py --families)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -120,12 +123,23 @@ class StructuredOutputsParams:
         return {"whitespace_pattern": f"{JSON_WHITESPACE}{{1,{WHITESPACE_RUN}}}"}
 
 
+# Matchers deep-copied from one compiled matcher share its lexer's caches, which are
+# warm (a fresh matcher fills its masks several times slower) but taken one thread at a
+# time: the masks of a step whose requests all copy one matcher fill no faster on many
+# llguidance threads than on one (benchmarks/grammar_replay.py --families). Requests
+# copy one of this many compiled matchers of their grammar in turn.
+MATCHER_FAMILIES = min(8, os.cpu_count() or 1)
+
+
 class GrammarCompiler:
     """One per engine: llguidance's view of the tokenizer (built once; it takes about a
-    second for a large vocabulary) and a cache of validated grammars."""
+    second for a large vocabulary) and a cache of validated grammars, each compiled up to
+    num_families times (MATCHER_FAMILIES)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids, num_families: int = MATCHER_FAMILIES):
         self.vocab_size = vocab_size
+        self.num_families = num_families
+        self._families = itertools.count()
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.executor = llguidance.LLExecutor()
         # fill_row_masks' second llguidance call of a step, beside its first
@@ -152,6 +166,12 @@ class GrammarCompiler:
                              f"({probe.get_error().splitlines()[0]})")
         return matcher, first
 
+    @functools.lru_cache(maxsize=1024)
+    def _family(self, text: str, family: int) -> object:
+        """Family `family`'s compiled matcher of a grammar _compiled validated (family 0 is
+        _compiled's own)."""
+        return self._compiled(text)[0] if family == 0 else llguidance.LLMatcher(self.tokenizer, text, log_level=0)
+
     def matcher(self, params: StructuredOutputsParams, allowed_token_ids: list[int] | None = None) -> GrammarMatcher:
         """A matcher at the start of the constraint; ValueError naming the problem when
         the constraint does not compile, or allows none of allowed_token_ids first."""
@@ -159,10 +179,10 @@ class GrammarCompiler:
             text = params.grammar_text()
         except (ValueError, TypeError) as err:
             raise ValueError(f"structured_outputs: {err}") from err
-        start, first = self._compiled(text)
+        first = self._compiled(text)[1]
         if allowed_token_ids is not None and not np.isin(first, allowed_token_ids).any():
             raise ValueError("allowed_token_ids: the constraint (structured_outputs) allows none of them as the first token")
-        return GrammarMatcher(start.deep_copy(), self)
+        return GrammarMatcher(self._family(text, next(self._families) % self.num_families).deep_copy(), self)
 
 
 class GrammarMatcher:

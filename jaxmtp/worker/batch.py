@@ -200,9 +200,10 @@ class BatchShape:
     num_tokens: int  # T
     num_seqs: int  # B
     # Every request greedy, none asking for top logprobs or logits processing: the step is
-    # compiled without the sampling, top-logprob and logits-processing branches. As lax.conds they cost a device-to-host read
-    # of the predicate per step wherever XLA runs them from the host (the batch-1 step
-    # on the H200 did), which stalls the launch queue.
+    # compiled without the sampling, top-logprob and logits-processing branches (a masked
+    # step's greedy program masks the logits before the argmax). As lax.conds they cost a
+    # device-to-host read of the predicate per step wherever XLA runs them from the host
+    # (the batch-1 step on the H200 did), which stalls the launch queue.
     greedy: bool = True
     # P: the page table's width, a bucket of the longest scheduled request's pages (the
     # attention kernel's KV range and split count follow it); None: the widest
@@ -279,12 +280,12 @@ class BucketPlan:
         return [b for b in self.seq_sizes if b <= num_tokens]
 
     def all_shapes(self, masked: bool = False, prompt_logprobs: bool = False) -> list[BatchShape]:
-        """Smallest first, of one kind (OTHER_KINDS; a masked batch always samples)."""
+        """Smallest first, of one kind (OTHER_KINDS)."""
         return [
             BatchShape(t, b, greedy, p, prompt_logprobs, masked)
             for t in self.token_sizes
             for b in self.seq_sizes_for(t)
-            for greedy in ((False,) if masked else (True, False))
+            for greedy in (True, False)
             for p in self.table_widths
         ]
 

@@ -57,6 +57,16 @@ class KVCache:
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
+    def draft_part(self, num_kv_layers: int) -> KVCache:
+        """The MTP modules' layers and hidden pages (the layers after the main model's
+        num_kv_layers): all of the cache the draft pass reads or writes."""
+        return KVCache(k=self.k[num_kv_layers:], v=self.v[num_kv_layers:], hidden=self.hidden)
+
+    def with_draft_part(self, draft: KVCache) -> KVCache:
+        """This cache with its draft part (draft_part) replaced by draft."""
+        main = len(self.k) - len(draft.k)
+        return KVCache(k=self.k[:main] + list(draft.k), v=self.v[:main] + list(draft.v), hidden=list(draft.hidden))
+
 
 def dropped_index(size, row):
     """Where row `row` (an int or an index array) of a scatter into `size` entries (slots,

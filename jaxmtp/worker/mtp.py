@@ -106,6 +106,8 @@ def propose(
     module M.
 
     hidden: main model output [T, H]; tokens/num_accepted: what verification emitted;
+    cache: the whole cache or its draft part (KVCache.draft_part), whose last m layers
+    are the modules' (m = min(num_drafts, modules in params));
     mesh: the tensor-parallel mesh, over which each draft's argmax runs on the
     vocab-sharded logits without gathering them (sharding.argmax_vocab).
     Returns drafts [B, num_drafts], the cache with draft KV (and hidden pages) written,
@@ -128,7 +130,9 @@ def propose(
     k_layers, v_layers, hidden_pages = list(cache.k), list(cache.v), list(cache.hidden)
     drafts = []
     for j in range(1, m + 1):
-        module, layer = params.mtp[j - 1], cfg.num_kv_layers + j - 1  # its cache layer, after the main model's
+        # its cache layer: the modules' layers come last, after the main model's when the
+        # cache holds those (a masked step's finish takes the draft part alone)
+        module, layer = params.mtp[j - 1], len(k_layers) - m + j - 1
         if j == 1:
             rows = batch
         else:

@@ -36,7 +36,8 @@ from jaxmtp.worker.programs import StepPrograms
 from jaxmtp.worker.recurrent import allocate_recurrent, recurrent_bytes
 from jaxmtp.worker.snapshot_table import SnapshotTable
 from jaxmtp.worker.sharding import check_divisible, make_mesh, param_shardings, put_replicated, replicated
-from jaxmtp.worker.step import STEP_STATE, StepConfig, StepOutput, jitted_finish, jitted_forward, jitted_step
+from jaxmtp.worker.step import (STEP_STATE, StepConfig, StepOutput, finish_inputs, jitted_finish, jitted_forward,
+                                jitted_step)
 from jaxmtp.worker.step_records import InFlightStep, StepInputs, StepResult
 
 
@@ -169,7 +170,7 @@ class ModelRunner:
 
     def shape_for(self, rows: list[ScheduledRows]) -> BatchShape:
         masked = any(item.seq.grammar is not None for item in rows)
-        greedy = not masked and all(
+        greedy = all(
             p.temperature == 0 and p.logprobs is None and not p.processes_logits for p in (item.seq.params for item in rows)
         )
         num_pages = max((len(item.seq.pages) for item in rows), default=0)
@@ -268,9 +269,10 @@ class ModelRunner:
             raise RuntimeError("no masked step waits for its masks")
         program, (ints, floats, oracle, _), hidden = self._pending
         self._pending = None
-        self.cache, self.recurrent, self.logits_state, output = program(
-            self.params, *self.step_state(), ints, floats, hidden, token_bitmask, oracle)
-        self.carry = output.carry
+        params, draft = finish_inputs(self.params, self.cache, self.model_config.num_kv_layers)
+        draft, self.recurrent, self.logits_state, output = program(
+            params, draft, self.recurrent, self.logits_state, self.carry, ints, floats, hidden, token_bitmask, oracle)
+        self.cache, self.carry = self.cache.with_draft_part(draft), output.carry
         return output
 
     def read(self, record: InFlightStep) -> StepResult:
@@ -370,8 +372,9 @@ class ModelRunner:
                                           sharding=replicated(self.mesh))
             bitmask = jax.ShapeDtypeStruct((shape.num_seqs, self.config.num_speculative_tokens + 1, self.mask_width),
                                            np.int32, sharding=replicated(self.mesh))
-            finish = jitted_finish.lower(params, cache, recurrent, logits_state, carry, ints, floats, hidden, bitmask,
-                                         oracle, *static)
+            finish = jitted_finish.lower(*finish_inputs(params, cache, self.model_config.num_kv_layers), recurrent,
+                                         logits_state, carry, ints, floats, hidden, bitmask, oracle, *static,
+                                         self.page_size)
         return forward, finish
 
     def cache_copies(self, shape: BatchShape) -> list[str]:

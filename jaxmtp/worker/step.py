@@ -101,15 +101,24 @@ def forward(params: Params, cache: KVCache, recurrent: RecurrentState, carry: Ca
 
 def finish(params: Params, cache: KVCache, recurrent: RecurrentState, logits_state: LogitsState, carry: Carry,
            ints: jax.Array, floats: jax.Array, hidden: jax.Array, token_bitmask: jax.Array,
-           oracle_tokens: jax.Array | None, shape: BatchShape, config: StepConfig
+           oracle_tokens: jax.Array | None, shape: BatchShape, config: StepConfig, page_size: int
            ) -> tuple[KVCache, RecurrentState, LogitsState, StepOutput]:
     """A masked shape's second program, on forward's hidden rows and the same batch and
     carry: verification and sampling under token_bitmask [B, k+1, W] (per verify row the
-    tokens its grammar allows; structured_outputs.step_bitmask), the draft pass and the carry."""
+    tokens its grammar allows; structured_outputs.step_bitmask), the draft pass and the
+    carry. params and cache: finish_inputs' parts of them; page_size (static): the cache's."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
-        batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
+        batch = _batch_in(ints, floats, carry, shape, config, page_size)
         return _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidden, token_bitmask,
                                  oracle_tokens, shape, config)
+
+
+def finish_inputs(params: Params, cache: KVCache, num_kv_layers: int) -> tuple[Params, KVCache]:
+    """What finish reads of the parameters and the cache: all but the decoder layers, and
+    the cache's draft part. Its compiled call takes only these: the host's dispatch costs
+    a few microseconds an argument, and in a constrained step this dispatch is on the
+    host's serial path between reading a step and queueing the next."""
+    return dataclasses.replace(params, layers=[]), cache.draft_part(num_kv_layers)
 
 
 def _batch_in(ints, floats, carry, shape: BatchShape, config: StepConfig, page_size: int) -> Batch:
@@ -182,7 +191,9 @@ def _verify(params: Params, hidden: jax.Array, batch: Batch, logits_state: Logit
     # the draft checked at verify row j is the input id of row j+1
     t = batch.input_ids.shape[0]
     drafts_in = batch.input_ids[jnp.minimum(batch.sample_index[:, :k] + 1, t - 1)]
-    if shape.greedy and not shape.masked:  # the runner's greedy shapes are never masked
+    if shape.greedy:
+        if shape.masked:
+            logits = apply_token_bitmask(logits, token_bitmask)
         # the argmax is all a greedy batch reads of its rows: no logits gather under TP
         tokens, num_accepted = accept_drafts(argmax_vocab(logits, config.mesh), drafts_in, batch.num_drafts)
         return tokens, num_accepted, logits_state, None, None, None, None  # no request asked for logprobs
@@ -231,4 +242,4 @@ STEP_STATE = ("cache", "recurrent", "logits_state", "carry")
 DONATED_STATE = ("cache", "recurrent", "logits_state")
 jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
 jitted_forward = jax.jit(forward, static_argnames=("config", "shape"), donate_argnames=("cache", "recurrent"))
-jitted_finish = jax.jit(finish, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
+jitted_finish = jax.jit(finish, static_argnames=("config", "shape", "page_size"), donate_argnames=DONATED_STATE)
