@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="requests in the batch (default: 32)")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens per request (default: 128)")
     parser.add_argument("--k", default="0,1", help="MTP draft counts, comma-separated (default: 0,1)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's temperature, seed 0 (default: 0, greedy)")
     parser.add_argument("--tokenizer", help="a real model's tokenizer.json; the model's vocabulary is its size "
                         "(default: benchmarks/e2e.py's random 128k BPE)")
     parser.add_argument("--out", default="docs/benchmarks", help="output folder when $OUT is unset (default: docs/benchmarks)")
@@ -180,13 +182,13 @@ def main() -> None:
     prompts = [rng.integers(3, config["vocab_size"] - 2, size=32 if args.tiny else 64 if args.tiny_layers else 512).tolist() for _ in range(batch)]
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "batch": batch, "new_tokens": new, "tokenizer": args.tokenizer, "vocab_size": config["vocab_size"],
-               "rows": {}}
+               "temperature": args.temperature, "rows": {}}
     for k in map(int, args.k.split(",")):
         llm = LLM(folder, load_format="dummy", num_speculative_tokens=k, max_num_seqs=batch,
                   max_num_batched_tokens=512 if args.tiny else 2048,
                   max_model_len=min(2048, config["max_position_embeddings"]), num_pages=None)
         for name, extra in (("unconstrained", {}), ("json_schema", {"structured_outputs": {"json": SCHEMA}})):
-            params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, **extra)
+            params = SamplingParams(max_tokens=new, temperature=args.temperature, seed=0, ignore_eos=True, **extra)
             timed_run(llm, prompts, params)  # compiles this configuration's shapes
             results["rows"][f"k={k} {name}"] = timed_run(llm, prompts, params)
             print(f"k={k} {name}", {f: v for f, v in results["rows"][f"k={k} {name}"].items() if f != "outputs"}, flush=True)
@@ -199,7 +201,7 @@ def main() -> None:
         constrained["host_floor_vs_unconstrained"] = 1 + constrained["grammar_alone_ms_per_step"] / free["host_ms_per_step"]
     out = Path(os.environ.get("OUT", args.out))
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{results['date']}_{results['device'].replace(' ', '-')}_structured{'_tiny' if args.tiny else '_tiny-layers' if args.tiny_layers else ''}{'_tokenizer' if args.tokenizer else ''}"
+    stem = f"{results['date']}_{results['device'].replace(' ', '-')}_structured{'_tiny' if args.tiny else '_tiny-layers' if args.tiny_layers else ''}{'_tokenizer' if args.tokenizer else ''}{f'_t{args.temperature:g}' if args.temperature else ''}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
     lines = ["| configuration | tokens/s | vs unconstrained | host ms / step | host vs unconstrained | mask ms / step "
              "| grammar alone ms / step | host floor vs unconstrained | fill in llguidance / engine came, ms after start "
@@ -217,7 +219,7 @@ def main() -> None:
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {r['host_ms_per_step']:.2f} | {host_ratio} | "
                      f"{r['mask_ms_per_step']:.3f} | {alone} | {floor} | {fills} | {accept} | {', '.join(r['finish'])} |")
     header = (f"{results['date']}, {results['device']}, JAX {results['jax']}, batch {batch}, {new} tokens each, "
-              f"tokenizer: {args.tokenizer or 'random 128k BPE'}\n\n")
+              f"tokenizer: {args.tokenizer or 'random 128k BPE'}, temperature {args.temperature:g}\n\n")
     (out / f"{stem}.md").write_text(header + "\n".join(lines) + "\n")
     print(header + "\n".join(lines))
 

@@ -343,10 +343,10 @@ def test_structured_outputs_constrained_against_free_with_a_given_tokenizer(tmp_
 
     convert(tiny_tekken()).save(str(tmp_path / "tokenizer.json"))
     run_script("structured.py", "--tiny", "--k", "0", "--tokenizer", str(tmp_path / "tokenizer.json"),
-               "--out", str(tmp_path))
-    (saved,) = tmp_path.glob("*_structured_tiny_tokenizer.json")
+               "--temperature", "0.7", "--out", str(tmp_path))
+    (saved,) = tmp_path.glob("*_structured_tiny_tokenizer_t0.7.json")
     results = json.loads(saved.read_text())
-    assert results["tokenizer"].endswith("tokenizer.json")
+    assert results["tokenizer"].endswith("tokenizer.json") and results["temperature"] == 0.7
     constrained = results["rows"]["k=0 json_schema"]
     assert constrained["tokens"] == results["rows"]["k=0 unconstrained"]["tokens"] > 0
     assert 0 < constrained["vs_unconstrained"] and constrained["grammar_alone_ms_per_step"] > 0
@@ -356,9 +356,10 @@ def test_structured_outputs_constrained_against_free_with_a_given_tokenizer(tmp_
     assert timeline["fills"] > 0 and 0 < timeline["ms_start_to_llguidance"] and 0 < timeline["ms_start_to_wanted"]
     assert 0 <= timeline["share_in_llguidance_before_wanted"] <= 1
     # the replay takes the run's own vocabulary: its tokens walk the grammar as they did
-    run_script("grammar_replay.py", str(saved), "--threads", "1")
+    run_script("grammar_replay.py", str(saved), "--threads", "1", "--families", "1,2")
     replay = json.loads(saved.with_name(f"{saved.stem}_grammar_replay.json").read_text())
     assert replay["single_masks"]["masks"] == sum(map(len, constrained["outputs"]))
+    assert set(replay["families"]) == {"1", "2"} and all(r["1"]["fill_ms_per_step"] > 0 for r in replay["families"].values())
 
 
 def test_dispatch_times_a_bare_program_and_the_engines_step_per_argument(tmp_path):

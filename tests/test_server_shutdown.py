@@ -58,13 +58,12 @@ def server(tmp_path_factory):
 
 
 def test_the_port_opens_before_the_shapes_compile_and_a_bar_counts_them(server):
-    """Eight plain shapes (8 or 16 rows, 1 or 2 requests, greedy or not), eight with
-    prompt logprobs, four constrained and four constrained with prompt logprobs (those
-    always sample): the largest plain one compiles first, the port opens, the other 23
-    compile in the background."""
+    """Eight shapes of each kind (8 or 16 rows, 1 or 2 requests, greedy or not): plain,
+    with prompt logprobs, constrained, and constrained with prompt logprobs; the largest
+    plain one compiles first, the port opens, the other 31 compile in the background."""
     log = server.log_path.read_text()
-    assert "serving on the step's largest batch shape while 23 more compile in the background" in log, log[-3000:]
-    assert "compiling the step:" in log and "/23 [" in log
+    assert "serving on the step's largest batch shape while 31 more compile in the background" in log, log[-3000:]
+    assert "compiling the step:" in log and "/31 [" in log
     reply = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 4}, timeout=60)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
 
