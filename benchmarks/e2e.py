@@ -747,7 +747,7 @@ def main() -> None:
     jax.config.update("jax_compilation_cache_dir", str(ROOT / ".xla_cache"))
     results["device"] = jax.devices()[0].device_kind
     results["device_bytes_limit"] = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
-    results["jax"] = jax.__version__
+    results["jax"], results["xla_flags"] = jax.__version__, os.environ.get("XLA_FLAGS", "")
     results.update(measure_floors(args.tiny))
     results["bandwidth"] = results["torch_copy_bytes_per_s"] or results["jax_copy_bytes_per_s"]
     bench = Bench(args, results, t0)

@@ -872,6 +872,7 @@ def main() -> None:
     from e2e import measure_floors, torch_copy_bandwidth
 
     run.results["device"], run.results["jax"] = jax.devices()[0].device_kind, jax.__version__
+    run.results["xla_flags"] = os.environ.get("XLA_FLAGS", "")  # runs differ by it (command buffer types)
     # the floor's bandwidth from torch's copy wherever torch runs (--no-peer skips torch's
     # kernels, not the floor)
     torch_copy = torch_copy_bandwidth() if not args.tiny and jax.default_backend() == "gpu" else None

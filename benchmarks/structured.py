@@ -181,6 +181,7 @@ def main() -> None:
     rng = __import__("numpy").random.default_rng(0)
     prompts = [rng.integers(3, config["vocab_size"] - 2, size=32 if args.tiny else 64 if args.tiny_layers else 512).tolist() for _ in range(batch)]
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+               "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "batch": batch, "new_tokens": new, "tokenizer": args.tokenizer, "vocab_size": config["vocab_size"],
                "temperature": args.temperature, "rows": {}}
     for k in map(int, args.k.split(",")):
