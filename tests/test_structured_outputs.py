@@ -11,6 +11,7 @@ import re
 import sys
 
 import jsonschema
+import llguidance
 import pytest
 
 from conftest import MTP_MODEL, STORIES
@@ -312,11 +313,20 @@ def test_rows_after_a_refused_draft_allow_every_token(spec, rng):
 
 def test_every_matcher_family_gives_the_same_masks(spec, rng, monkeypatch):
     """Requests copy one of several compiled matchers of their grammar in turn (so that a
-    step's masks fill on llguidance's threads side by side, MATCHER_FAMILIES): walked
-    through the same random valid tokens, each family's matcher masks as the first's."""
+    step's masks fill on llguidance's threads side by side, MATCHER_FAMILIES), the first
+    request of a grammar the matcher that validated it (compiled once if used once):
+    walked through the same random valid tokens, each family's matcher masks as the
+    first's."""
     import numpy as np
 
     grammars = spec.engine.intake.grammars
+    word = "".join(chr(97 + c) for c in rng.integers(0, 26, 12))
+    once = StructuredOutputsParams(regex=f"{word}[0-9]{{1,3}}")  # a grammar no test used
+    compiled, compile_matcher = [], llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *args, **kw: compiled.append(args[1]) or compile_matcher(*args, **kw))
+    grammars.matcher(once)
+    assert len(compiled) == 1, compiled
+    monkeypatch.undo()
     monkeypatch.setattr(grammars, "num_families", 3)
     params = StructuredOutputsParams(json=SCHEMAS["nested"])
     matchers = [grammars.matcher(params) for _ in range(3)]  # three in turn: every family

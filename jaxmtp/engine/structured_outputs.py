@@ -127,7 +127,8 @@ class StructuredOutputsParams:
 # warm (a fresh matcher fills its masks several times slower) but taken one thread at a
 # time: the masks of a step whose requests all copy one matcher fill no faster on many
 # llguidance threads than on one (benchmarks/grammar_replay.py --families). Requests
-# copy one of this many compiled matchers of their grammar in turn.
+# copy one of this many compiled matchers of their grammar in turn, the first the one
+# that validated it, so that a grammar used once (a request's own schema) compiles once.
 MATCHER_FAMILIES = min(8, os.cpu_count() or 1)
 
 
@@ -139,7 +140,6 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids, num_families: int = MATCHER_FAMILIES):
         self.vocab_size = vocab_size
         self.num_families = num_families
-        self._families = itertools.count()
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self.executor = llguidance.LLExecutor()
         # fill_row_masks' second llguidance call of a step, beside its first
@@ -166,6 +166,11 @@ class GrammarCompiler:
                              f"({probe.get_error().splitlines()[0]})")
         return matcher, first
 
+    @functools.lru_cache(maxsize=256)
+    def _uses(self, text: str) -> itertools.count:
+        """Counts the matchers made of grammar `text` (its family is the count's turn)."""
+        return itertools.count()
+
     @functools.lru_cache(maxsize=1024)
     def _family(self, text: str, family: int) -> object:
         """Family `family`'s compiled matcher of a grammar _compiled validated (family 0 is
@@ -182,7 +187,7 @@ class GrammarCompiler:
         first = self._compiled(text)[1]
         if allowed_token_ids is not None and not np.isin(first, allowed_token_ids).any():
             raise ValueError("allowed_token_ids: the constraint (structured_outputs) allows none of them as the first token")
-        return GrammarMatcher(self._family(text, next(self._families) % self.num_families).deep_copy(), self)
+        return GrammarMatcher(self._family(text, next(self._uses(text)) % self.num_families).deep_copy(), self)
 
 
 class GrammarMatcher:
