@@ -124,8 +124,7 @@ class StructuredOutputsParams:
 
 
 # Matchers deep-copied from one compiled matcher share its lexer's caches, which are
-# warm (a fresh matcher fills its masks several times slower) but taken one thread at a
-# time: the masks of a step whose requests all copy one matcher fill no faster on many
+# warm (a freshly compiled matcher starts them empty) but taken one thread at a time: the masks of a step whose requests all copy one matcher fill no faster on many
 # llguidance threads than on one (benchmarks/grammar_replay.py --families). Requests
 # copy one of this many compiled matchers of their grammar in turn, the first the one
 # that validated it, so that a grammar used once (a request's own schema) compiles once.
