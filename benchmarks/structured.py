@@ -1,5 +1,7 @@
 """Structured outputs at batch 32: output tokens/s of JSON-schema-constrained requests
-against the same batch unconstrained, the host's own time per step (the step less its
+against the same batch unconstrained (to max_tokens, and to the lengths the constrained
+requests reached, since a request that closes its JSON stops while the batch runs as long
+as its longest), the host's own time per step (the step less its
 compiled call and read-back) against the unconstrained step's, the time per step that building the batch
 spends on grammar masks (one llguidance call over the step's rows), the grammar's own
 work a step with nothing else running (the constrained outputs replayed through fresh
@@ -101,7 +103,7 @@ def timed_run(llm, prompts, params) -> dict:
               "host_ms_per_step": host_ms, "phases_ms_per_step": {name: 1e3 * v / steps for name, v in phases.items()},
             "acceptance_length": 1 + sum(stats["accepted"] for stats in spec) / drafting if drafting else None,
               "finish": sorted({o.outputs[0].finish_reason for o in outs})}
-    if params.structured_outputs is not None:
+    if not isinstance(params, list) and params.structured_outputs is not None:
         result["fill_timeline"] = fill_timeline(marks)
         result["outputs"] = [list(o.outputs[0].token_ids) for o in outs]  # to replay the grammar's work elsewhere
         result["grammar_alone_ms_per_step"] = grammar_alone(llm, params, result["outputs"])
@@ -188,28 +190,37 @@ def main() -> None:
         llm = LLM(folder, load_format="dummy", num_speculative_tokens=k, max_num_seqs=batch,
                   max_num_batched_tokens=512 if args.tiny else 2048,
                   max_model_len=min(2048, config["max_position_embeddings"]), num_pages=None)
-        for name, extra in (("unconstrained", {}), ("json_schema", {"structured_outputs": {"json": SCHEMA}})):
-            params = SamplingParams(max_tokens=new, temperature=args.temperature, seed=0, ignore_eos=True, **extra)
+        plain = dict(temperature=args.temperature, seed=0, ignore_eos=True)
+        runs = {"unconstrained": SamplingParams(max_tokens=new, **plain),
+                "json_schema": SamplingParams(max_tokens=new, structured_outputs={"json": SCHEMA}, **plain)}
+        for name, params in runs.items():
             timed_run(llm, prompts, params)  # compiles this configuration's shapes
             results["rows"][f"k={k} {name}"] = timed_run(llm, prompts, params)
             print(f"k={k} {name}", {f: v for f, v in results["rows"][f"k={k} {name}"].items() if f != "outputs"}, flush=True)
+        # the constrained requests that close their JSON stop early while the batch runs as
+        # long as its longest: the same lengths unconstrained compare the steps alone
+        lengths = [SamplingParams(max_tokens=len(out), **plain) for out in results["rows"][f"k={k} json_schema"]["outputs"]]
+        timed_run(llm, prompts, lengths)
+        results["rows"][f"k={k} unconstrained, same lengths"] = timed_run(llm, prompts, lengths)
         del llm
     for k in map(int, args.k.split(",")):
         rows = results["rows"]
         constrained, free = rows[f"k={k} json_schema"], rows[f"k={k} unconstrained"]
         constrained["vs_unconstrained"] = constrained["tokens_per_s"] / free["tokens_per_s"]
+        constrained["vs_same_lengths"] = constrained["tokens_per_s"] / rows[f"k={k} unconstrained, same lengths"]["tokens_per_s"]
         constrained["host_vs_unconstrained"] = constrained["host_ms_per_step"] / free["host_ms_per_step"]
         constrained["host_floor_vs_unconstrained"] = 1 + constrained["grammar_alone_ms_per_step"] / free["host_ms_per_step"]
     out = Path(os.environ.get("OUT", args.out))
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{results['date']}_{results['device'].replace(' ', '-')}_structured{'_tiny' if args.tiny else '_tiny-layers' if args.tiny_layers else ''}{'_tokenizer' if args.tokenizer else ''}{f'_t{args.temperature:g}' if args.temperature else ''}"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    lines = ["| configuration | tokens/s | vs unconstrained | host ms / step | host vs unconstrained | mask ms / step "
+    lines = ["| configuration | tokens/s | vs unconstrained | vs same lengths unconstrained | host ms / step | host vs unconstrained | mask ms / step "
              "| grammar alone ms / step | host floor vs unconstrained | fill in llguidance / engine came, ms after start "
              "(share before) | acceptance length | finish |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["rows"].items():
         ratio = f"{r['vs_unconstrained']:.3f}" if "vs_unconstrained" in r else ""
+        same = f"{r['vs_same_lengths']:.3f}" if "vs_same_lengths" in r else ""
         host_ratio = f"{r['host_vs_unconstrained']:.2f}" if "host_vs_unconstrained" in r else ""
         accept = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else ""
         alone = f"{r['grammar_alone_ms_per_step']:.3f}" if "grammar_alone_ms_per_step" in r else ""
@@ -217,7 +228,7 @@ def main() -> None:
         timeline = r.get("fill_timeline") or {}
         fills = (f"{timeline['ms_start_to_llguidance']:.2f} / {timeline['ms_start_to_wanted']:.2f} "
                  f"({timeline['share_in_llguidance_before_wanted']:.2f})" if timeline else "")
-        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {r['host_ms_per_step']:.2f} | {host_ratio} | "
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {ratio} | {same} | {r['host_ms_per_step']:.2f} | {host_ratio} | "
                      f"{r['mask_ms_per_step']:.3f} | {alone} | {floor} | {fills} | {accept} | {', '.join(r['finish'])} |")
     header = (f"{results['date']}, {results['device']}, JAX {results['jax']}, batch {batch}, {new} tokens each, "
               f"tokenizer: {args.tokenizer or 'random 128k BPE'}, temperature {args.temperature:g}\n\n")

@@ -349,6 +349,8 @@ def test_structured_outputs_constrained_against_free_with_a_given_tokenizer(tmp_
     assert results["tokenizer"].endswith("tokenizer.json") and results["temperature"] == 0.7
     constrained = results["rows"]["k=0 json_schema"]
     assert constrained["tokens"] == results["rows"]["k=0 unconstrained"]["tokens"] > 0
+    same = results["rows"]["k=0 unconstrained, same lengths"]
+    assert same["tokens"] == constrained["tokens"] and constrained["vs_same_lengths"] > 0
     assert 0 < constrained["vs_unconstrained"] and constrained["grammar_alone_ms_per_step"] > 0
     assert all(max(out) < 3 + 260 for out in constrained["outputs"])
     # when each step's fill reached llguidance, after its start, and when the engine came for it
