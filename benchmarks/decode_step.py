@@ -60,7 +60,7 @@ def decode_batch(batch: int, context: int):
         has_output=np.ones(batch, bool), next_chunk_token=np.zeros((batch, 1), np.int32),
         temperature=np.zeros(batch, np.float32), top_k=per_request, top_p=np.ones(batch, np.float32),
         min_p=np.zeros(batch, np.float32), seed=np.zeros(batch, np.uint32), output_index=per_request,
-        num_logprobs=per_request, carry_index=np.full(batch, -1, np.int32), **unprocessed(batch),
+        carry_index=np.full(batch, -1, np.int32), **unprocessed(batch),
     )
     return jax.tree.map(jnp.asarray, batch_arrays), num_pages
 

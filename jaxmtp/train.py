@@ -99,7 +99,6 @@ def packed_batch(num_seqs: int, seq_len: int, page_size: int) -> Batch:
         min_p=np.zeros(num_seqs, np.float32),
         seed=np.zeros(num_seqs, np.uint32),
         output_index=zeros_b,
-        num_logprobs=zeros_b,
         carry_index=np.full(num_seqs, -1, np.int32),
         **unprocessed(num_seqs),
     )

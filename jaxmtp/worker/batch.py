@@ -37,7 +37,6 @@ class Batch:
     min_p: jax.Array  # [B] float32
     seed: jax.Array  # [B] uint32
     output_index: jax.Array  # [B] int32 tokens generated so far (keys the sampler)
-    num_logprobs: jax.Array  # [B] int32 top logprobs asked for (0: none)
     # logits processing (jaxmtp/worker/logits_processors.py): the request's LogitsState row, or -1
     # for a request that asks for none
     state_slot: jax.Array  # [B] int32
@@ -59,7 +58,7 @@ class Batch:
 # instead of one per field (each costs host time every step). Field order below.
 INT_FIELDS = (
     "input_ids", "positions", "slot_mapping", "query_start", "kv_len", "page_table", "sample_index",
-    "num_drafts", "has_output", "next_chunk_token", "top_k", "seed", "output_index", "num_logprobs",
+    "num_drafts", "has_output", "next_chunk_token", "top_k", "seed", "output_index",
     "state_slot", "min_tokens", "carry_index", "recurrent_slot",
 )
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -348,7 +347,6 @@ def build_batch(
         min_p=per_request([p.min_p for p in params], np.float32),
         seed=per_request([seq.seed for seq in seqs], np.uint32),
         output_index=per_request([len(seq.output_token_ids) for seq in seqs], np.int32),
-        num_logprobs=per_request([p.logprobs or 0 for p in params], np.int32),
         state_slot=per_request([seq.state_slot if seq.params.processes_logits else -1 for seq in seqs], np.int32, -1),
         min_tokens=per_request([p.min_tokens for p in params], np.int32),
         repetition_penalty=per_request([p.repetition_penalty for p in params], np.float32, 1.0),

@@ -48,7 +48,7 @@ def prompt_logprobs(params, cfg, hidden, batch, num_top: int, mesh) -> PromptLog
         if mesh is not None:
             logits = gather_vocab(logits, mesh)
         # every row of the block is scored: the top alternatives are always asked for
-        chosen, rank, top_values, top_ids = chosen_logprobs(logits, target, num_top, jnp.ones(1, jnp.int32))
+        chosen, rank, top_values, top_ids = chosen_logprobs(logits, target, num_top)
         if not num_top:
             top_values, top_ids = jnp.zeros((block, 0), chosen.dtype), jnp.zeros((block, 0), jnp.int32)
         return chosen, rank, top_values, top_ids

@@ -19,26 +19,27 @@ NEG_INF = -jnp.inf
 def filter_logits(logits, temperature, top_k, top_p, min_p):
     """Temperature, top-k, top-p and min-p over logits [N, V] with per-row params [N].
     Returns logits of the distribution to sample from (masked entries -inf)."""
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    # restricted unconditionally: a row without top-k, top-p or min-p keeps every token,
+    # and skipping the sort under a lax.cond would stall the step on the host (docs/architecture.md)
+    return restrict(logits / jnp.maximum(temperature, 1e-6)[:, None], top_k, top_p, min_p)
 
-    def restrict(x):
-        vocab = x.shape[-1]
-        desc = -jnp.sort(-x, axis=-1)
-        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-        desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, NEG_INF)
-        probs = jax.nn.softmax(desc, axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (at least one token)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # top_p = 1 keeps everything: a float32 cumsum can reach 1 before the tail
-        keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-        keep &= probs >= min_p[:, None] * probs[:, :1]
-        keep = keep.at[:, 0].set(True)
-        cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-        return jnp.where((x >= cutoff) & (x >= kth), x, NEG_INF)
 
-    needs_restriction = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
-    return jax.lax.cond(needs_restriction, restrict, lambda x: x, scaled)
+def restrict(x, top_k, top_p, min_p):
+    """Scaled logits [N, V] with the tokens outside each row's top-k, top-p and min-p at -inf."""
+    vocab = x.shape[-1]
+    desc = -jnp.sort(-x, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+    desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, NEG_INF)
+    probs = jax.nn.softmax(desc, axis=-1)
+    # keep the smallest prefix whose mass reaches top_p (at least one token)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # top_p = 1 keeps everything: a float32 cumsum can reach 1 before the tail
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where((x >= cutoff) & (x >= kth), x, NEG_INF)
 
 
 def row_keys(seed, output_index, num_rows: int):
@@ -80,8 +81,9 @@ def verify_and_sample(logits, drafts, num_drafts, batch):
     greedy = batch.temperature == 0.0
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     sampling = (batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.seed, batch.output_index)
-    # an all-greedy batch (the common serving case) skips the random draws and sorts
-    sampled = jax.lax.cond(jnp.all(greedy), lambda *_: argmax, _sample_rows, logits, sampling)
+    # an all-greedy batch without logprobs or logits processing runs a greedy shape,
+    # which leaves this out (step._verify); here the greedy rows take the argmax
+    sampled = _sample_rows(logits, sampling)
     return accept_drafts(jnp.where(greedy[:, None], argmax, sampled.astype(jnp.int32)), drafts, num_drafts)
 
 
@@ -98,18 +100,16 @@ def accept_drafts(tokens, drafts, num_drafts):
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
-def chosen_logprobs(logits, tokens, num_top: int, num_requested):
+def chosen_logprobs(logits, tokens, num_top: int):
     """Log-probabilities (of the raw model distribution) of tokens [B, R], their ranks
     (1 + the number of logits strictly greater than the token's, as vLLM ranks a chosen
-    token), and the top num_top alternatives per row, computed only when some request
-    asked for them."""
+    token), and the top num_top alternatives per row (num_top: the most the engine serves,
+    the same whether or not a request of the batch asked for them)."""
     logp = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     chosen_logits = jnp.take_along_axis(logits, tokens[..., None], axis=-1)
     ranks = jnp.sum(logits > chosen_logits, axis=-1, dtype=jnp.int32) + 1
     if num_top == 0:
         return chosen, ranks, None, None
-    shape = logp.shape[:-1] + (num_top,)
-    none = lambda x: (jnp.zeros(shape, x.dtype), jnp.zeros(shape, jnp.int32))  # noqa: E731
-    top_values, top_ids = jax.lax.cond(jnp.any(num_requested > 0), lambda x: tuple(jax.lax.top_k(x, num_top)), none, logp)
+    top_values, top_ids = jax.lax.top_k(logp, num_top)  # without a branch, as filter_logits
     return chosen, ranks, top_values, top_ids

@@ -205,7 +205,7 @@ def _verify(params: Params, hidden: jax.Array, batch: Batch, logits_state: Logit
     logits = process_logits(logits, logits_state, batch, drafts_in)
     tokens, num_accepted = verify_and_sample(logits, drafts_in, batch.num_drafts, batch)
     logits_state = record_emitted(logits_state, batch, tokens, num_accepted)
-    logprobs, ranks, top_values, top_ids = chosen_logprobs(raw_logits, tokens, config.num_top_logprobs, batch.num_logprobs)
+    logprobs, ranks, top_values, top_ids = chosen_logprobs(raw_logits, tokens, config.num_top_logprobs)
     return tokens, num_accepted, logits_state, logprobs, ranks, top_values, top_ids
 
 
