@@ -376,3 +376,14 @@ def test_dispatch_times_a_bare_program_and_the_engines_step_per_argument(tmp_pat
     # a constrained step's second program is timed apart, in the loop and with the device idle
     assert one_masked["finish_dispatch_ms"] > 0 and one_masked["idle_finish_ms"] > 0
     assert one["finish_dispatch_ms"] == one["idle_finish_ms"] == 0
+
+
+def test_sampling_stages_timed_for_every_batch_and_row_count(tmp_path):
+    run_script("sampling.py", "--batches", "1,3", "--rows", "1,2", "--vocab", "300", "--calls", "2", "--out", str(tmp_path))
+    results = json.loads((tmp_path / "sampling.json").read_text())
+    stages = {"argmax", "scale_gumbel_argmax", "restrict", "top_logprobs", "verify_and_sample"}
+    for b, r in ((1, 1), (1, 2), (3, 1), (3, 2)):
+        rows = [row for row in results["rows"] if (row["batch"], row["rows"]) == (b, r)]
+        assert {row["stage"] for row in rows} == stages
+        assert all(row["us_queued"] > 0 and row["us_alone_median"] > 0 for row in rows)
+    assert results["vocab"] == 300 and (tmp_path / "sampling.md").exists()
