@@ -555,12 +555,10 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
     from test_moe_mtp import ENGINE, L, make_mtp_checkpoint
     from tolerances import assert_within, logprob_bound
 
-    seed = int(rng.integers(1 << 30))
-    folder = make_mtp_checkpoint(tmp_path / "ds", "deepseek-qlora-yarn", seed, qk_rope_head_dim=16)[0]
-    prompts = [random_prompt(rng, 13), random_prompt(rng, 9)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     runs, logprobs, engines = {}, {}, {}
-    for backend in ("reference", "pallas_interpret"):
+
+    def run(backend: str, folder, prompts) -> None:
         # a budget of 8 tokens (a chunk and a verify): fewer step shapes to compile in interpret mode
         llm = LLM(folder, attention_backend=backend, num_speculative_tokens=2, prefill_chunk_size=5,
                   **{**ENGINE, "max_num_batched_tokens": 8})
@@ -569,13 +567,25 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs[backend] = [(o.outputs[0].token_ids, o.spec_stats["accepted_per_position"]) for o in outs]
         logprobs[backend] = [[next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in outs]
+
+    # a checkpoint whose drafts are accepted somewhere, so that the per-position acceptance
+    # compared below says something: a random one can fall into a loop of one token that
+    # its MTP layer never drafts (seed 880571809 did), and then the next seed is drawn
+    for attempt in range(3):
+        seed = int(rng.integers(1 << 30))
+        folder = make_mtp_checkpoint(tmp_path / f"ds{attempt}", "deepseek-qlora-yarn", seed, qk_rope_head_dim=16)[0]
+        prompts = [random_prompt(rng, 13), random_prompt(rng, 9)]
+        run("reference", folder, prompts)
+        if sum(sum(accepted) for _, accepted in runs["reference"]) > 0:
+            break
+    assert sum(sum(accepted) for _, accepted in runs["reference"]) > 0, (f"seed={seed}", runs["reference"])
+    run("pallas_interpret", folder, prompts)
     assert runs["pallas_interpret"] == runs["reference"], f"seed={seed}"
     # two float32 evaluations of the model's logprobs, each within logprob_bound of exact
     # (L main layers; sums of at most 64 terms, as test_moe_mtp.latent_bound says)
     logits = np.concatenate([prompt_logits(engines["reference"], p + tokens[:-1])
                              for p, (tokens, _) in zip(prompts, runs["reference"])])
     assert_within(logprobs["pallas_interpret"], logprobs["reference"], 2 * logprob_bound(logits, L, 64), f"seed={seed}")
-    assert sum(sum(accepted) for _, accepted in runs["reference"]) > 0  # drafts were verified and accepted
 
 
 def test_routed_fp8_experts_pass_their_scales_to_the_grouped_calls():

@@ -199,10 +199,10 @@ class BatchShape:
     num_tokens: int  # T
     num_seqs: int  # B
     # Every request greedy, none asking for top logprobs or logits processing: the step is
-    # compiled without the sampling, top-logprob and logits-processing branches (a masked
-    # step's greedy program masks the logits before the argmax). As lax.conds they cost a
-    # device-to-host read of the predicate per step wherever XLA runs them from the host
-    # (the batch-1 step on the H200 did), which stalls the launch queue.
+    # compiled without sampling, top logprobs and logits processing (a masked step's greedy
+    # program masks the logits before the argmax). A general shape runs them all, without
+    # a branch: XLA:GPU runs a lax.cond from the host, reading its predicate back each
+    # step, which stalls the launch queue.
     greedy: bool = True
     # P: the page table's width, a bucket of the longest scheduled request's pages (the
     # attention kernel's KV range and split count follow it); None: the widest
