@@ -249,3 +249,22 @@ def test_bfloat16_deepseek_within_bf16_tolerance(tmp_path, rng):
     assert (str(llm.engine.cache.k[0].dtype), str(moe.router.dtype), str(moe.router_bias.dtype)) == ("bfloat16", "float32", "float32")
     ours = np.abs(prompt_logits(llm.engine, ids) - expected).mean()
     assert ours <= 1.3 * theirs, (ours, theirs, seed)
+
+
+def test_an_mla_step_has_no_conditional_and_a_decode_batch_no_prefill_call(tmp_path, rng, monkeypatch):
+    """An MLA layer chooses its calls statically: a decode-only shape (every request at
+    most k + 1 rows) traces the decode call alone, a shape that takes prefill rows both,
+    and neither program has a conditional (XLA:GPU runs one from the host: two a layer
+    when the calls were branches)."""
+    from jaxmtp.models import mla
+
+    folder, _ = make_moe_model(tmp_path / "ds", "deepseek-qlora-yarn", seed=int(rng.integers(1 << 30)), num_layers=2)
+    runner = LLM(folder, max_num_seqs=2, max_num_batched_tokens=8, page_size=4, load_format="dummy").engine.runner
+    expanded, traced, compiled = mla.mla_expanded_attention_reference, [], {}
+    monkeypatch.setattr(mla, "mla_expanded_attention_reference", lambda *a, **kw: traced.append(1) or expanded(*a, **kw))
+    for longest_run in (1, 3):
+        traced.clear()
+        shape = runner.buckets.shape_for(4, 2, longest_run=longest_run)
+        compiled[shape.decode_only] = (runner.lower_step(shape).compile().as_text(), len(traced))
+    assert compiled[True][1] == 0 and compiled[False][1] > 0
+    assert not any(" conditional(" in text for text, _ in compiled.values())

@@ -204,3 +204,23 @@ def test_constrained_and_prompt_logprob_requests_wait_in_the_queue_while_their_k
     programs.wait()
     again = llm.generate([p for p, _ in requests.values()], [s for _, s in requests.values()], use_tqdm=False)
     assert [finished[r].outputs[0].token_ids for r in requests] == token_ids(again)
+
+
+def test_decode_only_shapes_hold_every_decode_batch_and_no_prefill_chunk():
+    """With MLA (BucketPlan.decode_rows) a batch whose requests run at most k + 1 rows
+    each gets a decode-only shape, which all_shapes lists (so the server compiles it
+    ahead); such a shape holds no batch with a longer run, and a dense model's plan
+    makes none."""
+    plan = BucketPlan(64, 16, max_pages_per_seq=33, decode_rows=3)
+    every = set(plan.all_shapes())
+    for seqs in range(1, 17):
+        for rows in range(seqs, 3 * seqs + 1):
+            shape = plan.shape_for(rows, seqs, longest_run=min(3, rows - seqs + 1))
+            assert shape.decode_only and shape in every, (rows, seqs)
+    decode, mixed = plan.shape_for(6, 2, longest_run=3), plan.shape_for(6, 2, longest_run=4)
+    assert (decode.num_tokens, decode.num_seqs) == (mixed.num_tokens, mixed.num_seqs) and not mixed.decode_only
+    assert mixed.holds(decode) and not decode.holds(mixed)
+    dense = BucketPlan(64, 16, max_pages_per_seq=33)
+    assert not dense.shape_for(2, 2, longest_run=1).decode_only
+    assert not any(shape.decode_only for shape in dense.all_shapes())
+    assert len(every) < 2 * len(dense.all_shapes())  # decode-only sizes only where a decode batch can take them

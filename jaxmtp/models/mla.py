@@ -52,16 +52,18 @@ def resolve_mla_backend(name: str, kv_lora_rank: int, rope_dim: int) -> str:
     return name
 
 
-def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -> MLAAttentionFn:
+def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, prefill_rows: bool = True) -> MLAAttentionFn:
     """(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
     page_table, query_start, w_uk, w_uv, *, sm_scale) -> (out [T, Hq, Dv], latent_pages,
     rope_pages): writes this step's latent and rope key rows into their slots, then
     attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
     draft rows) are decode rows, longer runs (prefill chunks) prefill rows; the reference
     takes the absorbed form for the first and the expanded one for the second, the
-    kernel the absorbed form for both, in one call each. A step with both kinds of rows
-    runs each kind's call where some row is of that kind and picks per row (the kernel
-    computes its kind's rows alone, the references all rows). "auto" on a GPU takes the
+    kernel the absorbed form for both, in one call each. Without prefill_rows (a batch
+    of decode rows alone, BatchShape.decode_only) only the decode call runs; with them
+    both run, unconditionally, and each row takes its kind's (the kernel computes its
+    kind's rows alone, the references all rows): a lax.cond would have XLA:GPU read its
+    predicate on the host, twice a layer. "auto" on a GPU takes the
     kernel's decode call at its measured tiling, or XLA's absorbed form where
     kernels/mla_paths.json measured that faster (per shape, batch and context bucket,
     read at trace time). With a mesh, each device runs it on its own q heads and a
@@ -72,9 +74,8 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
                          page_table, query_start, w_uk, w_uv, *, sm_scale):
         latent_pages, rope_pages = write_kv(latent_pages, rope_pages, slot_mapping, latent[:, None], rope_key[:, None])
         cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
-        seq, owned = row_ownership(query_start, q_nope.shape[0])
+        seq, _ = row_ownership(query_start, q_nope.shape[0])
         is_decode_row = (query_start[1:] - query_start[:-1])[seq] <= decode_rows
-        out_shape = q_nope.shape[:2] + (w_uv.shape[-1],)
         kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
 
         def absorbed(prefill: bool):
@@ -95,13 +96,10 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None) -
                 return mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
             return absorbed(prefill=True)
 
-        def skipped():
-            return jnp.zeros(out_shape, q_nope.dtype)
-
-        # each kind's call only where some row is of that kind
-        decode_out = jax.lax.cond(jnp.any(is_decode_row & owned), lambda: absorbed(prefill=False), skipped)
-        prefill_out = jax.lax.cond(jnp.any(~is_decode_row & owned), prefill_form, skipped)
-        return jnp.where(is_decode_row[:, None, None], decode_out, prefill_out), latent_pages, rope_pages
+        decode_out = absorbed(prefill=False)
+        if not prefill_rows:
+            return decode_out, latent_pages, rope_pages
+        return jnp.where(is_decode_row[:, None, None], decode_out, prefill_form()), latent_pages, rope_pages
 
     return write_and_attend if mesh is None else shard_mla_over_heads(write_and_attend, mesh)
 

@@ -213,6 +213,10 @@ class BatchShape:
     # some request is constrained (structured outputs): the step runs as two programs,
     # the second taking the verify rows' token bitmasks (jaxmtp/worker/step.py)
     masked: bool = False
+    # every request's rows this step are decode rows (at most k + 1: decode and verify):
+    # an MLA layer runs its decode call alone (models.mla.mla_attention_fn). Only models
+    # with MLA layers get such shapes (BucketPlan.decode_rows)
+    decode_only: bool = False
 
     def holds(self, other: BatchShape) -> bool:
         """Whether a batch padded to `other` fits this shape too (full shapes): as many
@@ -221,6 +225,7 @@ class BatchShape:
         program may round differently, as when batch composition changes the bucket)."""
         return (self.num_tokens >= other.num_tokens and self.num_seqs >= other.num_seqs
                 and self.pages_per_seq >= other.pages_per_seq and (other.greedy or not self.greedy)
+                and (other.decode_only or not self.decode_only)
                 # the programs differ with these (a masked step is two) or the outputs do (prompt logprobs)
                 and self.masked == other.masked and self.prompt_logprobs == other.prompt_logprobs)
 
@@ -255,9 +260,13 @@ def table_widths(max_pages_per_seq: int) -> list[int]:
 
 class BucketPlan:
     """The fixed shapes the step is compiled for: tokens and requests, powers of two,
-    and the page table's widths."""
+    and the page table's widths; with decode_rows (a model with MLA layers, k + 1), also
+    decode-only shapes, of the sizes a batch of requests with at most decode_rows rows
+    each can take."""
 
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int, min_tokens: int = 8):
+    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int, max_pages_per_seq: int, min_tokens: int = 8,
+                 decode_rows: int | None = None):
+        self.decode_rows = decode_rows
         self.token_sizes = powers_of_two(min(min_tokens, max_num_batched_tokens), max_num_batched_tokens)
         # a step's requests own a row each: never more of them than max_num_batched_tokens
         self.seq_sizes = powers_of_two(1, min(max_num_seqs, max_num_batched_tokens))
@@ -265,14 +274,16 @@ class BucketPlan:
 
     def shape_for(
         self, num_tokens: int, num_seqs: int, greedy: bool = True, num_pages: int = 0, prompt_logprobs: bool = False,
-        masked: bool = False,
+        masked: bool = False, longest_run: int = 0,
     ) -> BatchShape:
         """The smallest shape that holds num_tokens rows of num_seqs requests, the
-        longest holding num_pages pages."""
+        longest holding num_pages pages, the longest run of one request's rows
+        longest_run (decode-only when that is a decode's)."""
         t = next(s for s in self.token_sizes if s >= num_tokens)
         b = next(s for s in self.seq_sizes if s >= num_seqs)
         p = next(w for w in self.table_widths if w >= num_pages)
-        return BatchShape(t, b, greedy, p, prompt_logprobs, masked)
+        decode_only = self.decode_rows is not None and longest_run <= self.decode_rows
+        return BatchShape(t, b, greedy, p, prompt_logprobs, masked, decode_only)
 
     def seq_sizes_for(self, num_tokens: int) -> list[int]:
         # every request owns at least one row, so B never exceeds T
@@ -281,12 +292,18 @@ class BucketPlan:
     def all_shapes(self, masked: bool = False, prompt_logprobs: bool = False) -> list[BatchShape]:
         """Smallest first, of one kind (OTHER_KINDS)."""
         return [
-            BatchShape(t, b, greedy, p, prompt_logprobs, masked)
+            BatchShape(t, b, greedy, p, prompt_logprobs, masked, decode_only)
             for t in self.token_sizes
             for b in self.seq_sizes_for(t)
+            for decode_only in (True, False) if not decode_only or self._decode_only_fits(t, b)
             for greedy in (True, False)
             for p in self.table_widths
         ]
+
+    def _decode_only_fits(self, t: int, b: int) -> bool:
+        """Whether shape_for gives a decode-only batch of b requests (its bucket) t rows:
+        the smallest bucket, or one under b requests' decode rows."""
+        return self.decode_rows is not None and (t == self.token_sizes[0] or t // 2 < b * self.decode_rows)
 
     def largest(self, masked: bool = False, prompt_logprobs: bool = False) -> BatchShape:
         """The shape that holds every batch of its kind the scheduler can make."""

@@ -56,8 +56,9 @@ def use_persistent_cache(path: str) -> None:
 
 def run_cost(shape: BatchShape) -> tuple:
     """Orders the shapes that hold a batch: fewest rows, then requests, then table
-    width; the greedy program (no sampling branches) before the general one."""
-    return shape.num_tokens, shape.num_seqs, shape.pages_per_seq, not shape.greedy
+    width; the greedy program (no sampling) before the general one, a decode-only one
+    (no MLA prefill call) before one that takes prefill rows."""
+    return shape.num_tokens, shape.num_seqs, shape.pages_per_seq, not shape.greedy, not shape.decode_only
 
 
 class StepPrograms:

@@ -83,7 +83,8 @@ class ModelRunner:
                          + recurrent_bytes(model_config, self.num_state_snapshots, 1)) // self.mesh.size,
         )
         self.num_pages = self.kv_pool.num_pages
-        self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq)
+        self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq,
+                                  decode_rows=config.num_speculative_tokens + 1 if model_config.mla else None)
         self.step_config = StepConfig(
             model=model_config,
             num_speculative_tokens=config.num_speculative_tokens,
@@ -170,12 +171,12 @@ class ModelRunner:
 
     def shape_for(self, rows: list[ScheduledRows]) -> BatchShape:
         masked = any(item.seq.grammar is not None for item in rows)
-        greedy = all(
-            p.temperature == 0 and p.logprobs is None and not p.processes_logits for p in (item.seq.params for item in rows)
-        )
+        greedy = all(p.temperature == 0 and p.logprobs is None and not p.processes_logits
+                     for p in (item.seq.params for item in rows))
         num_pages = max((len(item.seq.pages) for item in rows), default=0)
         prompt = any(item.seq.wants_prompt_logprobs for item in rows)
-        return self.buckets.shape_for(sum(len(item.token_ids) for item in rows), len(rows), greedy, num_pages, prompt, masked)
+        runs = [len(item.token_ids) for item in rows]
+        return self.buckets.shape_for(sum(runs), len(rows), greedy, num_pages, prompt, masked, max(runs, default=0))
 
     def host_batch(self, rows: list[ScheduledRows], shape: BatchShape) -> tuple[np.ndarray, np.ndarray]:
         """The packed batch (ints, floats) of rows padded to shape."""

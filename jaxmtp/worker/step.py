@@ -82,7 +82,7 @@ def step(
     logprobs or for logits processing (BatchShape.greedy)."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
         batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
-        cache, recurrent, hidden = _main_forward(params, cache, recurrent, batch, config)
+        cache, recurrent, hidden = _main_forward(params, cache, recurrent, batch, shape, config)
         return _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidden, None, oracle_tokens,
                                  shape, config)
 
@@ -96,7 +96,7 @@ def forward(params: Params, cache: KVCache, recurrent: RecurrentState, carry: Ca
     while it runs."""
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
         batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
-        return _main_forward(params, cache, recurrent, batch, config)
+        return _main_forward(params, cache, recurrent, batch, shape, config)
 
 
 def finish(params: Params, cache: KVCache, recurrent: RecurrentState, logits_state: LogitsState, carry: Carry,
@@ -129,17 +129,19 @@ def _batch_in(ints, floats, carry, shape: BatchShape, config: StepConfig, page_s
         return apply_carry(batch, carry, page_size)
 
 
-def _layer_ops(config: StepConfig):
+def _layer_ops(shape: BatchShape, config: StepConfig):
     # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
-    return model.layer_ops(config.model, config.attention_backend, config.mesh, decode_rows=config.num_speculative_tokens + 1)
+    return model.layer_ops(config.model, config.attention_backend, config.mesh,
+                           decode_rows=config.num_speculative_tokens + 1, prefill_rows=not shape.decode_only)
 
 
-def _main_forward(params, cache, recurrent, batch, config: StepConfig):
+def _main_forward(params, cache, recurrent, batch, shape: BatchShape, config: StepConfig):
     with jax.named_scope("main_forward"):
         if config.model.hybrid is None:
-            hidden, cache = model.forward(params, config.model, batch, cache, _layer_ops(config))
+            hidden, cache = model.forward(params, config.model, batch, cache, _layer_ops(shape, config))
         else:
-            hidden, cache, recurrent = hybrid.forward(params, config.model, batch, cache, recurrent, _layer_ops(config))
+            hidden, cache, recurrent = hybrid.forward(params, config.model, batch, cache, recurrent,
+                                                      _layer_ops(shape, config))
     if config.mesh is not None:  # as finish's compiled program takes it (ModelRunner.lower_programs)
         hidden = jax.lax.with_sharding_constraint(hidden, replicated(config.mesh))
     return cache, constrain_recurrent(recurrent, config.mesh), hidden
@@ -160,7 +162,7 @@ def _sample_and_draft(params, cache, recurrent, logits_state, carry, batch, hidd
     with jax.named_scope("draft"):
         if k:
             drafts, cache, boundary = mtp.propose(
-                params, cfg, hidden, batch, tokens, num_accepted, cache, _layer_ops(config), k, config.mtp_boundary,
+                params, cfg, hidden, batch, tokens, num_accepted, cache, _layer_ops(shape, config), k, config.mtp_boundary,
                 config.mesh,
             )
             if oracle_tokens is not None:  # before the carry: the next step's carried rows read it
