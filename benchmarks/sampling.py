@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxmtp.worker.sampling import restrict, row_keys, verify_and_sample  # noqa: E402
+from jaxmtp.worker.sampling import restrict, row_keys, top_k_by_chunks, verify_and_sample  # noqa: E402
 
 TOP_LOGPROBS = 20
 
@@ -63,6 +63,8 @@ def stages(b: int, r: int) -> dict:
         "restrict": lambda logits: restrict(logits.reshape(b * r, -1), rep(jnp.full((b,), 50, jnp.int32)),
                                             rep(jnp.full((b,), 0.95, jnp.float32)), rep(batch.min_p)),
         "top_logprobs": lambda logits: jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS),
+        **{f"top_logprobs_chunks_{chunk}": (lambda chunk: lambda logits: top_k_by_chunks(
+            jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS, chunk))(chunk) for chunk in (512, 2048, 8192)},
         "verify_and_sample": lambda logits: verify_and_sample(logits, jnp.zeros((b, r - 1), jnp.int32),
                                                               jnp.full((b,), r - 1, jnp.int32), batch),
     }
@@ -90,6 +92,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2", help="verify rows per request R = k+1 (default: 1,2)")
     parser.add_argument("--vocab", type=int, default=128256, help="vocabulary size (default: 128256, Llama 3)")
     parser.add_argument("--calls", type=int, default=50, help="calls timed per stage (default: 50)")
+    parser.add_argument("--stages", help="comma-separated stages to time, by name prefix (default: all)")
     parser.add_argument("--out", default="docs/benchmarks", help="output folder when $OUT is unset (default: docs/benchmarks)")
     args = parser.parse_args()
     results = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -100,6 +103,8 @@ def main() -> None:
             key, sub = jax.random.split(key)
             logits = 4 * jax.random.normal(sub, (b, r, args.vocab), jnp.float32)
             for name, fn in stages(b, r).items():
+                if args.stages and not name.startswith(tuple(args.stages.split(","))):
+                    continue
                 row = {"batch": b, "rows": r, "stage": name, **time_stage(fn, logits, args.calls)}
                 results["rows"].append(row)
                 print(row, flush=True)

@@ -12,7 +12,7 @@ from scipy import stats
 
 from conftest import STORIES
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.worker.sampling import filter_logits, verify_and_sample
+from jaxmtp.worker.sampling import filter_logits, top_k_by_chunks, verify_and_sample
 from tolerances import assert_within, softmax_relative
 
 
@@ -125,3 +125,19 @@ def test_n_samples_per_prompt_differ():
     out = llm.generate([[1]], SamplingParams(max_tokens=20, temperature=1.0, n=3, seed=5), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+
+
+def test_top_k_by_chunks_equals_lax_top_k_ties_included(rng):
+    """The top logprobs' two-pass top-k gives lax.top_k's values and indices, ties to the
+    lower index: integer logits (ties everywhere), chunks smaller than k, equal to the
+    axis and larger, and an axis that is not a multiple of the chunk."""
+    import jax
+
+    for shape, k, chunk in [((3, 1000), 20, 64), ((2, 3, 1003), 20, 100), ((4, 50), 5, 8), ((2, 37), 20, 16),
+                            ((1, 300), 20, 512), ((2, 256), 20, 256)]:
+        x = rng.integers(-4, 5, size=shape).astype(np.float32)
+        want = jax.lax.top_k(jnp.asarray(x), k)
+        got = top_k_by_chunks(jnp.asarray(x), k, chunk)
+        for w, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=str((shape, k, chunk)))
+

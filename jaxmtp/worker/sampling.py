@@ -111,5 +111,26 @@ def chosen_logprobs(logits, tokens, num_top: int):
     ranks = jnp.sum(logits > chosen_logits, axis=-1, dtype=jnp.int32) + 1
     if num_top == 0:
         return chosen, ranks, None, None
-    top_values, top_ids = jax.lax.top_k(logp, num_top)  # without a branch, as filter_logits
+    rows = logp.size // logp.shape[-1]
+    top_values, top_ids = top_k_by_chunks(logp, num_top, TOP_K_CHUNK_FEW_ROWS if rows < 32 else TOP_K_CHUNK)
     return chosen, ranks, top_values, top_ids
+
+
+# top_k_by_chunks' chunk for the top logprobs, from benchmarks/sampling.py on the H200
+# (docs/benchmarks, 2026-12-04, the top 20 over 128256 tokens, us a call): 1 row 93 with
+# chunks of 2048 against 154 for lax.top_k alone (and 169 with 512); 32 rows 242 with 512,
+# 269 with 2048, 976 alone; 256 rows 1558 with 512, 1868 with 2048, 2311 alone.
+TOP_K_CHUNK_FEW_ROWS, TOP_K_CHUNK = 2048, 512
+
+
+def top_k_by_chunks(x, k: int, chunk: int):
+    """lax.top_k(x, k) over the last axis, exactly (ties to the lower index), in two
+    passes: the top k of each chunk of the axis, then of those candidates."""
+    *lead, v = x.shape
+    num_chunks = -(-v // chunk)
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_chunks * chunk - v)], constant_values=-jnp.inf)
+    values, ids = jax.lax.top_k(padded.reshape(*lead, num_chunks, chunk), min(k, chunk))
+    ids = ids + (jnp.arange(num_chunks) * chunk)[:, None]
+    values, pick = jax.lax.top_k(values.reshape(*lead, -1), k)
+    return values, jnp.take_along_axis(ids.reshape(*lead, -1), pick, axis=-1)
+
