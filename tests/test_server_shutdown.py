@@ -90,7 +90,9 @@ def test_connections_that_send_no_whole_request_are_closed(server):
 def test_a_client_that_leaves_before_its_response_is_aborted_cleanly(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=0.5)
-    assert server.wait_for_metric("jaxmtp_kv_pages_used", 0, timeout=5) == 0
+    # (the server compiles its shapes in the background meanwhile, on a CPU the suite's
+    # other worker shares: an abort has taken over 5 s there, so the bound is generous)
+    assert server.wait_for_metric("jaxmtp_kv_pages_used", 0, timeout=30) == 0
     log = server.log_path.read_text()
     assert "Traceback" not in log and "InvalidStateError" not in log, log[-3000:]
 
