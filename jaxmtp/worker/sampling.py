@@ -100,6 +100,14 @@ def accept_drafts(tokens, drafts, num_drafts):
     return tokens.astype(jnp.int32), num_accepted.astype(jnp.int32)
 
 
+# top_k_by_chunks' chunk for the top logprobs, from benchmarks/sampling.py on the H200
+# (docs/benchmarks, 2026-12-04, the top 20 over 128256 tokens, us a call): 1 row 93 with
+# chunks of 2048 against 154 for lax.top_k alone (and 169 with 512); 32 rows 242 with 512,
+# 269 with 2048, 976 alone; 256 rows 1558 with 512, 1868 with 2048, 2311 alone.
+TOP_K_MANY_ROWS = 32  # rows from which TOP_K_CHUNK is the faster
+TOP_K_CHUNK_FEW_ROWS, TOP_K_CHUNK = 2048, 512
+
+
 def chosen_logprobs(logits, tokens, num_top: int):
     """Log-probabilities (of the raw model distribution) of tokens [B, R], their ranks
     (1 + the number of logits strictly greater than the token's, as vLLM ranks a chosen
@@ -112,15 +120,8 @@ def chosen_logprobs(logits, tokens, num_top: int):
     if num_top == 0:
         return chosen, ranks, None, None
     rows = logp.size // logp.shape[-1]
-    top_values, top_ids = top_k_by_chunks(logp, num_top, TOP_K_CHUNK_FEW_ROWS if rows < 32 else TOP_K_CHUNK)
+    top_values, top_ids = top_k_by_chunks(logp, num_top, TOP_K_CHUNK_FEW_ROWS if rows < TOP_K_MANY_ROWS else TOP_K_CHUNK)
     return chosen, ranks, top_values, top_ids
-
-
-# top_k_by_chunks' chunk for the top logprobs, from benchmarks/sampling.py on the H200
-# (docs/benchmarks, 2026-12-04, the top 20 over 128256 tokens, us a call): 1 row 93 with
-# chunks of 2048 against 154 for lax.top_k alone (and 169 with 512); 32 rows 242 with 512,
-# 269 with 2048, 976 alone; 256 rows 1558 with 512, 1868 with 2048, 2311 alone.
-TOP_K_CHUNK_FEW_ROWS, TOP_K_CHUNK = 2048, 512
 
 
 def top_k_by_chunks(x, k: int, chunk: int):
@@ -133,4 +134,3 @@ def top_k_by_chunks(x, k: int, chunk: int):
     ids = ids + (jnp.arange(num_chunks) * chunk)[:, None]
     values, pick = jax.lax.top_k(values.reshape(*lead, -1), k)
     return values, jnp.take_along_axis(ids.reshape(*lead, -1), pick, axis=-1)
-
