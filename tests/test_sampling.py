@@ -12,28 +12,27 @@ from scipy import stats
 
 from conftest import STORIES
 from jaxmtp import LLM, SamplingParams
-from jaxmtp.worker.sampling import filter_logits, top_k_by_chunks, verify_and_sample
+from jaxmtp.worker.sampling import _ordered_keys, filter_logits, restrict, top_k_by_chunks, verify_and_sample
 from tolerances import assert_within, softmax_relative
 
 
 def numpy_filtered_probs(logits, temperature, top_k, top_p, min_p, margin=None):
-    """The distribution sampling should draw from, in float64. With margin=[] it also
-    records how close each top-p / min-p decision came to its threshold."""
+    """The distribution sampling should draw from, in float64: the tokens at or above the
+    k-th largest value (ties kept), of those the ones whose greater-valued tokens hold less
+    than top_p of their mass, and of those the ones of probability >= min_p times the
+    largest. With margin=[] it also records how close each top-p / min-p decision came
+    to its threshold."""
     x = logits.astype(np.float64) / temperature
-    order = np.argsort(-x)
-    keep = np.zeros_like(x, bool)
-    k = top_k if top_k > 0 else len(x)
-    kept = order[:k]
-    p = np.exp(x[kept] - x[kept].max())
-    p /= p.sum()
-    mass_before = np.cumsum(p) - p
-    ok = (mass_before < top_p) & (p >= min_p * p.max())
-    ok[0] = True
+    k = min(top_k, len(x)) if top_k > 0 else len(x)
+    in_top_k = x >= np.sort(x)[::-1][k - 1]
+    mass = np.where(in_top_k, np.exp(x - x.max()), 0.0)
+    mass /= mass.sum()
+    mass_greater = (mass[None, :] * (x[None, :] > x[:, None])).sum(axis=1)
+    keep = in_top_k & ((mass_greater < top_p) | (top_p >= 1.0)) & (mass >= min_p * mass.max())
     if margin is not None and top_p < 1.0:
-        margin.append(np.abs(mass_before - top_p).min())
+        margin.append(np.abs(mass_greater[in_top_k] - top_p).min())
     if margin is not None and min_p > 0.0:
-        margin.append(np.abs(p - min_p * p.max()).min())
-    keep[kept[ok]] = True
+        margin.append(np.abs(mass - min_p * mass.max())[in_top_k].min())
     probs = np.where(keep, np.exp(x - x.max()), 0.0)
     return probs / probs.sum()
 
@@ -62,10 +61,21 @@ def g_test(observed: np.ndarray, expected_probs: np.ndarray) -> tuple[float, int
 CASES = [(1.0, -1, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.3, -1, 0.8, 0.0), (1.0, -1, 1.0, 0.05), (0.9, 20, 0.6, 0.02)]
 
 
-def test_filters_match_numpy_reference(rng):
+# the logits of a test row: continuous, or few values with many tokens each (as bfloat16
+# logits have), so that top-k and top-p thresholds fall inside groups of equal values
+LOGITS = {"normal": lambda rng, shape: rng.normal(0, 3, size=shape),
+          # a step whose probability ratios stay clear of CASES' min-p (0.5 lands on e^-3 ~ 0.05)
+          "ties": lambda rng, shape: rng.integers(-6, 7, size=shape) * 0.41}
+
+
+@pytest.mark.parametrize("values", LOGITS)
+@pytest.mark.parametrize("digit_bits", [None, 1, 2, 8])
+def test_filters_match_numpy_reference(rng, values, digit_bits):
+    """filter_logits (restrict at its default digit, or another the benchmark times) keeps
+    the reference's tokens with the reference's probabilities."""
     vocab = 300
-    while True:  # float32 and float64 may decide differently right at a threshold
-        logits = rng.normal(0, 3, size=(len(CASES), vocab)).astype(np.float32)
+    for _ in range(50):  # float32 and float64 may decide differently right at a threshold
+        logits = LOGITS[values](rng, (len(CASES), vocab)).astype(np.float32)
         # the filter's float32 softmax, and the test's own of its result: twice one's error
         relative = 2 * softmax_relative(float(np.abs(logits).max()) / min(c[0] for c in CASES), vocab)
         margins = []
@@ -73,15 +83,30 @@ def test_filters_match_numpy_reference(rng):
             numpy_filtered_probs(logits[row], *case, margin=margins)
         if min(margins) > 2 * relative:  # top-p's mass and min-p's ratio, each within relative
             break
-    t, k, p, m = (np.array(c) for c in zip(*CASES))
-    got = np.asarray(filter_logits(jnp.asarray(logits), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
-                                   jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32)))
+    else:
+        pytest.fail(f"no draw of {values} logits clear of CASES' thresholds")
+    t, k, p, m = (jnp.asarray(np.array(c), dtype) for c, dtype in
+                  zip(zip(*CASES), (jnp.float32, jnp.int32, jnp.float32, jnp.float32)))
+    if digit_bits is None:
+        got = np.asarray(filter_logits(jnp.asarray(logits), t, k, p, m))
+    else:
+        got = np.asarray(restrict(jnp.asarray(logits) / t[:, None], k, p, m, digit_bits))
     for row, case in enumerate(CASES):
         expected = numpy_filtered_probs(logits[row], *case)
         got_probs = np.exp(got[row] - got[row].max())
         got_probs /= got_probs.sum()
-        np.testing.assert_array_equal(got_probs > 0, expected > 0)
+        np.testing.assert_array_equal(got_probs > 0, expected > 0, f"case {row}")
         assert_within(got_probs, expected, relative * expected, f"case {row}")
+
+
+def test_ordered_keys_sort_as_the_values(rng):
+    """restrict's uint32 keys order as their float32 values, -0.0 equal to 0.0 (subnormal
+    values left out: XLA flushes them to zero, keys and comparisons alike)."""
+    x = np.concatenate([rng.normal(0, 10, 200), rng.normal(0, 1e-30, 50), [0.0, -0.0, np.inf, -np.inf, 1e38, -1e38]])
+    x = rng.permutation(x).astype(np.float32)
+    keys = np.asarray(_ordered_keys(jnp.asarray(x)[None]))[0]
+    order = lambda v: np.greater.outer(v, v).astype(int) - np.less.outer(v, v)  # noqa: E731
+    np.testing.assert_array_equal(order(keys), order(x))
 
 
 @pytest.mark.parametrize("case", CASES[:3] + CASES[4:])

@@ -24,22 +24,63 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
     return restrict(logits / jnp.maximum(temperature, 1e-6)[:, None], top_k, top_p, min_p)
 
 
-def restrict(x, top_k, top_p, min_p):
-    """Scaled logits [N, V] with the tokens outside each row's top-k, top-p and min-p at -inf."""
+# restrict's digit: a threshold search tries 2**RESTRICT_DIGIT_BITS values of the threshold's
+# next digit in one pass over the row (32 / RESTRICT_DIGIT_BITS passes a search). Not yet
+# timed on a GPU against the sort it replaced (benchmarks/sampling.py: restrict_digits_*).
+RESTRICT_DIGIT_BITS = 4
+
+
+def restrict(x, top_k, top_p, min_p, digit_bits: int = RESTRICT_DIGIT_BITS):
+    """Scaled logits [N, V] with the tokens outside each row's top-k, top-p and min-p at -inf.
+
+    A token is kept when its value is at least the row's k-th largest (ties with it kept,
+    as vLLM's top-k keeps them), the tokens of greater value hold less than top_p of the
+    top-k tokens' mass (the smallest set of values reaching top_p, every token of its
+    last value included) and its probability is at least min_p times the largest. Both
+    thresholds are found by a search over the values' bits instead of a sort over the
+    vocabulary: a few passes over the row that each count (or weigh) the tokens at or
+    above 2**digit_bits candidate thresholds."""
+    x = x.astype(jnp.float32)
     vocab = x.shape[-1]
-    desc = -jnp.sort(-x, axis=-1)
+    keys = _ordered_keys(x)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], desc, NEG_INF)
-    probs = jax.nn.softmax(desc, axis=-1)
-    # keep the smallest prefix whose mass reaches top_p (at least one token)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    # top_p = 1 keeps everything: a float32 cumsum can reach 1 before the tail
-    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where((x >= cutoff) & (x >= kth), x, NEG_INF)
+    kth = _largest_key_reaching(keys, None, k, digit_bits)
+    in_top_k = keys >= kth[:, None]
+    weight = jnp.where(in_top_k, jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)), 0.0)  # the largest weighs 1
+    # top_p = 1 keeps everything: a float32 sum can reach the whole mass before the tail
+    mass_cutoff = _largest_key_reaching(keys, weight, top_p * jnp.sum(weight, axis=-1), digit_bits)
+    cutoff = jnp.where(top_p >= 1.0, kth, jnp.maximum(mass_cutoff, kth))
+    keep = (keys >= cutoff[:, None]) & (weight >= min_p[:, None])
+    return jnp.where(keep, x, NEG_INF)
+
+
+def _ordered_keys(x):
+    """float32 [N, V] -> uint32 keys in the values' order (-0.0 as 0.0): the sign bit set
+    on non-negative values, every bit flipped on negative ones."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _largest_key_reaching(keys, weight, target, digit_bits: int):
+    """Per row, the largest t with (the count of keys >= t, or with `weight` [N, V] >= 0
+    their weight) >= target [N], built a digit at a time from the top bits: the digit is
+    the largest of its 2**digit_bits values whose threshold still reaches the target
+    (the total falls as the threshold rises). A row whose target its whole total misses
+    (a float32 sum can round under top_p times itself) gets 0, keeping every key."""
+    if 32 % digit_bits:
+        raise ValueError(f"digit_bits must divide 32, got {digit_bits}")
+    digits = jnp.arange(2**digit_bits, dtype=jnp.uint32)
+    found = jnp.zeros(keys.shape[:-1], jnp.uint32)
+    for shift in range(32 - digit_bits, -1, -digit_bits):
+        candidates = found[:, None] | (digits[None, :] << shift)  # [N, D]
+        above = keys[:, None, :] >= candidates[:, :, None]  # [N, D, V], fused into the sums
+        if weight is None:
+            total = jnp.sum(above, axis=-1, dtype=jnp.int32)
+        else:
+            total = jnp.sum(jnp.where(above, weight[:, None, :], 0.0), axis=-1)
+        reached = jnp.sum(total >= target[:, None], axis=-1, dtype=jnp.uint32)  # a prefix of the digits
+        found = found | (jnp.maximum(reached, 1) - 1) << shift
+    return found
 
 
 def row_keys(seed, output_index, num_rows: int):
