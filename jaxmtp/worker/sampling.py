@@ -25,9 +25,12 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
 
 
 # restrict's digit: a threshold search tries 2**RESTRICT_DIGIT_BITS values of the threshold's
-# next digit in one pass over the row (32 / RESTRICT_DIGIT_BITS passes a search). Not yet
-# timed on a GPU against the sort it replaced (benchmarks/sampling.py: restrict_digits_*).
-RESTRICT_DIGIT_BITS = 4
+# next digit in one pass over the rows (32 / RESTRICT_DIGIT_BITS passes a search), each
+# pass a reduction that reads the rows once per value tried. 1 and 2 bits were the
+# fastest on the CPU (benchmarks/sampling.py, 32 rows of 128256: 168-190 ms a call, 4 bits
+# 355-368, the sort alone 826); on a GPU the widths are timed by the same script's
+# restrict_digits_* stages, not yet run there.
+RESTRICT_DIGIT_BITS = 2
 
 
 def restrict(x, top_k, top_p, min_p, digit_bits: int = RESTRICT_DIGIT_BITS):
