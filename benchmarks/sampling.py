@@ -7,7 +7,7 @@ Over logits [B * R, V] (B requests, R = k+1 verify rows, V a real vocabulary: Ll
 - argmax: a greedy row's choice;
 - scale_gumbel_argmax: temperature, the Gumbel-max sample keyed per row (no filter);
 - restrict: top-k / top-p / min-p on scaled logits, as the engine runs it (a search over
-  the values' bits, RESTRICT_DIGIT_BITS a pass); restrict_digits_{1,2,4,8}: the other digit
+  the values' bits, RESTRICT_DIGIT_BITS a pass); restrict_digits_{1,2,4}: the other digit
   widths (fewer candidates a pass, more passes, or the reverse);
 - sort: a sort of each row over the vocabulary, the core of the restriction before the
   search (its floor: the search must beat it);
@@ -69,7 +69,7 @@ def stages(b: int, r: int) -> dict:
         "argmax": lambda logits: jnp.argmax(logits, axis=-1),
         "scale_gumbel_argmax": scale_gumbel_argmax,
         "restrict": restrict_by(RESTRICT_DIGIT_BITS),
-        **{f"restrict_digits_{bits}": restrict_by(bits) for bits in (1, 2, 4, 8) if bits != RESTRICT_DIGIT_BITS},
+        **{f"restrict_digits_{bits}": restrict_by(bits) for bits in (1, 2, 4) if bits != RESTRICT_DIGIT_BITS},
         "sort": lambda logits: jnp.sort(logits.reshape(b * r, -1), axis=-1),
         "top_logprobs": lambda logits: jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS),
         **{f"top_logprobs_chunks_{chunk}": (lambda chunk: lambda logits: top_k_by_chunks(

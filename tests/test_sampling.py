@@ -69,7 +69,7 @@ LOGITS = {"normal": lambda rng, shape: rng.normal(0, 3, size=shape),
 
 
 @pytest.mark.parametrize("values", LOGITS)
-@pytest.mark.parametrize("digit_bits", [None, 1, 4, 8])
+@pytest.mark.parametrize("digit_bits", [None, 2, 4])
 def test_filters_match_numpy_reference(rng, values, digit_bits):
     """filter_logits (restrict at its default digit, or another the benchmark times) keeps
     the reference's tokens with the reference's probabilities."""

@@ -25,12 +25,13 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
 
 
 # restrict's digit: a threshold search tries 2**RESTRICT_DIGIT_BITS values of the threshold's
-# next digit in one pass over the rows (32 / RESTRICT_DIGIT_BITS passes a search), each
-# pass a reduction that reads the rows once per value tried. 1 and 2 bits were the
-# fastest on the CPU (benchmarks/sampling.py, 32 rows of 128256: 168-190 ms a call, 4 bits
-# 355-368, the sort alone 826); on a GPU the widths are timed by the same script's
+# next digit in one pass over the rows (32 / RESTRICT_DIGIT_BITS passes a search), one
+# reduction per value above 0 over the same keys. 1 bit was the fastest on the CPU
+# (benchmarks/sampling.py, 32 rows of 128256: 62 ms a call, 2 bits 134, 4 bits 354, the
+# sort alone 817; docs/benchmarks, 2026-12-04); on a GPU, where sibling reductions run as
+# one kernel and fewer passes may win, the widths are timed by the same script's
 # restrict_digits_* stages, not yet run there.
-RESTRICT_DIGIT_BITS = 2
+RESTRICT_DIGIT_BITS = 1
 
 
 def restrict(x, top_k, top_p, min_p, digit_bits: int = RESTRICT_DIGIT_BITS):
@@ -68,21 +69,23 @@ def _largest_key_reaching(keys, weight, target, digit_bits: int):
     """Per row, the largest t with (the count of keys >= t, or with `weight` [N, V] >= 0
     their weight) >= target [N], built a digit at a time from the top bits: the digit is
     the largest of its 2**digit_bits values whose threshold still reaches the target
-    (the total falls as the threshold rises). A row whose target its whole total misses
-    (a float32 sum can round under top_p times itself) gets 0, keeping every key."""
+    (the total falls as the threshold rises). A row whose target no threshold above 0
+    reaches gets 0, keeping every key (the whole total may round under top_p times
+    itself)."""
     if 32 % digit_bits:
         raise ValueError(f"digit_bits must divide 32, got {digit_bits}")
-    digits = jnp.arange(2**digit_bits, dtype=jnp.uint32)
     found = jnp.zeros(keys.shape[:-1], jnp.uint32)
     for shift in range(32 - digit_bits, -1, -digit_bits):
-        candidates = found[:, None] | (digits[None, :] << shift)  # [N, D]
-        above = keys[:, None, :] >= candidates[:, :, None]  # [N, D, V], fused into the sums
-        if weight is None:
-            total = jnp.sum(above, axis=-1, dtype=jnp.int32)
-        else:
-            total = jnp.sum(jnp.where(above, weight[:, None, :], 0.0), axis=-1)
-        reached = jnp.sum(total >= target[:, None], axis=-1, dtype=jnp.uint32)  # a prefix of the digits
-        found = found | (jnp.maximum(reached, 1) - 1) << shift
+        # one reduction over the rows per candidate digit: siblings over the same keys, that
+        # XLA:GPU fuses into one kernel (a broadcast [N, digits, V] would be read once a digit)
+        # (digit 0's threshold is the one found so far, which reaches: not summed again)
+        digit = jnp.zeros_like(found)  # the digits above 0 whose threshold reaches: a prefix
+        for value in range(1, 2**digit_bits):
+            above = keys >= (found | jnp.uint32(value << shift))[:, None]
+            total = jnp.sum(above, axis=-1, dtype=jnp.int32) if weight is None else jnp.sum(
+                jnp.where(above, weight, 0.0), axis=-1)
+            digit += (total >= target).astype(jnp.uint32)
+        found = found | digit << shift
     return found
 
 
