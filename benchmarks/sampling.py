@@ -6,11 +6,10 @@ Over logits [B * R, V] (B requests, R = k+1 verify rows, V a real vocabulary: Ll
 128256 by default), float32 as the step holds them, it times per call:
 - argmax: a greedy row's choice;
 - scale_gumbel_argmax: temperature, the Gumbel-max sample keyed per row (no filter);
-- restrict: top-k / top-p / min-p on scaled logits, as the engine runs it (a search over
-  the values' bits, RESTRICT_DIGIT_BITS a pass); restrict_digits_{1,2,4}: the other digit
-  widths (fewer candidates a pass, more passes, or the reverse);
-- sort: a sort of each row over the vocabulary, the core of the restriction before the
-  search (its floor: the search must beat it);
+- restrict: top-k / top-p / min-p on scaled logits, as the engine runs it on this platform
+  (sampling.RESTRICT_SEARCH_FROM_ROWS); restrict_sort and restrict_search_{1,2,4}: each
+  of its forms (a sort of each row, or a search over the values' bits at 1, 2 or 4 bits
+  a pass), which set that table and RESTRICT_DIGIT_BITS;
 - top_logprobs: log_softmax and the top 20 (an OpenAI request's most);
 - verify_and_sample: the engine's function for a batch at temperature 0.7 without
   restriction, branches and all.
@@ -34,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxmtp.worker.sampling import RESTRICT_DIGIT_BITS, restrict, row_keys, top_k_by_chunks, verify_and_sample  # noqa: E402
+from jaxmtp.worker.sampling import restrict, row_keys, top_k_by_chunks, verify_and_sample  # noqa: E402
 
 TOP_LOGPROBS = 20
 
@@ -61,16 +60,16 @@ def stages(b: int, r: int) -> dict:
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (scaled.shape[-1],)))(keys)
         return jnp.argmax(scaled + gumbel, axis=-1)
 
-    def restrict_by(digit_bits):  # top-k 50 and top-p 0.95, as a request restricting both
+    def restrict_by(**form):  # top-k 50 and top-p 0.95, as a request restricting both
         return lambda logits: restrict(logits.reshape(b * r, -1), rep(jnp.full((b,), 50, jnp.int32)),
-                                       rep(jnp.full((b,), 0.95, jnp.float32)), rep(batch.min_p), digit_bits)
+                                       rep(jnp.full((b,), 0.95, jnp.float32)), rep(batch.min_p), **form)
 
     return {
         "argmax": lambda logits: jnp.argmax(logits, axis=-1),
         "scale_gumbel_argmax": scale_gumbel_argmax,
-        "restrict": restrict_by(RESTRICT_DIGIT_BITS),
-        **{f"restrict_digits_{bits}": restrict_by(bits) for bits in (1, 2, 4) if bits != RESTRICT_DIGIT_BITS},
-        "sort": lambda logits: jnp.sort(logits.reshape(b * r, -1), axis=-1),
+        "restrict": restrict_by(),
+        "restrict_sort": restrict_by(search=False),
+        **{f"restrict_search_{bits}": restrict_by(search=True, digit_bits=bits) for bits in (1, 2, 4)},
         "top_logprobs": lambda logits: jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS),
         **{f"top_logprobs_chunks_{chunk}": (lambda chunk: lambda logits: top_k_by_chunks(
             jax.nn.log_softmax(logits, axis=-1), TOP_LOGPROBS, chunk))(chunk) for chunk in (512, 2048, 8192)},

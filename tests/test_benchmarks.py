@@ -380,9 +380,9 @@ def test_dispatch_times_a_bare_program_and_the_engines_step_per_argument(tmp_pat
 
 def test_sampling_stages_timed_for_every_batch_and_row_count(tmp_path):
     run_script("sampling.py", "--batches", "1,3", "--rows", "1,2", "--vocab", "300", "--calls", "2", "--out", str(tmp_path),
-               "--stages", "argmax,restrict,sort,top_logprobs_chunks_512,verify")
+               "--stages", "argmax,restrict,top_logprobs_chunks_512,verify")
     results = json.loads((tmp_path / "sampling.json").read_text())
-    stages = {"argmax", "restrict", "restrict_digits_2", "restrict_digits_4", "sort",
+    stages = {"argmax", "restrict", "restrict_sort", "restrict_search_1", "restrict_search_2", "restrict_search_4",
               "top_logprobs_chunks_512", "verify_and_sample"}
     for b, r in ((1, 1), (1, 2), (3, 1), (3, 2)):
         rows = [row for row in results["rows"] if (row["batch"], row["rows"]) == (b, r)]

@@ -58,45 +58,70 @@ def g_test(observed: np.ndarray, expected_probs: np.ndarray) -> tuple[float, int
     return float(stats.chi2.sf(g, max(len(obs) - 1, 1))), len(obs)
 
 
-CASES = [(1.0, -1, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.3, -1, 0.8, 0.0), (1.0, -1, 1.0, 0.05), (0.9, 20, 0.6, 0.02)]
+CASES = [(1.0, -1, 1.0, 0.0), (0.7, 10, 1.0, 0.0), (1.3, -1, 0.8, 0.0), (1.0, -1, 1.0, 0.05), (0.9, 20, 0.6, 0.02),
+         (1.0, 6, 0.9, 0.0)]
 
 
-# the logits of a test row: continuous, or few values with many tokens each (as bfloat16
-# logits have), so that top-k and top-p thresholds fall inside groups of equal values
+# the logits of a test row: continuous, or rounded to a grid (as bfloat16 logits are), so
+# that groups of equal values, a few tokens each at the top, straddle the k-th largest and
+# the top-p cutoff; a grid step whose probability ratios stay clear of CASES' min-p (a
+# step of 0.5 puts e^-3 ~ 0.05 next to it)
 LOGITS = {"normal": lambda rng, shape: rng.normal(0, 3, size=shape),
-          # a step whose probability ratios stay clear of CASES' min-p (0.5 lands on e^-3 ~ 0.05)
-          "ties": lambda rng, shape: rng.integers(-6, 7, size=shape) * 0.41}
+          "ties": lambda rng, shape: np.round(rng.normal(0, 3, size=shape) / 0.41) * 0.41}
+
+
+# filter_logits (the engine's restriction on this platform), and each of restrict's:
+# the sort, and the search at 1, 2 and 4 bits a pass (benchmarks/sampling.py times them)
+METHODS = {"engine": None, "sort": dict(search=False),
+           **{f"search-{bits}": dict(search=True, digit_bits=bits) for bits in (1, 2, 4)}}
 
 
 @pytest.mark.parametrize("values", LOGITS)
-@pytest.mark.parametrize("digit_bits", [None, 2, 4])
-def test_filters_match_numpy_reference(rng, values, digit_bits):
-    """filter_logits (restrict at its default digit, or another the benchmark times) keeps
-    the reference's tokens with the reference's probabilities."""
-    vocab = 300
+@pytest.mark.parametrize("method", METHODS)
+def test_filters_match_numpy_reference(rng, values, method):
+    """Every restriction keeps the reference's tokens with the reference's probabilities."""
+    vocab, rows = 300, len(CASES) * 8  # each case on 8 rows: a tie at a threshold is in some
+    cases = CASES * 8
     for _ in range(50):  # float32 and float64 may decide differently right at a threshold
-        logits = LOGITS[values](rng, (len(CASES), vocab)).astype(np.float32)
+        logits = LOGITS[values](rng, (rows, vocab)).astype(np.float32)
         # the filter's float32 softmax, and the test's own of its result: twice one's error
         relative = 2 * softmax_relative(float(np.abs(logits).max()) / min(c[0] for c in CASES), vocab)
         margins = []
-        for row, case in enumerate(CASES):
+        for row, case in enumerate(cases):
             numpy_filtered_probs(logits[row], *case, margin=margins)
         if min(margins) > 2 * relative:  # top-p's mass and min-p's ratio, each within relative
             break
     else:
         pytest.fail(f"no draw of {values} logits clear of CASES' thresholds")
     t, k, p, m = (jnp.asarray(np.array(c), dtype) for c, dtype in
-                  zip(zip(*CASES), (jnp.float32, jnp.int32, jnp.float32, jnp.float32)))
-    if digit_bits is None:
+                  zip(zip(*cases), (jnp.float32, jnp.int32, jnp.float32, jnp.float32)))
+    if METHODS[method] is None:
         got = np.asarray(filter_logits(jnp.asarray(logits), t, k, p, m))
     else:
-        got = np.asarray(restrict(jnp.asarray(logits) / t[:, None], k, p, m, digit_bits))
-    for row, case in enumerate(CASES):
+        got = np.asarray(restrict(jnp.asarray(logits) / t[:, None], k, p, m, **METHODS[method]))
+    for row, case in enumerate(cases):
         expected = numpy_filtered_probs(logits[row], *case)
         got_probs = np.exp(got[row] - got[row].max())
         got_probs /= got_probs.sum()
-        np.testing.assert_array_equal(got_probs > 0, expected > 0, f"case {row}")
-        assert_within(got_probs, expected, relative * expected, f"case {row}")
+        np.testing.assert_array_equal(got_probs > 0, expected > 0, f"row {row}, case {case}")
+        assert_within(got_probs, expected, relative * expected, f"row {row}, case {case}")
+
+
+def test_the_restriction_follows_the_platform_table(monkeypatch):
+    """filter_logits sorts on a platform RESTRICT_SEARCH_FROM_ROWS does not list, and
+    from the listed row count on searches instead."""
+    import jax
+
+    from jaxmtp.worker import sampling
+
+    def sorts(rows: int) -> bool:
+        args = (jnp.zeros((rows, 64)), jnp.ones(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.zeros(rows))
+        return "stablehlo.sort" in jax.jit(filter_logits).lower(*args).as_text()
+
+    monkeypatch.setattr(sampling, "RESTRICT_SEARCH_FROM_ROWS", {})
+    assert sorts(1) and sorts(8)
+    monkeypatch.setattr(sampling, "RESTRICT_SEARCH_FROM_ROWS", {jax.default_backend(): 4})
+    assert sorts(3) and not sorts(4)
 
 
 def test_ordered_keys_sort_as_the_values(rng):
@@ -125,9 +150,9 @@ def test_sample_distribution_matches_filtered_softmax(rng, case):
     counts = np.bincount(np.asarray(tokens[:, 0]), minlength=vocab)
     expected = numpy_filtered_probs(logits, *case)
     assert np.all(counts[expected == 0] == 0)
-    # a G-test: each of the four cases fails by chance with probability <= 1e-4 / 4
+    # a G-test: each of the five cases fails by chance with probability <= 1e-4 / 5
     p, bins = g_test(counts, expected)
-    assert p >= 1e-4 / 4 / 2, f"p={p:.2e} over {bins} bins"
+    assert p >= 1e-4 / 5 / 2, f"p={p:.2e} over {bins} bins"
 
 
 def test_seeds_reproduce_and_differ_whatever_the_batch():

@@ -24,38 +24,54 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
     return restrict(logits / jnp.maximum(temperature, 1e-6)[:, None], top_k, top_p, min_p)
 
 
-# restrict's digit: a threshold search tries 2**RESTRICT_DIGIT_BITS values of the threshold's
-# next digit in one pass over the rows (32 / RESTRICT_DIGIT_BITS passes a search), one
-# reduction per value above 0 over the same keys. 1 bit was the fastest on the CPU
-# (benchmarks/sampling.py, 32 rows of 128256: 62 ms a call, 2 bits 134, 4 bits 354, the
-# sort alone 817; docs/benchmarks, 2026-12-04); on a GPU, where sibling reductions run as
-# one kernel and fewer passes may win, the widths are timed by the same script's
-# restrict_digits_* stages, not yet run there.
+# Which restriction a platform runs, from benchmarks/sampling.py (docs/benchmarks,
+# 2026-12-04): the fewest rows from which the threshold search beat the sort; a platform
+# not listed sorts. On the CPU the search won at every shape measured (1 row 4.5 ms against
+# 25.9 for the sort alone, 32 rows 61 against 819); on the H200 only the sort is timed
+# yet (0.95-1.1 ms a call at 32 rows of 128256, 0.11 ms at 1 row).
+RESTRICT_SEARCH_FROM_ROWS = {"cpu": 1}
+# The search's digit: it tries 2**RESTRICT_DIGIT_BITS values of the threshold's next digit
+# in one pass over the rows (32 / RESTRICT_DIGIT_BITS passes a search), one reduction per
+# value above 0. 1 bit was the fastest on the CPU (32 rows: 61 ms, 2 bits 137, 4 bits 355);
+# on a GPU, where sibling reductions run as one kernel, fewer passes may win.
 RESTRICT_DIGIT_BITS = 1
 
 
-def restrict(x, top_k, top_p, min_p, digit_bits: int = RESTRICT_DIGIT_BITS):
+def restrict(x, top_k, top_p, min_p, search: bool | None = None, digit_bits: int = RESTRICT_DIGIT_BITS):
     """Scaled logits [N, V] with the tokens outside each row's top-k, top-p and min-p at -inf.
 
     A token is kept when its value is at least the row's k-th largest (ties with it kept,
     as vLLM's top-k keeps them), the tokens of greater value hold less than top_p of the
     top-k tokens' mass (the smallest set of values reaching top_p, every token of its
-    last value included) and its probability is at least min_p times the largest. Both
-    thresholds are found by a search over the values' bits instead of a sort over the
-    vocabulary: a few passes over the row that each count (or weigh) the tokens at or
-    above 2**digit_bits candidate thresholds."""
+    last value included) and its probability is at least min_p times the largest. The
+    two thresholds come from a sort of each row, or (`search`; by default where
+    RESTRICT_SEARCH_FROM_ROWS says) from a search over the values' bits: passes over the
+    row that each count (or weigh) the tokens at or above 2**digit_bits - 1 thresholds."""
     x = x.astype(jnp.float32)
-    vocab = x.shape[-1]
-    keys = _ordered_keys(x)
+    rows, vocab = x.shape
+    if search is None:
+        search = rows >= RESTRICT_SEARCH_FROM_ROWS.get(jax.default_backend(), rows + 1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = _largest_key_reaching(keys, None, k, digit_bits)
-    in_top_k = keys >= kth[:, None]
-    weight = jnp.where(in_top_k, jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)), 0.0)  # the largest weighs 1
     # top_p = 1 keeps everything: a float32 sum can reach the whole mass before the tail
-    mass_cutoff = _largest_key_reaching(keys, weight, top_p * jnp.sum(weight, axis=-1), digit_bits)
-    cutoff = jnp.where(top_p >= 1.0, kth, jnp.maximum(mass_cutoff, kth))
-    keep = (keys >= cutoff[:, None]) & (weight >= min_p[:, None])
-    return jnp.where(keep, x, NEG_INF)
+    whole = top_p >= 1.0
+    if search:
+        keys = _ordered_keys(x)
+        kth = _largest_key_reaching(keys, None, k, digit_bits)
+        weight = jnp.where(keys >= kth[:, None], jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)), 0.0)
+        mass_cutoff = _largest_key_reaching(keys, weight, top_p * jnp.sum(weight, axis=-1), digit_bits)
+        keep = keys >= jnp.where(whole, kth, jnp.maximum(mass_cutoff, kth))[:, None]
+    else:
+        desc = -jnp.sort(-x, axis=-1)
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        desc_weight = jnp.where(desc >= kth, jnp.exp(desc - desc[:, :1]), 0.0)
+        # the mass of the values before each sorted position (a tie group's first position
+        # sees only greater values: the cutoff, the smallest value kept, keeps its group)
+        mass_before = jnp.cumsum(desc_weight, axis=-1) - desc_weight
+        reach = (mass_before < top_p[:, None] * jnp.sum(desc_weight, axis=-1, keepdims=True)) | whole[:, None]
+        cutoff = jnp.min(jnp.where(reach & (desc >= kth), desc, jnp.inf), axis=-1, keepdims=True)
+        weight = jnp.where(x >= kth, jnp.exp(x - desc[:, :1]), 0.0)
+        keep = x >= cutoff
+    return jnp.where(keep & (weight >= min_p[:, None]), x, NEG_INF)
 
 
 def _ordered_keys(x):
