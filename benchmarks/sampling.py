@@ -21,6 +21,7 @@ Writes sampling.json and sampling.md (date, device, JAX version) under $OUT or -
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -94,6 +95,25 @@ def time_stage(fn, logits, calls: int) -> dict:
     return {"us_queued": 1e6 * queued, "us_alone_median": 1e6 * sorted(alone)[len(alone) // 2]}
 
 
+def restriction_choice(rows: list[dict]) -> list[str]:
+    """The restriction's fastest form per row count (queued time), and the table entry it
+    gives sampling.RESTRICT_SEARCH_FROM_ROWS: the fewest rows from which every measured
+    row count's fastest form is a search (none: the sort)."""
+    forms = collections.defaultdict(dict)
+    for row in rows:
+        if row["stage"].startswith("restrict_"):  # (batch x rows counts met twice: the faster)
+            times = forms[row["batch"] * row["rows"]]
+            times[row["stage"]] = min(row["us_queued"], times.get(row["stage"], float("inf")))
+    if not forms:
+        return []
+    fastest = {n: min(times, key=times.get) for n, times in sorted(forms.items())}
+    searching = [n for n in fastest if all(fastest[m] != "restrict_sort" for m in fastest if m >= n)]
+    lines = ["", "| rows of logits | fastest restriction | us a call, queued | the sort |", "|---|---|---|---|"]
+    lines += [f"| {n} | {form} | {forms[n][form]:.1f} | {forms[n].get('restrict_sort', float('nan')):.1f} |"
+              for n, form in fastest.items()]
+    return lines + ["", f"RESTRICT_SEARCH_FROM_ROWS entry: {min(searching) if searching else 'none (the sort)'}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,32,128", help="requests B, comma-separated (default: 1,32,128)")
@@ -123,6 +143,7 @@ def main() -> None:
              "| batch | rows | stage | us a call, queued | us a call, waited for |", "|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['rows']} | {r['stage']} | {r['us_queued']:.1f} | {r['us_alone_median']:.1f} |"
               for r in results["rows"]]
+    lines += restriction_choice(results["rows"])
     (out / "sampling.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -388,4 +388,4 @@ def test_sampling_stages_timed_for_every_batch_and_row_count(tmp_path):
         rows = [row for row in results["rows"] if (row["batch"], row["rows"]) == (b, r)]
         assert {row["stage"] for row in rows} == stages
         assert all(row["us_queued"] > 0 and row["us_alone_median"] > 0 for row in rows)
-    assert results["vocab"] == 300 and (tmp_path / "sampling.md").exists()
+    assert results["vocab"] == 300 and "RESTRICT_SEARCH_FROM_ROWS entry: " in (tmp_path / "sampling.md").read_text()
