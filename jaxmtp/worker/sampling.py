@@ -26,14 +26,14 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
 
 # Which restriction a platform runs, from benchmarks/sampling.py (docs/benchmarks,
 # 2026-12-04): the fewest rows from which the threshold search beat the sort; a platform
-# not listed sorts. On the CPU the search won at every shape measured (1 row 4.5 ms against
-# 25.9 for the sort alone, 32 rows 61 against 819); on the H200 only the sort is timed
-# yet (0.95-1.1 ms a call at 32 rows of 128256, 0.11 ms at 1 row).
+# not listed sorts. On the CPU the search won at every shape measured (128256 tokens a row:
+# 1 row 2.8 ms against 27.3 for the sort, 32 rows 59 against 843); on the H200 only the
+# sort is timed yet (0.95-1.1 ms a call at 32 rows, 0.11 ms at 1 row).
 RESTRICT_SEARCH_FROM_ROWS = {"cpu": 1}
 # The search's digit: it tries 2**RESTRICT_DIGIT_BITS values of the threshold's next digit
 # in one pass over the rows (32 / RESTRICT_DIGIT_BITS passes a search), one reduction per
-# value above 0. 1 bit was the fastest on the CPU (32 rows: 61 ms, 2 bits 137, 4 bits 355);
-# on a GPU, where sibling reductions run as one kernel, fewer passes may win.
+# value above 0. 1 bit was the fastest on the CPU (32 rows: 59 ms, 2 bits 179, 4 bits 350);
+# on a GPU, where XLA may run sibling reductions as one kernel, fewer passes may win.
 RESTRICT_DIGIT_BITS = 1
 
 
@@ -92,9 +92,9 @@ def _largest_key_reaching(keys, weight, target, digit_bits: int):
         raise ValueError(f"digit_bits must divide 32, got {digit_bits}")
     found = jnp.zeros(keys.shape[:-1], jnp.uint32)
     for shift in range(32 - digit_bits, -1, -digit_bits):
-        # one reduction over the rows per candidate digit: siblings over the same keys, that
-        # XLA:GPU fuses into one kernel (a broadcast [N, digits, V] would be read once a digit)
-        # (digit 0's threshold is the one found so far, which reaches: not summed again)
+        # one reduction over the rows per candidate digit: siblings over the same keys, which
+        # XLA may fuse into one pass (a broadcast [N, digits, V] is read once a digit); digit
+        # 0's threshold is the one found so far, which reaches: not summed again
         digit = jnp.zeros_like(found)  # the digits above 0 whose threshold reaches: a prefix
         for value in range(1, 2**digit_bits):
             above = keys >= (found | jnp.uint32(value << shift))[:, None]
