@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -110,8 +111,6 @@ def test_filters_match_numpy_reference(rng, values, method):
 def test_the_restriction_follows_the_platform_table(monkeypatch):
     """filter_logits sorts on a platform RESTRICT_SEARCH_FROM_ROWS does not list, and
     from the listed row count on searches instead."""
-    import jax
-
     from jaxmtp.worker import sampling
 
     def sorts(rows: int) -> bool:
@@ -181,8 +180,6 @@ def test_top_k_by_chunks_equals_lax_top_k_ties_included(rng):
     """The top logprobs' two-pass top-k gives lax.top_k's values and indices, ties to the
     lower index: integer logits (ties everywhere), chunks smaller than k, equal to the
     axis and larger, and an axis that is not a multiple of the chunk."""
-    import jax
-
     for shape, k, chunk in [((3, 1000), 20, 64), ((2, 3, 1003), 20, 100), ((4, 50), 5, 8), ((2, 37), 20, 16),
                             ((1, 300), 20, 512), ((2, 256), 20, 256)]:
         x = rng.integers(-4, 5, size=shape).astype(np.float32)

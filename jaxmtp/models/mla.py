@@ -74,8 +74,6 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, p
                          page_table, query_start, w_uk, w_uv, *, sm_scale):
         latent_pages, rope_pages = write_kv(latent_pages, rope_pages, slot_mapping, latent[:, None], rope_key[:, None])
         cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
-        seq, _ = row_ownership(query_start, q_nope.shape[0])
-        is_decode_row = (query_start[1:] - query_start[:-1])[seq] <= decode_rows
         kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
 
         def absorbed(prefill: bool):
@@ -99,6 +97,8 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, p
         decode_out = absorbed(prefill=False)
         if not prefill_rows:
             return decode_out, latent_pages, rope_pages
+        seq, _ = row_ownership(query_start, q_nope.shape[0])
+        is_decode_row = (query_start[1:] - query_start[:-1])[seq] <= decode_rows
         return jnp.where(is_decode_row[:, None, None], decode_out, prefill_form()), latent_pages, rope_pages
 
     return write_and_attend if mesh is None else shard_mla_over_heads(write_and_attend, mesh)

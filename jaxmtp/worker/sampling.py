@@ -54,10 +54,11 @@ def restrict(x, top_k, top_p, min_p, search: bool | None = None, digit_bits: int
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
     # top_p = 1 keeps everything: a float32 sum can reach the whole mass before the tail
     whole = top_p >= 1.0
+    relative = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # each token's probability over the largest's
     if search:
         keys = _ordered_keys(x)
         kth = _largest_key_reaching(keys, None, k, digit_bits)
-        weight = jnp.where(keys >= kth[:, None], jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)), 0.0)
+        weight = jnp.where(keys >= kth[:, None], relative, 0.0)
         mass_cutoff = _largest_key_reaching(keys, weight, top_p * jnp.sum(weight, axis=-1), digit_bits)
         keep = keys >= jnp.where(whole, kth, jnp.maximum(mass_cutoff, kth))[:, None]
     else:
@@ -69,9 +70,9 @@ def restrict(x, top_k, top_p, min_p, search: bool | None = None, digit_bits: int
         mass_before = jnp.cumsum(desc_weight, axis=-1) - desc_weight
         reach = (mass_before < top_p[:, None] * jnp.sum(desc_weight, axis=-1, keepdims=True)) | whole[:, None]
         cutoff = jnp.min(jnp.where(reach & (desc >= kth), desc, jnp.inf), axis=-1, keepdims=True)
-        weight = jnp.where(x >= kth, jnp.exp(x - desc[:, :1]), 0.0)
         keep = x >= cutoff
-    return jnp.where(keep & (weight >= min_p[:, None]), x, NEG_INF)
+    # (keep holds the top-k alone: min-p needs no top-k mask of its own)
+    return jnp.where(keep & (relative >= min_p[:, None]), x, NEG_INF)
 
 
 def _ordered_keys(x):
