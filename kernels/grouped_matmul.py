@@ -193,13 +193,14 @@ def experts_by_pair(num_pairs: int, gate_up_shape: tuple[int, ...], scale_block:
     return EXPERT_PATHS.get(key, {}).get(row_bucket(num_pairs)) == "paired"
 
 
-def _kernel(groups_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int, block_m: int, block_n: int,
-            block_k: int, swiglu: bool, n: int, split_k: int, scale_block: tuple[int, int] | None, f16_shift: int,
-            paired: bool):
+def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, block_k: int, swiglu: bool, n: int,
+            split_k: int, scale_block: tuple[int, int] | None, f16_shift: int, paired: bool, gathered: bool):
     """out: [M, N] (swiglu: the activated product) with one run of K, else [split_k, M,
     N] float32 partials (swiglu: [split_k, M, 2N], gate then up, activated after).
-    groups_ref: group_sizes [G], or paired each row's group [M]. refs: (scale_inv
-    [G * ceil(K / bk), (2 x) ceil(N / bn)], out) for an fp8 rhs, else (out,)."""
+    groups_ref: group_sizes [G], or paired each row's group [M]. refs: (rows, if
+    gathered,) lhs, rhs, (scale_inv [G * ceil(K / bk), (2 x) ceil(N / bn)], for an fp8
+    rhs,) out."""
+    rows_ref, lhs_ref, rhs_ref, *refs = refs if gathered else (None, *refs)
     scale_ref, out_ref = refs if scale_block else (None, *refs)
     m_block, n_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_total = lhs_ref.shape[1]
@@ -213,7 +214,8 @@ def _kernel(groups_ref, rows_ref, lhs_ref, rhs_ref, *refs, num_groups: int, bloc
     tile = jnp.arange(block_m, dtype=jnp.int32)
     row = first_row + tile
     row_ok = tile < rows_here
-    source = plgpu.load(rows_ref.at[row], mask=row_ok, other=0)
+    # without rows, sorted row i is lhs row i (no index array: a kernel fewer to build it)
+    source = plgpu.load(rows_ref.at[row], mask=row_ok, other=0) if gathered else jnp.where(row_ok, row, 0)
     col = n_block * block_n + jnp.arange(block_n, dtype=jnp.int32)
     depth = jnp.arange(block_k, dtype=jnp.int32)
     lhs_mask = jnp.broadcast_to(row_ok[:, None], (block_m, block_k))
@@ -289,9 +291,9 @@ def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_in
     f16_shift = F16_SHIFT if scale_block is not None and lhs.dtype == jnp.bfloat16 else 0
     kernel = functools.partial(_kernel, num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
                                block_k=config.block_k, swiglu=swiglu, n=n, split_k=config.split_k,
-                               scale_block=scale_block, f16_shift=f16_shift, paired=paired)
-    rows = jnp.arange(num_rows, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
-    operands = [groups.astype(jnp.int32), rows, lhs, rhs.reshape(num_groups * k, -1)]
+                               scale_block=scale_block, f16_shift=f16_shift, paired=paired, gathered=rows is not None)
+    operands = [groups.astype(jnp.int32)] + ([] if rows is None else [rows.astype(jnp.int32)])
+    operands += [lhs, rhs.reshape(num_groups * k, -1)]
     if scale_block is not None:
         operands.append(scale_inv.astype(jnp.float32).reshape(num_groups * scales[1], -1))
     split = config.split_k > 1
