@@ -20,8 +20,9 @@ while the runner is built and the step traced).
         [--batch 1] [--k 0] [--layers 2,3] [--out DIR]
 
 Needs the CUDA plugin of jax (`pip install "jax[cuda12]"`, or jax-cuda13-plugin and
-jax-cuda13-pjrt at the installed jax's version), no GPU. Writes step_kernels.json and
-prints the table.
+jax-cuda13-pjrt at the installed jax's version), no GPU. Writes step_kernels.json (the
+counts, and each compiled step's launched instructions in order: name, kind, op_name)
+and prints the table.
 """
 
 from __future__ import annotations
@@ -160,16 +161,17 @@ def main() -> None:
 
     config = model_configs()[args.model]
     mesh = h200_mesh(args.target)
-    counts = {}
+    counts, instructions = {}, {}
     for layers in map(int, args.layers.split(",")):
-        counts[layers] = summary(launched(step_hlo({**config, "num_hidden_layers": layers}, args.batch, args.k, mesh)))
+        instructions[layers] = launched(step_hlo({**config, "num_hidden_layers": layers}, args.batch, args.k, mesh))
+        counts[layers] = summary(instructions[layers])
     low, high = sorted(counts)
     per_layer = (counts[high]["kernels"] - counts[low]["kernels"]) / (high - low)
     total = counts[low]["kernels"] + per_layer * (config["num_hidden_layers"] - low)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
               "jax": jax.__version__, "target": args.target.name, "model": args.model, "batch": args.batch,
               "k": args.k, "counts": counts, "kernels_per_layer": per_layer,
-              "kernels_per_step": total, "layers": config["num_hidden_layers"]}
+              "kernels_per_step": total, "layers": config["num_hidden_layers"], "instructions": instructions}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "step_kernels.json").write_text(json.dumps(result, indent=1))
     print(f"{args.model} batch {args.batch} k={args.k} ({args.target.name}, jax {jax.__version__}): "
