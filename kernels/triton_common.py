@@ -73,8 +73,11 @@ def merge_splits(acc, row_max, row_sum, owned=None):
     overall_max = jnp.max(row_max, axis=0)
     overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
     weight = jnp.exp2(row_max - overall_max)
-    total = jnp.sum(weight * row_sum, axis=0)
-    out = jnp.sum(weight[..., None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)[:, None]
+    # the sums as one more column of acc: one reduction over the splits, not two (XLA
+    # fuses the concatenation into it)
+    both = jnp.sum(weight[..., None] * jnp.concatenate([acc, row_sum[..., None]], axis=-1), axis=0)
+    total = both[:, -1:]
+    out = both[:, :-1] / jnp.where(total > 0, total, 1.0)
     return out if owned is None else jnp.where(owned[:, None], out, 0.0)
 
 

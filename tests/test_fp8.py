@@ -264,7 +264,11 @@ def test_deepseek_v3_fp8_matches_transformers_and_mtp_drafts_exactly(deepseek_fp
     moe, mla = plain.engine.params.layers[1].moe, plain.engine.params.layers[1].mla
     assert moe.experts_gate_up.weight.dtype == FP8 and moe.experts_gate_up.block == (1, 16, 1, 32)
     assert moe.router.dtype == np.float32 and not isinstance(moe.router, Fp8Weight)
-    assert all(isinstance(w, Fp8Weight) for w in (mla.q_a_proj, mla.q_b_proj, mla.kv_a_proj, mla.kv_b_proj))
+    assert all(isinstance(w, Fp8Weight) for w in (mla.q_a_proj, mla.q_b_proj, mla.kv_a_proj))
+    # the absorbed form's weights, dequantized once while read (the step reads them whole)
+    m, heads = plain.engine.model_config.mla, plain.engine.model_config.num_heads
+    assert mla.kv_b_proj.dtype == np.float32
+    assert mla.kv_b_proj.shape == (m.qk_nope_head_dim + m.v_head_dim, heads, m.kv_lora_rank)
     ids = [1] + rng.integers(3, 97, size=29).tolist()
     hf32 = transformers_model(twin, torch.float32)
     truth = transformers_logits(transformers_model(twin, torch.float64), ids)
@@ -469,3 +473,31 @@ def test_fp8_q_k_and_v_merge_with_their_scales_where_the_kernels_run(tmp_path, m
         np.testing.assert_array_equal(np.asarray(ours.in_major_weight.astype(np.float32)),
                                       np.asarray(theirs.weight.astype(np.float32)))
         np.testing.assert_array_equal(np.asarray(ours.scale_inv), np.asarray(theirs.scale_inv))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_kv_b_proj_reads_as_its_absorbed_halves_in_any_block(tmp_path, rng, fp8):
+    """MLA's kv_b_proj, stored [Hq*(Dn + Dv), R] head by head, read as [Dn + Dv, Hq, R]
+    (W_UK's rows, then W_UV's) in any block a device's shard asks for; fp8 in 8 x 16
+    blocks of stored rows x columns, which straddle the heads' 10 rows, dequantized as
+    read. Against the whole tensor dequantized and regrouped in float64."""
+    from jaxmtp.loading.tensor_source import TensorSource
+    from jaxmtp.models.quantization import Fp8BlockConfig
+
+    heads, per_head, rank, block = 3, 10, 40, (8, 16)
+    w = torch.tensor(rng.standard_normal((heads * per_head, rank))).float()
+    tensors = {"attn.kv_b_proj.weight": w}
+    if fp8:  # each block scaled apart, so that a scale applied to the wrong block shows
+        spread = torch.tensor(2.0 ** rng.uniform(-2, 2, [-(-n // b) for n, b in zip(w.shape, block)]))
+        q, scale = quantize(w.double() * per_block(spread, block, w.shape), block)
+        tensors = {"attn.kv_b_proj.weight": q, "attn.kv_b_proj.weight_scale_inv": scale}
+        w = dequantize(q, scale, block)  # in float32, as the read dequantizes
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    src = TensorSource(tmp_path)
+    ref = src.absorbed_ref("attn.kv_b_proj", heads, Fp8BlockConfig(block_in=block[1], block_out=block[0]))
+    whole = w.double().numpy().reshape(heads, per_head, rank).transpose(1, 0, 2)
+    assert ref.shape == whole.shape
+    for d, h, r in [(slice(None), slice(None), slice(None)), (slice(3, 10), slice(1, 3), slice(5, 37)),
+                    (slice(0, 4), slice(2, 3), slice(16, 40))]:
+        got = src.read(ref, (d, h, r), np.float64)
+        np.testing.assert_array_equal(got, whole[d, h, r], err_msg=f"block {d, h, r}")

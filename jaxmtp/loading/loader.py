@@ -114,7 +114,7 @@ def _mla_refs(src: TensorSource, attn: str, cfg: ModelConfig) -> MLAParams:
     return MLAParams(
         kv_a_proj=proj("kv_a_proj_with_mqa"),
         kv_a_norm=src.ref(f"{attn}.kv_a_layernorm.weight"),
-        kv_b_proj=proj("kv_b_proj"),
+        kv_b_proj=src.absorbed_ref(f"{attn}.kv_b_proj", cfg.num_heads, cfg.quantization),
         q_proj=proj("q_proj", not lora),
         q_a_proj=proj("q_a_proj", lora),
         q_a_norm=src.ref(f"{attn}.q_a_layernorm.weight") if lora else None,

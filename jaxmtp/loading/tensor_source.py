@@ -78,6 +78,24 @@ class ConcatRef:
         return self.parts[0].dtype
 
 
+@dataclasses.dataclass(frozen=True)
+class AbsorbedRef:
+    """MLA's kv_b_proj as the engine keeps it (MLAParams.kv_b_proj: [Dn + Dv, Hq, R]),
+    from the stored [Hq*(Dn + Dv), R] rows, head by head; a float8_e4m3fn one with its
+    weight_scale_inv (blocks of `block` stored rows x columns) dequantized as it is read."""
+
+    weight: TensorRef  # as stored: [Hq*(Dn + Dv), R]
+    heads: int
+    scale: TensorRef | None = None  # as stored: [ceil(rows / block[0]), ceil(R / block[1])]
+    block: tuple[int, int] = (1, 1)
+    dtype = None  # the model's dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        rows, rank = self.weight.shape
+        return rows // self.heads, self.heads, rank
+
+
 def slice_ref(ref: TensorRef | Fp8Weight, axis: int, lo: int, hi: int) -> TensorRef | Fp8Weight:
     """ref's block lo..hi along engine axis `axis`; an fp8 weight's with its scales,
     where the block is whole scale blocks (else a ValueError naming the tensor)."""
@@ -181,9 +199,23 @@ class TensorSource:
                              f"{name}'s {list(weight.shape[::-1])} need {list(blocks[::-1])}")
         return Fp8Weight(weight, scale, block)
 
-    def read(self, ref: TensorRef | StackedRef | ConcatRef, index: tuple[slice, ...], dtype) -> np.ndarray:
+    def absorbed_ref(self, module: str, heads: int, quantization: Fp8BlockConfig | None) -> AbsorbedRef:
+        """MLA's `{module}.weight` (kv_b_proj) as AbsorbedRef reads it."""
+        name = f"{module}.weight"
+        if name not in self or self.stored_dtype(name) != STORED_FP8:
+            return AbsorbedRef(self.ref(name), heads)  # a missing tensor: ref's error
+        if quantization is None or f"{module}.weight_scale_inv" not in self:
+            raise ValueError(f"{name} is stored as F8_E4M3 without an fp8 quantization_config and its weight_scale_inv")
+        return AbsorbedRef(self.ref(name, dtype=FP8.dtype.name),
+                           heads, self.ref(f"{module}.weight_scale_inv", dtype="float32"),
+                           (quantization.block_out, quantization.block_in))
+
+    def read(self, ref: TensorRef | StackedRef | ConcatRef | AbsorbedRef, index: tuple[slice, ...],
+             dtype) -> np.ndarray:
         """The block `index` (slices over ref.shape, as jax.make_array_from_callback
         asks for one device's shard) of a tensor, read from disk."""
+        if isinstance(ref, AbsorbedRef):
+            return self._read_absorbed(ref, index, dtype)
         if isinstance(ref, StackedRef):
             which, rest = index[ref.axis], index[: ref.axis] + index[ref.axis + 1 :]
             return np.stack([self.read(p, rest, dtype) for p in ref.parts[which]], axis=ref.axis)
@@ -201,6 +233,21 @@ class TensorSource:
         block = np.squeeze(block, axis=tuple(axis for axis, _ in ref.fixed))
         block = (block.T if ref.transpose else block).astype(dtype)
         return block + np.asarray(ref.add, dtype) if ref.add else block
+
+    def _read_absorbed(self, ref: AbsorbedRef, index: tuple[slice, ...], dtype) -> np.ndarray:
+        """AbsorbedRef's block: the stored rows of its heads and columns, dequantized
+        where fp8, regrouped [D, heads, columns]."""
+        (d0, d1), (h0, h1), (r0, r1) = ((s.start or 0, n if s.stop is None else s.stop)
+                                        for s, n in zip(index, ref.shape))
+        per_head = ref.shape[0]
+        rows, cols = slice(h0 * per_head, h1 * per_head), slice(r0, r1)
+        block = self.read(ref.weight, (rows, cols), np.float32)
+        if ref.scale is not None:  # each element times its block's scale
+            (bo, bi), (o0, o1) = ref.block, (rows.start, rows.stop)
+            scale = self.read(ref.scale, (slice(o0 // bo, -(-o1 // bo)), slice(r0 // bi, -(-r1 // bi))), np.float32)
+            scale = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)
+            block = block * scale[o0 % bo : o0 % bo + o1 - o0, r0 % bi : r0 % bi + r1 - r0]
+        return block.reshape(h1 - h0, per_head, r1 - r0)[:, d0:d1].transpose(1, 0, 2).astype(dtype)
 
     def _read_concat(self, ref: ConcatRef, index: tuple[slice, ...], bounds: tuple[int, int], dtype) -> np.ndarray:
         """The parts of a ConcatRef that the block lo..hi of its axis overlaps, each read

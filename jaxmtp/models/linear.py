@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmtp.kernels.fp8_matmul import (
-    dense_matmul, dense_tiling, dequantize_blocks, fp8_matmul_measured, fp8_matmul_reference, is_k_step,
+    dense_matmul, dense_tiling, fp8_matmul_measured, fp8_matmul_reference, is_k_step,
 )
 from jaxmtp.models.config import check_attention_backend
 from jaxmtp.models.params import Fp8Weight
@@ -156,16 +156,7 @@ def fp8_shards(w: Fp8Weight) -> Fp8Shards | None:
 
 # The fp8 weights that linear() does not multiply by, which keep the [in, out] layout on
 # every matmul path: jaxmtp/models/moe.py's experts (the grouped kernels read [E, K, N])
-# and jaxmtp/models/mla.py's absorbed kv_b_proj (dense() dequantizes it whole)
-IN_MAJOR_WEIGHTS = frozenset({"experts_gate_up", "experts_down", "kv_b_proj"})
-
-
-def dense(w: jax.Array | Fp8Weight, dtype) -> jax.Array:
-    """The weight itself, in dtype (fp8: dequantized), for the products that are not
-    x @ w (MLA's absorbed kv_b_proj)."""
-    if not isinstance(w, Fp8Weight):
-        return w
-    return dequantize_blocks(w.in_major_weight, w.scale_inv, w.block).astype(dtype)
+IN_MAJOR_WEIGHTS = frozenset({"experts_gate_up", "experts_down"})
 
 
 def fp8_matmul_for(attention_backend: str, quantization: Fp8BlockConfig) -> str:

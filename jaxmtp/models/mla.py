@@ -28,7 +28,7 @@ from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.models.attention import write_kv
 from jaxmtp.models.config import ModelConfig, check_attention_backend
 from jaxmtp.models.layers import apply_rope, rms_norm
-from jaxmtp.models.linear import dense, linear
+from jaxmtp.models.linear import linear
 from jaxmtp.models.params import LayerParams
 from jaxmtp.worker.batch import Batch
 from jaxmtp.worker.sharding import shard_mla_over_heads
@@ -120,10 +120,11 @@ def mla_attention(
     kv = linear(h, p.mla.kv_a_proj)
     latent = rms_norm(kv[:, : m.kv_lora_rank], p.mla.kv_a_norm, LORA_NORM_EPS)
     rope_key = apply_rope(kv[:, None, m.kv_lora_rank :], batch.positions, cfg)[:, 0]
-    kv_b = dense(p.mla.kv_b_proj, h.dtype).reshape(m.kv_lora_rank, heads, m.qk_nope_head_dim + m.v_head_dim)
+    # W_UK and W_UV [R, Hq, D] as views of kv_b_proj's halves: XLA folds the slice and
+    # the transpose into the products that read them
+    w_uk, w_uv = (jnp.transpose(half, (2, 1, 0)) for half in jnp.split(p.mla.kv_b_proj, [m.qk_nope_head_dim]))
     out, latent_pages, rope_pages = attention(
         q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, batch.slot_mapping, batch.kv_len,
-        batch.page_table, batch.query_start, kv_b[..., : m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim :],
-        sm_scale=cfg.mla_softmax_scale(),
+        batch.page_table, batch.query_start, w_uk, w_uv, sm_scale=cfg.mla_softmax_scale(),
     )
     return linear(out.reshape(t, heads * m.v_head_dim), p.o_proj), latent_pages, rope_pages

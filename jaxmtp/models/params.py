@@ -58,7 +58,11 @@ class MLAParams:
 
     kv_a_proj: jax.Array  # [H, R + Dr]: the latent, then the shared rope key
     kv_a_norm: jax.Array  # [R]
-    kv_b_proj: jax.Array  # [R, Hq*(Dn + Dv)]: per head, K's nope part then V
+    # [Dn + Dv, Hq, R]: the absorbed form's W_UK (the first Dn rows) and W_UV, each a
+    # contiguous half that the step's products read in place (split per head, as the
+    # checkpoints store it, they would be copied apart every step); in the model's dtype
+    # (an fp8 checkpoint's dequantized once, when loaded)
+    kv_b_proj: jax.Array
     q_proj: jax.Array | None = None  # [H, Hq*(Dn + Dr)] without q_lora_rank
     q_a_proj: jax.Array | None = None  # [H, Rq]
     q_a_norm: jax.Array | None = None  # [Rq]
@@ -227,7 +231,7 @@ def param_shapes(cfg: ModelConfig, num_mtp_modules: int | None = None) -> Params
         return MLAParams(
             kv_a_proj=proj(h, m.kv_lora_rank + m.qk_rope_head_dim),
             kv_a_norm=leaf(m.kv_lora_rank),
-            kv_b_proj=proj(m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)),
+            kv_b_proj=leaf(m.qk_nope_head_dim + m.v_head_dim, heads, m.kv_lora_rank),
             q_proj=proj(h, q_out) if lora is None else None,
             q_a_proj=proj(h, lora) if lora is not None else None,
             q_a_norm=leaf(lora) if lora is not None else None,

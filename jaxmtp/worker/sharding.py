@@ -90,7 +90,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     # MLA (MLAParams; q_proj as above): per-head outputs split by heads
     "kv_a_proj": ("embed", "latent"),
     "kv_a_norm": ("latent",),
-    "kv_b_proj": ("latent", "heads"),
+    "kv_b_proj": ("head_dim", "heads", "latent"),
     "q_a_proj": ("embed", "latent"),
     "q_a_norm": ("latent",),
     "q_b_proj": ("latent", "heads"),
@@ -135,7 +135,7 @@ CHUNK_KEY_AXES = ("tokens", "heads", "tokens", "key_dim")  # w, q_decayed, k_to_
 CHUNK_ATTN_AXES = ("tokens", "heads", "tokens", "tokens")
 NEW_KV_AXES = ("tokens", "kv_heads", "head_dim")  # this step's K/V rows, before the write
 NEW_LATENT_AXES = ("tokens", "latent")  # this step's MLA latent or rope key rows, before the write
-MLA_UP_AXES = ("latent", "heads", "head_dim")  # kv_b_proj per head (W_UK, W_UV)
+MLA_UP_AXES = ("latent", "heads", "head_dim")  # W_UK and W_UV (views of kv_b_proj) per head
 ROWS_AXES = ("tokens", "embed")  # the residual stream's rows
 
 
