@@ -389,3 +389,42 @@ def test_sampling_stages_timed_for_every_batch_and_row_count(tmp_path):
         assert {row["stage"] for row in rows} == stages
         assert all(row["us_queued"] > 0 and row["us_alone_median"] > 0 for row in rows)
     assert results["vocab"] == 300 and "RESTRICT_SEARCH_FROM_ROWS entry: " in (tmp_path / "sampling.md").read_text()
+
+
+def test_step_kernels_counts_what_an_optimised_gpu_program_launches():
+    """benchmarks/step_kernels.py's reading of XLA:GPU's optimised HLO: every entry
+    instruction that launches work, by kind (XLA's GEMM fusions and cuBLAS calls as
+    gemm, Pallas' Triton and Mosaic GPU calls as pallas, other fusions, copies, sorts),
+    none of the views, tuples and arguments that launch nothing, charged to the step's
+    part its op_name names. The program below is written by hand, as XLA prints one."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from step_kernels import launched, summary
+
+    hlo = """HloModule jit_step
+
+%fused_computation (param_0: f32[8]) -> f32[8] {
+  ROOT %param_0 = f32[8]{0} parameter(0)
+}
+
+ENTRY %main.9 (p0: bf16[8,64], p1: bf16[64,64]) -> (bf16[8,64], s32[8]) {
+  %p0 = bf16[8,64]{1,0} parameter(0), metadata={op_name="x"}
+  %p1 = bf16[64,64]{1,0} parameter(1)
+  %constant.1 = s32[] constant(0)
+  %bitcast.2 = bf16[8,1,64]{2,1,0} bitcast(%p0)
+  %gemm_fusion_dot.3 = bf16[8,64]{1,0} fusion(%p0, %p1), kind=kCustom, calls=%g, metadata={op_name="jit(step)/main_forward/dot_general"}
+  %cublas-gemm.1.0 = (bf16[8,64]{1,0}, s8[0]{0}) custom-call(%p0, %p1), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/verify/dot_general"}
+  %get-tuple-element.4 = bf16[8,64]{1,0} get-tuple-element(%cublas-gemm.1.0), index=0
+  %pallas_call.5 = bf16[8,64]{1,0} custom-call(%p0), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/main_forward/jit(kernel)/pallas_call"}
+  %pallas_call.6 = bf16[8,64]{1,0} custom-call(%p0), custom_call_target="triton_kernel_call_ffi", metadata={op_name="jit(step)/draft/draft_layer/pallas_call"}
+  %loop_add_fusion = bf16[8,64]{1,0} fusion(%pallas_call.5, %pallas_call.6), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(step)/main_forward/add"}
+  %sort.7 = s32[8]{0} sort(%constant.1), dimensions={0}, to_apply=%c, metadata={op_name="jit(step)/carry_out/sort"}
+  %copy.8 = s32[8]{0} copy(%sort.7)
+  ROOT %tuple.9 = (bf16[8,64]{1,0}, s32[8]{0}) tuple(%loop_add_fusion, %copy.8)
+}
+"""
+    got = launched(hlo)
+    assert [(k["name"], k["kind"]) for k in got] == [
+        ("gemm_fusion_dot.3", "gemm"), ("cublas-gemm.1.0", "gemm"), ("pallas_call.5", "pallas"),
+        ("pallas_call.6", "pallas"), ("loop_add_fusion", "fusion"), ("sort.7", "sort"), ("copy.8", "copy")]
+    assert summary(got) == {"kernels": 7, "by_kind": {"gemm": 2, "pallas": 2, "fusion": 1, "sort": 1, "copy": 1},
+                            "by_part": {"main_forward": 3, "verify": 1, "draft": 1, "carry_out": 1, "other": 1}}
