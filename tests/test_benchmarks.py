@@ -428,3 +428,18 @@ ENTRY %main.9 (p0: bf16[8,64], p1: bf16[64,64]) -> (bf16[8,64], s32[8]) {
         ("pallas_call.6", "pallas"), ("loop_add_fusion", "fusion"), ("sort.7", "sort"), ("copy.8", "copy")]
     assert summary(got) == {"kernels": 7, "by_kind": {"gemm": 2, "pallas": 2, "fusion": 1, "sort": 1, "copy": 1},
                             "by_part": {"main_forward": 3, "verify": 1, "draft": 1, "carry_out": 1, "other": 1}}
+
+
+def test_route_sweep_checks_both_routings_and_writes_the_table_the_engine_reads(tmp_path):
+    """route_sweep.py on the CPU (interpret mode): both paths agree, and its table
+    names a path for every measured (experts, k) and pairs bucket, in the format
+    kernels/route.py reads; --update keeps the earlier table's other entries."""
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"_note": "x", "64,6": {"64": "kernel"}}))
+    run_script("route_sweep.py", "--tiny", "--rows", "2,8", "--update", str(earlier), "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "route_sweep.json").read_text())["rows"]
+    assert {(r["model"], r["rows"]) for r in rows} == {(m, n) for m in ("moonlight", "glm45_air_fp8") for n in (2, 8)}
+    assert all(r["kernel_ok"] for r in rows)
+    written = json.loads((tmp_path / "route_paths.json").read_text())
+    assert written["64,6"]["64"] == "kernel" and set(written["8,2"]) == {"4", "16"}
+    assert all(v in ("kernel", "xla") for k, b in written.items() if not k.startswith("_") for v in b.values())

@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 
 from jaxmtp.kernels.grouped_matmul import (experts_by_pair, grouped_matmul, grouped_swiglu, paired_matmul_kernel,
                                            paired_swiglu_kernel)
+from jaxmtp.kernels.route import route_and_sort, routes_in_kernel
 from jaxmtp.models.config import MoEConfig
 from jaxmtp.models.layers import gated_mlp
 from jaxmtp.models.params import Fp8Weight, MoEParams, pytree_dataclass
@@ -32,8 +33,40 @@ class Routing:
         return dataclasses.replace(self, experts=jnp.where(padding, -1, self.experts))
 
 
+@pytree_dataclass
+class SortedPairs:
+    """The T*k (row, expert) pairs sorted by expert, as the grouped calls take them:
+    each expert's pairs contiguous, in its group's order (those of experts held
+    elsewhere, and a step's padding rows', last)."""
+
+    group_sizes: jax.Array  # int32 [G]: the pairs of each expert held here
+    rows: jax.Array  # int32 [T*k]: the row each sorted pair reads
+    weights: jax.Array  # float32 [T*k]: its weight in that row's output
+
+
+def sort_pairs(routing: Routing, first_expert: jax.Array | int, num_held: int) -> SortedPairs:
+    """routing's pairs (row-major: pair p is row p // k's) sorted stably by expert, over
+    the experts first_expert .. first_expert + num_held - 1."""
+    k = routing.experts.shape[1]
+    local = routing.experts.reshape(-1) - first_expert
+    local = jnp.where((local >= 0) & (local < num_held), local, num_held)
+    order = jnp.argsort(local, stable=True)
+    return SortedPairs(jnp.bincount(local, length=num_held).astype(jnp.int32),  # counts no pair held elsewhere
+                       (order // k).astype(jnp.int32), routing.weights.reshape(-1)[order])
+
+
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """The router's float32 logits x @ router."""
+    return jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+
+
 def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
-    """The k experts of each row and their weights, from float32 router logits x @ router.
+    """choose() from the float32 router logits x @ router."""
+    return choose(router_logits(x, router), bias, cfg)
+
+
+def choose(logits: jax.Array, bias: jax.Array | None, cfg: MoEConfig) -> Routing:
+    """The k experts of each row and their weights, from the router's logits [T, E].
     noaux_tc (DeepSeek-V3): sigmoid scores; the correction bias is added for the choice
     only. Groups are ranked by the sum of their two best biased scores, the best
     topk_group kept, and the k best experts of those chosen; their weights are the
@@ -41,7 +74,6 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array | None, cfg: MoEConfi
     and their probabilities (no bias, no groups). Either way the weights are normalised
     to sum 1 where norm_topk_prob, then times routed_scaling_factor. Ties go to the lower
     index (lax.top_k)."""
-    logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
     if cfg.routing == "softmax":
         weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.num_experts_per_tok)
     else:
@@ -74,33 +106,30 @@ def _expert_weight(w: jax.Array | Fp8Weight) -> tuple[jax.Array, dict]:
 
 
 def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
-                   first_expert: jax.Array | int = 0, *, expert_swiglu=grouped_swiglu,
-                   expert_matmul=grouped_matmul) -> jax.Array:
+                   first_expert: jax.Array | int = 0, **kernels) -> jax.Array:
     """sum over a row's k experts of weight * expert(x), in float32, over the experts
     gate_up and down hold: first_expert .. first_expert + len(gate_up) - 1 (all of them
     on one device, a device's own under expert parallelism; pairs routed to other
-    experts add nothing). The T*k (row, expert) pairs are sorted by expert so that each
-    expert's rows are contiguous (those of experts held elsewhere last); the gate/up
-    projection and SiLU-and-multiply run as one grouped call that gathers its rows from
-    x itself, the down projection as another, and the outputs are summed back onto
-    their rows. expert_swiglu, expert_matmul: kernels/grouped_matmul.py's entry points
-    (the Pallas kernel on GPUs), or its references or kernels of the same signature
-    (tests, benchmarks)."""
+    experts add nothing): routing's pairs sorted (sort_pairs), then sorted_experts."""
+    pairs = sort_pairs(routing, first_expert, _expert_weight(gate_up)[0].shape[0])
+    return sorted_experts(x, pairs, gate_up, down, **kernels)
+
+
+def sorted_experts(x: jax.Array, pairs: SortedPairs, gate_up: jax.Array, down: jax.Array, *,
+                   expert_swiglu=grouped_swiglu, expert_matmul=grouped_matmul) -> jax.Array:
+    """The sorted pairs through their experts: the gate/up projection and
+    SiLU-and-multiply as one grouped call that gathers its rows from x itself, the down
+    projection as another, and the outputs summed back onto their rows with their
+    weights, in float32. expert_swiglu, expert_matmul: kernels/grouped_matmul.py's entry
+    points (the Pallas kernel on GPUs), or its references or kernels of the same
+    signature (tests, benchmarks)."""
     t, h = x.shape
     (gate_up, gate_up_scales), (down, down_scales) = _expert_weight(gate_up), _expert_weight(down)
-    num_held = gate_up.shape[0]
-    k = routing.experts.shape[1]
-    local = routing.experts.reshape(-1) - first_expert
-    held = (local >= 0) & (local < num_held)
-    local = jnp.where(held, local, num_held)
-    order = jnp.argsort(local, stable=True)
-    row = order // k
-    group_sizes = jnp.bincount(local, length=num_held).astype(jnp.int32)  # counts no pair held elsewhere
     # the pairs held elsewhere lie past every group: the grouped calls' rows there are 0
-    out = expert_matmul(expert_swiglu(x, gate_up, group_sizes, rows=row, **gate_up_scales), down, group_sizes,
-                        **down_scales)
-    weighted = out.astype(jnp.float32) * routing.weights.reshape(-1)[order][:, None]
-    return jnp.zeros((t, h), jnp.float32).at[row].add(weighted)
+    out = expert_matmul(expert_swiglu(x, gate_up, pairs.group_sizes, rows=pairs.rows, **gate_up_scales), down,
+                        pairs.group_sizes, **down_scales)
+    weighted = out.astype(jnp.float32) * pairs.weights[:, None]
+    return jnp.zeros((t, h), jnp.float32).at[pairs.rows].add(weighted)
 
 
 def routed_experts_by_pair(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
@@ -130,13 +159,23 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     the gated whole. Rows from num_rows on (a step's padding) go to no routed expert:
     routed like the rest, a decode step's padding rows would read experts of their own
     (at batch 1, 7 padding rows doubled the experts a layer reads)."""
-    routing = route(h, p.router, p.router_bias, cfg)
-    if num_rows is not None:
-        routing = routing.without_rows_from(num_rows)
     gate_up, scales = _expert_weight(p.experts_gate_up)
-    by_pair = experts_by_pair(routing.experts.size, gate_up.shape, scales.get("scale_block"))
-    out = (routed_experts_by_pair if by_pair else routed_experts)(h, routing, p.experts_gate_up, p.experts_down,
-                                                                  first_expert)
+    num_pairs = h.shape[0] * cfg.num_experts_per_tok
+    grouped = cfg.routing != "softmax" and cfg.topk_group < cfg.n_group
+    if routes_in_kernel(num_pairs, cfg.num_experts, cfg.num_experts_per_tok, grouped) and not experts_by_pair(
+            num_pairs, gate_up.shape, scales.get("scale_block")):
+        pairs = SortedPairs(*route_and_sort(
+            router_logits(h, p.router), p.router_bias, h.shape[0] if num_rows is None else num_rows, first_expert,
+            k=cfg.num_experts_per_tok, num_held=gate_up.shape[0], sigmoid=cfg.routing != "softmax",
+            norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor))
+        out = sorted_experts(h, pairs, p.experts_gate_up, p.experts_down)
+    else:
+        routing = route(h, p.router, p.router_bias, cfg)
+        if num_rows is not None:
+            routing = routing.without_rows_from(num_rows)
+        by_pair = experts_by_pair(routing.experts.size, gate_up.shape, scales.get("scale_block"))
+        out = (routed_experts_by_pair if by_pair else routed_experts)(h, routing, p.experts_gate_up, p.experts_down,
+                                                                      first_expert)
     if p.shared_gate_up is not None:
         shared = gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
         if p.shared_gate is not None:
