@@ -148,11 +148,12 @@ GROUPED_TILINGS = read_tilings("grouped_tilings.json", GroupedMatmulConfig)
 def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool,
                    scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig | str:
     """The tiling the table measured fastest for these shapes (fp8 experts: and their
-    scale block's K), "xla" where XLA's ragged_dot was faster than every tiling, else
-    default_config's."""
+    scale block's K) at num_rows' bucket, or at the smallest measured bucket above it;
+    "xla" where XLA's ragged_dot was faster than every tiling; else default_config's."""
     key = (num_groups, k, n, int(swiglu)) + ((scale_block[0],) if scale_block else ())
-    measured = GROUPED_TILINGS.get(key, {}).get(row_bucket(num_rows))
-    return measured or default_config(num_rows, num_groups, k, n, swiglu, scale_block)
+    buckets = GROUPED_TILINGS.get(key, {})
+    above = [b for b in buckets if b >= row_bucket(num_rows)]
+    return buckets[min(above)] if above else default_config(num_rows, num_groups, k, n, swiglu, scale_block)
 
 
 def _sorted_block(group_sizes_ref, m_block, *, num_groups: int, block_m: int, num_rows: int):
@@ -355,36 +356,42 @@ def paired_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, pair_groups: jax.Ar
 
 
 def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool,
-            scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig | None:
+            scale_block: tuple[int, int] | None = None, real_rows: int | None = None) -> GroupedMatmulConfig | None:
     """The kernel's tiling on GPUs where it tiles the shapes and the table does not name
     XLA for them; None: XLA's ragged_dot (the reference). fp8 experts take the kernel
-    where their scale block's K can be a K step (a power of 2 >= 16)."""
+    where their scale block's K can be a K step (a power of 2 >= 16). real_rows: the
+    most rows that belong to some group (a decode step's bound; the rest are padding,
+    which costs no K steps): the tiling of that bucket, what the table measured."""
     num_groups, k = rhs.shape[:2]
     n = rhs.size // (num_groups * k)
     if jax.default_backend() != "gpu" or not supports(num_groups, k, n):
         return None
     if scale_block is not None and not is_k_step(scale_block[0]):
         return None
-    tiling = grouped_tiling(lhs.shape[0] if rows is None else rows.shape[0], num_groups, k, n, swiglu, scale_block)
+    num_rows = lhs.shape[0] if rows is None else rows.shape[0]
+    tiling = grouped_tiling(min(num_rows, real_rows or num_rows), num_groups, k, n, swiglu, scale_block)
     return None if tiling == "xla" else tiling
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
-                   scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None) -> jax.Array:
-    """The kernel at its measured tiling, or XLA's ragged_dot where that was faster or the
-    kernel does not tile the shapes (and off GPUs)."""
+                   scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
+                   real_rows: int | None = None) -> jax.Array:
+    """The kernel at its measured tiling (for real_rows rows, _tiling says), or XLA's
+    ragged_dot where that was faster or the kernel does not tile the shapes (and off
+    GPUs)."""
     scales = dict(scale_inv=scale_inv, scale_block=scale_block)
-    config = _tiling(lhs, rhs, rows, swiglu=False, scale_block=scale_block)
+    config = _tiling(lhs, rhs, rows, swiglu=False, scale_block=scale_block, real_rows=real_rows)
     if config is None:
         return grouped_matmul_reference(lhs, rhs, group_sizes, rows, **scales)
     return grouped_matmul_kernel(lhs, rhs, group_sizes, rows, **scales, config=config)
 
 
 def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
-                   scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None) -> jax.Array:
+                   scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
+                   real_rows: int | None = None) -> jax.Array:
     """As grouped_matmul, for the fused gate/up projection and SiLU-and-multiply."""
     scales = dict(scale_inv=scale_inv, scale_block=scale_block)
-    config = _tiling(lhs, gate_up, rows, swiglu=True, scale_block=scale_block)
+    config = _tiling(lhs, gate_up, rows, swiglu=True, scale_block=scale_block, real_rows=real_rows)
     if config is None:
         return grouped_swiglu_reference(lhs, gate_up, group_sizes, rows, **scales)
     return grouped_swiglu_kernel(lhs, gate_up, group_sizes, rows, **scales, config=config)

@@ -244,8 +244,8 @@ def test_padding_rows_reach_no_routed_expert(monkeypatch):
         (h, e), (e,), (e, h, 2, inter), (e, inter, h), (h, 2, inter), (inter, h))))
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     seen, routed = [], moe.routed_experts
-    monkeypatch.setattr(moe, "routed_experts", lambda x, routing, *a: seen.append(routing.experts) or routed(
-        x, routing, *a))
+    monkeypatch.setattr(moe, "routed_experts", lambda x, routing, *a, **kw: seen.append(routing.experts) or routed(
+        x, routing, *a, **kw))
     whole, padded = moe.moe_ffn(params, cfg, x), moe.moe_ffn(params, cfg, x, num_rows=num_rows)
     assert (np.asarray(seen[-1])[num_rows:] == -1).all(), f"seed={seed}"  # held by no device
     shared = gated_mlp(x, params.shared_gate_up, params.shared_down)
@@ -354,3 +354,27 @@ def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
     decode[: int(query_start[-1])] = rows[seq_of_row[: int(query_start[-1])]] <= 2
     changed = np.abs(np.asarray(broken) - np.asarray(out)).max(axis=(1, 2)) > 0
     np.testing.assert_array_equal(changed, decode, err_msg=f"seed={seed}")
+
+
+def test_a_decode_steps_bound_on_its_rows_picks_the_expert_paths(monkeypatch):
+    """moe_ffn's max_rows (a decode-only step's requests times their rows) is what the
+    paired-or-sorted choice and the grouped calls' tiling read, in pairs: a batch-1
+    step's 8 rows of 4 experts are 4 real pairs, not 32; without it, every row counts."""
+    import jaxmtp.models.moe as moe
+
+    rng, seed = seeded()
+    t, h, cfg = 8, 12, moe_config()
+    e, inter = cfg.num_experts, cfg.moe_intermediate_size
+    params = moe.MoEParams(*(jnp.asarray(0.5 * rng.standard_normal(shape), jnp.float32) for shape in (
+        (h, e), (e,), (e, h, 2, inter), (e, inter, h), (h, 2, inter), (inter, h))))
+    x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+    by_pair, tiled = [], []
+    monkeypatch.setattr(moe, "experts_by_pair", lambda pairs, *a: by_pair.append(pairs) or False)
+    from jaxmtp.kernels import grouped_matmul as gm
+
+    # both grouped calls ask for their tiling; None: the reference runs them (the CPU's choice)
+    monkeypatch.setattr(gm, "_tiling", lambda *a, real_rows=None, **kw: tiled.append(real_rows))
+    bounded = moe.moe_ffn(params, cfg, x, num_rows=1, max_rows=1)
+    whole = moe.moe_ffn(params, cfg, x, num_rows=1)
+    assert by_pair == [4, 32] and tiled == [4, 4, 32, 32], f"seed={seed}"
+    np.testing.assert_array_equal(np.asarray(bounded), np.asarray(whole), f"seed={seed}")

@@ -263,7 +263,7 @@ def test_the_measured_table_sends_few_pairs_to_the_paired_layer(monkeypatch):
 
     calls = []
     monkeypatch.setattr(moe, "routed_experts_by_pair", lambda *a: calls.append("paired") or jnp.zeros((2, 32)))
-    monkeypatch.setattr(moe, "routed_experts", lambda *a: calls.append("sorted") or jnp.zeros((2, 32)))
+    monkeypatch.setattr(moe, "routed_experts", lambda *a, **kw: calls.append("sorted") or jnp.zeros((2, 32)))
     rng, _ = seeded()
     cfg = moe_config(num_experts=16, k=4)
     params = moe.MoEParams(router=jnp.asarray(rng.standard_normal((32, 16)), jnp.float32), router_bias=jnp.zeros(16),
@@ -305,14 +305,19 @@ def test_routed_experts_through_the_kernels():
 def test_the_measured_table_picks_the_grouped_tiling_per_row_bucket(monkeypatch):
     """kernels/grouped_tilings.json as the engine reads it: Moonlight's gate/up at 1 token
     (6 sorted rows, bucket 8) takes the H200's measured tiling, rows round up to their
-    bucket, an unmeasured shape keeps default_config, and "xla" sends the call to the
-    reference."""
+    bucket, a bucket not measured takes the smallest measured one above it (and past the
+    largest, or for a shape not measured, default_config), "xla" sends the call to the
+    reference, and a decode step's real rows (real_rows) pick the bucket, not its
+    padding."""
     gate_up = (64, 2048, 2 * 1408, 1)
     assert gm.row_bucket(6) == 8 and gm.row_bucket(9) == 16 and gm.row_bucket(0) == 1
     assert gm.grouped_tiling(6, 64, 2048, 2 * 1408, True) == gm.GROUPED_TILINGS[gate_up][8]
     assert gm.grouped_tiling(5, 64, 2048, 2 * 1408, True) == gm.GROUPED_TILINGS[gate_up][8]
     assert gm.GROUPED_TILINGS[gate_up][8] != gm.default_config(6, 64, 2048, 2 * 1408, True)
     assert gm.grouped_tiling(6, 64, 2048, 2 * 1408, False) == gm.default_config(6, 64, 2048, 2 * 1408, False)
+    down = (64, 1408, 2048, 0)
+    assert 8 not in gm.GROUPED_TILINGS[down] and gm.grouped_tiling(6, 64, 1408, 2048, False) == gm.GROUPED_TILINGS[down][16]
+    assert gm.grouped_tiling(1 << 17, 64, 1408, 2048, False) == gm.default_config(1 << 17, 64, 1408, 2048, False)
     monkeypatch.setitem(gm.GROUPED_TILINGS, (2, 16, 32, 1), {8: "xla"})
     assert gm.grouped_tiling(8, 2, 16, 32, True) == "xla"
     # fp8 experts have rows of their own, keyed by the scale block's K
@@ -322,7 +327,10 @@ def test_the_measured_table_picks_the_grouped_tiling_per_row_bucket(monkeypatch)
     monkeypatch.setattr(gm.jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
     lhs, gate_up_2 = jnp.ones((8, 16)), jnp.ones((2, 16, 2, 16))
     assert gm._tiling(lhs, gate_up_2, None, swiglu=True) is None  # XLA's ragged_dot
-    assert gm._tiling(lhs[:4], gate_up_2, None, swiglu=True) == gm.default_config(4, 2, 16, 32, True)
+    assert gm._tiling(lhs[:4], gate_up_2, None, swiglu=True) is None  # bucket 4 takes the 8 above it
+    monkeypatch.setitem(gm.GROUPED_TILINGS, (2, 16, 32, 1), {4: SMALL, 8: "xla"})
+    assert gm._tiling(lhs, gate_up_2, None, swiglu=True, real_rows=3) == SMALL  # 8 rows, 3 of them real
+    assert gm._tiling(lhs, gate_up_2, None, swiglu=True, real_rows=16) is None  # never more than the rows
 
 
 def test_shapes_the_kernels_do_not_tile_are_refused():

@@ -45,16 +45,18 @@ def check_backend(cfg: ModelConfig, backend: str) -> None:
         delta_rule_fn(backend, cfg.hybrid)
 
 
-def layer_ops(cfg: ModelConfig, backend: str, mesh=None, decode_rows: int = 1, prefill_rows: bool = True) -> LayerOps:
+def layer_ops(cfg: ModelConfig, backend: str, mesh=None, decode_rows: int = 1, prefill_rows: bool = True,
+              max_rows: int | None = None) -> LayerOps:
     """The layers' attention (MLA: rows of sequences with at most decode_rows rows take
     the absorbed form; prefill_rows False: no longer runs are in the batch),
-    experts and linear-attention recurrence, run per device over mesh when one is given."""
+    experts (max_rows: a static bound on the batch's real rows, moe.moe_ffn's) and
+    linear-attention recurrence, run per device over mesh when one is given."""
     if cfg.mla is None:
         attention = attention_fn(backend, cfg.head_dim, mesh)
     else:
         attention = mla_attention_fn(backend, decode_rows, mesh, prefill_rows)
     delta_rule = DeltaRule() if cfg.hybrid is None else delta_rule_fn(backend, cfg.hybrid, mesh)
-    return LayerOps(attention, experts_fn(mesh), delta_rule)
+    return LayerOps(attention, experts_fn(mesh, max_rows), delta_rule)
 
 
 def gqa_attention(

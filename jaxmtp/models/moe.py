@@ -106,25 +106,29 @@ def _expert_weight(w: jax.Array | Fp8Weight) -> tuple[jax.Array, dict]:
 
 
 def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
-                   first_expert: jax.Array | int = 0, **kernels) -> jax.Array:
+                   first_expert: jax.Array | int = 0, **options) -> jax.Array:
     """sum over a row's k experts of weight * expert(x), in float32, over the experts
     gate_up and down hold: first_expert .. first_expert + len(gate_up) - 1 (all of them
     on one device, a device's own under expert parallelism; pairs routed to other
     experts add nothing): routing's pairs sorted (sort_pairs), then sorted_experts."""
     pairs = sort_pairs(routing, first_expert, _expert_weight(gate_up)[0].shape[0])
-    return sorted_experts(x, pairs, gate_up, down, **kernels)
+    return sorted_experts(x, pairs, gate_up, down, **options)
 
 
 def sorted_experts(x: jax.Array, pairs: SortedPairs, gate_up: jax.Array, down: jax.Array, *,
-                   expert_swiglu=grouped_swiglu, expert_matmul=grouped_matmul) -> jax.Array:
+                   expert_swiglu=grouped_swiglu, expert_matmul=grouped_matmul, real_pairs: int | None = None
+                   ) -> jax.Array:
     """The sorted pairs through their experts: the gate/up projection and
     SiLU-and-multiply as one grouped call that gathers its rows from x itself, the down
     projection as another, and the outputs summed back onto their rows with their
     weights, in float32. expert_swiglu, expert_matmul: kernels/grouped_matmul.py's entry
     points (the Pallas kernel on GPUs), or its references or kernels of the same
-    signature (tests, benchmarks)."""
+    signature (tests, benchmarks); real_pairs: the most pairs a group may hold (a
+    decode step's bound), whose measured tiling the calls take."""
     t, h = x.shape
     (gate_up, gate_up_scales), (down, down_scales) = _expert_weight(gate_up), _expert_weight(down)
+    if real_pairs is not None:
+        gate_up_scales, down_scales = ({**scales, "real_rows": real_pairs} for scales in (gate_up_scales, down_scales))
     # the pairs held elsewhere lie past every group: the grouped calls' rows there are 0
     out = expert_matmul(expert_swiglu(x, gate_up, pairs.group_sizes, rows=pairs.rows, **gate_up_scales), down,
                         pairs.group_sizes, **down_scales)
@@ -152,30 +156,36 @@ def routed_experts_by_pair(x: jax.Array, routing: Routing, gate_up: jax.Array, d
 
 
 def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array | int = 0,
-            num_rows: jax.Array | int | None = None) -> jax.Array:
+            num_rows: jax.Array | int | None = None, max_rows: int | None = None) -> jax.Array:
     """The routed experts p holds (from first_expert) plus the shared experts (Qwen's
     scaled by sigmoid(h @ shared_gate)), in float32. Under expert parallelism each
     device's columns of the shared experts are scaled alike, so the sum over devices is
     the gated whole. Rows from num_rows on (a step's padding) go to no routed expert:
     routed like the rest, a decode step's padding rows would read experts of their own
-    (at batch 1, 7 padding rows doubled the experts a layer reads)."""
+    (at batch 1, 7 padding rows doubled the experts a layer reads). max_rows: a static
+    bound on num_rows (a decode-only step's requests times their rows), from which the
+    grouped calls' tiling and the paired form's choice are taken: at batch 1 the 8-row
+    bucket's 48 pairs are 6 real ones, which the tables measured as 1 token's."""
     gate_up, scales = _expert_weight(p.experts_gate_up)
-    num_pairs = h.shape[0] * cfg.num_experts_per_tok
+    k = cfg.num_experts_per_tok
+    num_pairs = h.shape[0] * k
+    real_pairs = min(h.shape[0], max_rows or h.shape[0]) * k
+    by_pair = experts_by_pair(real_pairs, gate_up.shape, scales.get("scale_block"))
     grouped = cfg.routing != "softmax" and cfg.topk_group < cfg.n_group
-    if routes_in_kernel(num_pairs, cfg.num_experts, cfg.num_experts_per_tok, grouped) and not experts_by_pair(
-            num_pairs, gate_up.shape, scales.get("scale_block")):
+    if routes_in_kernel(num_pairs, cfg.num_experts, k, grouped) and not by_pair:
         pairs = SortedPairs(*route_and_sort(
             router_logits(h, p.router), p.router_bias, h.shape[0] if num_rows is None else num_rows, first_expert,
             k=cfg.num_experts_per_tok, num_held=gate_up.shape[0], sigmoid=cfg.routing != "softmax",
             norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor))
-        out = sorted_experts(h, pairs, p.experts_gate_up, p.experts_down)
+        out = sorted_experts(h, pairs, p.experts_gate_up, p.experts_down, real_pairs=real_pairs)
     else:
         routing = route(h, p.router, p.router_bias, cfg)
         if num_rows is not None:
             routing = routing.without_rows_from(num_rows)
-        by_pair = experts_by_pair(routing.experts.size, gate_up.shape, scales.get("scale_block"))
-        out = (routed_experts_by_pair if by_pair else routed_experts)(h, routing, p.experts_gate_up, p.experts_down,
-                                                                      first_expert)
+        if by_pair:
+            out = routed_experts_by_pair(h, routing, p.experts_gate_up, p.experts_down, first_expert)
+        else:
+            out = routed_experts(h, routing, p.experts_gate_up, p.experts_down, first_expert, real_pairs=real_pairs)
     if p.shared_gate_up is not None:
         shared = gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
         if p.shared_gate is not None:
@@ -188,20 +198,21 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
 ExpertsFn = Callable[[MoEParams, MoEConfig, jax.Array, jax.Array], jax.Array]
 
 
-def experts_fn(mesh: Mesh | None = None) -> ExpertsFn:
+def experts_fn(mesh: Mesh | None = None, max_rows: int | None = None) -> ExpertsFn:
     """(p, cfg, h [T, H], num_rows) -> the MoE FFN's output [T, H], rows from num_rows
-    on (padding) through the shared experts only. With a mesh, expert parallel:
+    on (padding) through the shared experts only; max_rows: moe_ffn's bound on
+    num_rows. With a mesh, expert parallel:
     every device holds every row (the residual stream is replicated) and routes them
     all alike, runs the rows routed to its own experts and its columns of the shared
     experts, and one all-reduce (in float32) sums the devices' parts, as after a dense
     down_proj. Rows are not sent to their experts' devices with an all-to-all: each
     device has them already (docs/tensor-parallel.md has the measurement)."""
     if mesh is None:
-        return lambda p, cfg, h, num_rows: moe_ffn(p, cfg, h, num_rows=num_rows).astype(h.dtype)
+        return lambda p, cfg, h, num_rows: moe_ffn(p, cfg, h, num_rows=num_rows, max_rows=max_rows).astype(h.dtype)
 
     def per_device(p, h, num_rows, *, cfg):
         first = jax.lax.axis_index(TP) * p.experts_gate_up.shape[0]
-        return jax.lax.psum(moe_ffn(p, cfg, h, first, num_rows), TP).astype(h.dtype)
+        return jax.lax.psum(moe_ffn(p, cfg, h, first, num_rows, max_rows), TP).astype(h.dtype)
 
     def expert_parallel(p, cfg, h, num_rows):
         return shard_per_device(per_device, mesh, (param_specs(p, mesh), ROWS_AXES, ()), ROWS_AXES)(

@@ -214,8 +214,9 @@ class BatchShape:
     # the second taking the verify rows' token bitmasks (jaxmtp/worker/step.py)
     masked: bool = False
     # every request's rows this step are decode rows (at most k + 1: decode and verify):
-    # an MLA layer runs its decode call alone (models.mla.mla_attention_fn). Only models
-    # with MLA layers get such shapes (BucketPlan.decode_rows)
+    # an MLA layer runs its decode call alone (models.mla.mla_attention_fn), the experts
+    # take their tiling from the requests' rows, not the padding (models.moe.moe_ffn's
+    # max_rows). Only models with MLA or MoE layers get such shapes (BucketPlan.decode_rows)
     decode_only: bool = False
 
     def holds(self, other: BatchShape) -> bool:
@@ -260,7 +261,7 @@ def table_widths(max_pages_per_seq: int) -> list[int]:
 
 class BucketPlan:
     """The fixed shapes the step is compiled for: tokens and requests, powers of two,
-    and the page table's widths; with decode_rows (a model with MLA layers, k + 1), also
+    and the page table's widths; with decode_rows (a model with MLA or MoE layers, k + 1), also
     decode-only shapes, of the sizes a batch of requests with at most decode_rows rows
     each can take."""
 

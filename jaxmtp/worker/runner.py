@@ -1,8 +1,7 @@
 """ModelRunner: everything on the device. It loads the params, owns the donated KV
 cache and the carry between steps, turns a SchedulerOutput into one compiled step (page
-copies first), reads a step's output back, compiles every bucket shape (warm-up, also
-in the background while serving: jaxmtp/worker/programs.py) and inspects the compiled step.
-The engine never touches a device array.
+copies first), reads a step's output back, compiles every bucket shape (warm-up, also in
+the background: jaxmtp/worker/programs.py) and inspects it. The engine never touches a device array.
 
 A step's device work is built on the host first, as StepInputs, then run (apply): on a
 mesh over several processes, rank 0's runner sends it to the others' runners, which run
@@ -84,7 +83,8 @@ class ModelRunner:
         )
         self.num_pages = self.kv_pool.num_pages
         self.buckets = BucketPlan(config.max_num_batched_tokens, config.max_num_seqs, max_pages_per_seq,
-                                  decode_rows=config.num_speculative_tokens + 1 if model_config.mla else None)
+                                  decode_rows=config.num_speculative_tokens + 1
+                                  if model_config.mla or model_config.moe else None)
         self.step_config = StepConfig(
             model=model_config,
             num_speculative_tokens=config.num_speculative_tokens,

@@ -130,9 +130,12 @@ def _batch_in(ints, floats, carry, shape: BatchShape, config: StepConfig, page_s
 
 
 def _layer_ops(shape: BatchShape, config: StepConfig):
-    # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA)
-    return model.layer_ops(config.model, config.attention_backend, config.mesh,
-                           decode_rows=config.num_speculative_tokens + 1, prefill_rows=not shape.decode_only)
+    # a verify step's k + 1 rows of a request, and fewer, are decode rows (MLA); a
+    # decode-only step's real rows are at most those of its requests (the draft pass's too)
+    decode_rows = config.num_speculative_tokens + 1
+    return model.layer_ops(config.model, config.attention_backend, config.mesh, decode_rows=decode_rows,
+                           prefill_rows=not shape.decode_only,
+                           max_rows=shape.num_seqs * decode_rows if shape.decode_only else None)
 
 
 def _main_forward(params, cache, recurrent, batch, shape: BatchShape, config: StepConfig):
