@@ -389,7 +389,7 @@ class Bench:
         context = load_config(folder).max_position_embeddings
         llm = LLM(folder, load_format="dummy", max_model_len=context - 200, **kwargs)
         if robust:
-            llm.engine.runner.params = robust_greedy_weights(llm.engine.params)
+            llm.engine.runner.replace_params(robust_greedy_weights(llm.engine.params))
         self.current["llm"] = llm
         return llm
 

@@ -762,7 +762,7 @@ def model_e2e(run: Run, model: str):
         llm = LLM(folder, load_format="dummy", max_model_len=min(1024, config["max_position_embeddings"] - 64),
                   num_pages=(400 if run.args.tiny else 1200), **kwargs)
         # one greedy path that the oracle can follow (e2e.robust_greedy_weights)
-        llm.engine.runner.params = robust_greedy_weights(llm.engine.params)
+        llm.engine.runner.replace_params(robust_greedy_weights(llm.engine.params))
         return llm
 
     def prompts(n, length):

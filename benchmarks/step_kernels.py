@@ -8,7 +8,8 @@ At batch 1 a MoE model's step is mostly small kernels: on the H200 (2026-12-03,
 expert and projection GEMMs. Each kernel a layer sheds saves about that much times the
 layers, so this counts them where no GPU is lent: every launched instruction of the
 step (fusions, library GEMMs, Pallas kernels, copies), by kind and by part of the step,
-for two layer counts, and their difference: the kernels of one decoder layer.
+for two layer counts, and their difference: the kernels of one decoder layer; and the
+step's arguments (the host handles each at every call).
 
 What it cannot see: XLA's autotuning needs the device, so GEMM fusions keep their
 default tilings (split-K partial sums may differ from the H200's choice), and no
@@ -72,6 +73,13 @@ def launched(hlo_text: str) -> list[dict]:
             kind = opcode
         out.append({"name": name, "kind": kind, "op_name": op_name.group(1) if op_name else ""})
     return out
+
+
+def arguments(hlo_text: str) -> int:
+    """The entry computation's parameters: the arrays the host hands the program at
+    every call (on the H200's host about 3 us each, docs/benchmarks/README.md)."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    return len(re.findall(r" parameter\(\d+\)", entry[: entry.index("\n}\n")]))
 
 
 def summary(kernels: list[dict]) -> dict:
@@ -163,19 +171,29 @@ def main() -> None:
     mesh = h200_mesh(args.target)
     counts, instructions = {}, {}
     for layers in map(int, args.layers.split(",")):
-        instructions[layers] = launched(step_hlo({**config, "num_hidden_layers": layers}, args.batch, args.k, mesh))
-        counts[layers] = summary(instructions[layers])
+        text = step_hlo({**config, "num_hidden_layers": layers}, args.batch, args.k, mesh)
+        instructions[layers] = launched(text)
+        counts[layers] = {**summary(instructions[layers]), "arguments": arguments(text)}
     low, high = sorted(counts)
-    per_layer = (counts[high]["kernels"] - counts[low]["kernels"]) / (high - low)
-    total = counts[low]["kernels"] + per_layer * (config["num_hidden_layers"] - low)
+    layers_more = config["num_hidden_layers"] - low
+
+    def whole_model(key: str) -> tuple[float, float]:  # a layer's, and the model's step's
+        per_layer = (counts[high][key] - counts[low][key]) / (high - low)
+        return per_layer, counts[low][key] + per_layer * layers_more
+
+    per_layer, total = whole_model("kernels")
+    arguments_per_layer, arguments_total = whole_model("arguments")
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
               "jax": jax.__version__, "target": args.target.name, "model": args.model, "batch": args.batch,
               "k": args.k, "counts": counts, "kernels_per_layer": per_layer,
-              "kernels_per_step": total, "layers": config["num_hidden_layers"], "instructions": instructions}
+              "kernels_per_step": total, "arguments_per_layer": arguments_per_layer,
+              "arguments_per_step": arguments_total, "layers": config["num_hidden_layers"],
+              "instructions": instructions}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "step_kernels.json").write_text(json.dumps(result, indent=1))
     print(f"{args.model} batch {args.batch} k={args.k} ({args.target.name}, jax {jax.__version__}): "
-          f"{per_layer:g} kernels a decoder layer, {total:g} a step of {config['num_hidden_layers']} layers")
+          f"{per_layer:g} kernels a decoder layer, {total:g} a step of {config['num_hidden_layers']} layers; "
+          f"{arguments_per_layer:g} arguments a layer, {arguments_total:g} a step")
     for layers, c in counts.items():
         print(f"  {layers} layers: {c['kernels']} kernels; by kind {c['by_kind']}; by part {c['by_part']}")
 

@@ -181,3 +181,30 @@ def test_the_steps_dots_run_at_the_model_dtypes_precision(dtype):
     else:
         model_dots = [line for line in dots if "xbf16>, tensor<" in line and line.count("xbf16>") >= 2]
         assert model_dots and all("precision = [DEFAULT, DEFAULT]" in line for line in model_dots), model_dots[:3]
+
+
+def test_the_steps_small_params_come_packed_one_buffer_a_dtype():
+    """The host hands the step every array as an argument: the norms (stories260K's
+    two a layer and the final one, all float32 here) come packed in one buffer, which
+    the step slices back into the same tree, value for value; the compiled step takes
+    that many arguments fewer (none of them an [H] norm of its own)."""
+    from jaxmtp.worker.packed_params import ParamLayout
+
+    llm = make_llm(dtype="float32")
+    runner = llm.engine.runner
+    params, (buffers, rest) = runner.params, runner.step_params
+    leaves = jax.tree.leaves(params)
+    norms = 2 * len(params.layers) + 1
+    assert len(buffers) == 1 and buffers[0].shape == (norms * params.final_norm.shape[0],)
+    assert len(rest) == len(leaves) - norms
+    unpacked = jax.jit(runner.step_config.param_layout.unpack)(runner.step_params)
+    assert jax.tree.structure(unpacked) == jax.tree.structure(params)
+    for got, want in zip(jax.tree.leaves(unpacked), leaves):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    text = runner.lower_step(BatchShape(8, 1)).as_text()
+    unpacked_layout = ParamLayout(jax.tree.structure(params), tuple(range(len(leaves))), ())
+    assert unpacked_layout.pack(params) == ((), tuple(leaves))  # a layout that packs nothing hands the tree as is
+    main = text[text.index("func.func public @main("):]
+    header = main[: main.index(") -> ")]
+    hidden = params.final_norm.shape[0]
+    assert f"tensor<{buffers[0].shape[0]}xf32>" in header and f"tensor<{hidden}xf32>" not in header

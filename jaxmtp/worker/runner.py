@@ -10,7 +10,6 @@ engine and the other processes: jaxmtp/worker/step_records.py."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -31,12 +30,14 @@ from jaxmtp.worker.batch import (
 from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, page_copy_arrays
 from jaxmtp.worker.logits_processors import padded_state_rows, write_rows, zero_state
 from jaxmtp.worker.memory import plan_kv_pool
+from jaxmtp.worker.packed_params import ParamLayout
 from jaxmtp.worker.programs import StepPrograms
 from jaxmtp.worker.recurrent import allocate_recurrent, recurrent_bytes
 from jaxmtp.worker.snapshot_table import SnapshotTable
-from jaxmtp.worker.sharding import check_divisible, make_mesh, param_shardings, put_replicated, replicated
+from jaxmtp.worker.sharding import (array_spec, check_divisible, make_mesh, param_shardings, put_replicated,
+                                    replicated)
 from jaxmtp.worker.step import (STEP_STATE, StepConfig, StepOutput, finish_inputs, jitted_finish, jitted_forward,
-                                jitted_step)
+                                jitted_step, matmul_precision)
 from jaxmtp.worker.step_records import InFlightStep, StepInputs, StepResult
 
 
@@ -93,7 +94,9 @@ class ModelRunner:
             mtp_boundary=config.mtp_boundary,
             num_top_logprobs=min(config.max_logprobs, model_config.vocab_size),
             mesh=self.mesh,
+            param_layout=ParamLayout.of(self.params),
         )
+        self.step_params = self.step_config.param_layout.pack(self.params)  # what step and forward take
         self._oracle_tokens = None
         self._pending = None  # a masked step's second program, its arguments and hidden rows, until apply_masks
         # the compiled steps, by the oracle table's shape (None: no oracle, as serving runs)
@@ -101,7 +104,12 @@ class ModelRunner:
         self._place_state([name for name in STEP_STATE if name not in ("logits_state", "recurrent")])  # placed above
         # what the step is compiled for: the arrays' shapes, dtypes and shardings, which
         # every step keeps (the background compiler reads these, never the donated arrays)
-        self._state_specs = jax.tree.map(array_spec, (self.params, *self.step_state()))
+        self._state_specs = jax.tree.map(array_spec, (self.step_params, *self.step_state()))
+
+    def replace_params(self, params) -> None:
+        """New values for the same parameter tree (a benchmark's weights), in the step's
+        packed form too."""
+        self.params, self.step_params = params, self.step_config.param_layout.pack(params)
 
     def reset(self) -> None:
         """Every state the step carries across steps (step.STEP_STATE), fresh and zeroed,
@@ -258,10 +266,11 @@ class ModelRunner:
         programs = self._programs_for(oracle).program(shape)
         if not shape.masked:
             self.cache, self.recurrent, self.logits_state, output = programs[0](
-                self.params, *self.step_state(), ints, floats, oracle)
+                self.step_params, *self.step_state(), ints, floats, oracle)
             self.carry = output.carry
             return output
-        self.cache, self.recurrent, hidden = programs[0](self.params, self.cache, self.recurrent, self.carry, ints, floats)
+        self.cache, self.recurrent, hidden = programs[0](self.step_params, self.cache, self.recurrent, self.carry, ints,
+                                                         floats)
         self._pending = (programs[1], args, hidden)
         return None if token_bitmask is None else self._finish(token_bitmask)
 
@@ -373,7 +382,8 @@ class ModelRunner:
                                           sharding=replicated(self.mesh))
             bitmask = jax.ShapeDtypeStruct((shape.num_seqs, self.config.num_speculative_tokens + 1, self.mask_width),
                                            np.int32, sharding=replicated(self.mesh))
-            finish = jitted_finish.lower(*finish_inputs(params, cache, self.model_config.num_kv_layers), recurrent,
+            finish = jitted_finish.lower(*finish_inputs(jax.tree.map(array_spec, self.params), cache,
+                                                        self.model_config.num_kv_layers), recurrent,
                                          logits_state, carry, ints, floats, hidden, bitmask, oracle, *static,
                                          self.page_size)
         return forward, finish
@@ -385,16 +395,3 @@ class ModelRunner:
         names = [",".join(map(str, pages)), ",".join(map(str, (pages[0] * pages[1],) + pages[2:]))]
         text = self.lower_step(shape).compile().as_text()
         return [line.strip() for line in text.splitlines() if " copy(" in line and any(f"[{n}]" in line for n in names)]
-
-
-def matmul_precision(dtype: str):
-    """The precision the step's XLA dots trace at (the Pallas kernels pick theirs from
-    their operands' dtype): a float32 model computes in float32, where a GPU's default
-    float32 dot rounds its operands to TF32; bf16 (and fp8, which computes in bf16)
-    keeps the default, the fast path."""
-    return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
-
-
-def array_spec(x, sharding=None) -> jax.ShapeDtypeStruct:
-    """An array's shape, dtype and sharding (or `sharding`), what compiling needs of it."""
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)

@@ -351,3 +351,8 @@ def shard_mla_over_heads(write_and_attend, mesh: Mesh):
         + ((),) * 4 + (MLA_UP_AXES, MLA_UP_AXES),
         (QUERY_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES),
     )
+
+
+def array_spec(x, sharding=None) -> jax.ShapeDtypeStruct:
+    """An array's shape, dtype and sharding (or `sharding`), what compiling needs of it."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding)

@@ -12,6 +12,7 @@ runs while the host reads step N and computes step N+1's masks from its tokens."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
@@ -26,6 +27,7 @@ from jaxmtp.worker import mtp
 from jaxmtp.worker.batch import Batch, BatchShape, Carry, apply_carry, lookahead_width, unpack_batch
 from jaxmtp.worker.cache import KVCache
 from jaxmtp.worker.logits_processors import LogitsState, process_logits, record_emitted
+from jaxmtp.worker.packed_params import ParamLayout
 from jaxmtp.worker.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxmtp.worker.recurrent import RecurrentState, commit, constrain_recurrent
 from jaxmtp.worker.sampling import accept_drafts, chosen_logprobs, verify_and_sample
@@ -43,6 +45,8 @@ class StepConfig:
     mtp_boundary: str = "next_chunk"
     num_top_logprobs: int = 0
     mesh: Mesh | None = None  # tensor parallelism (jaxmtp.worker.sharding); None: one device, no shard_map
+    # step and forward take their params packed in this layout (jaxmtp/worker/packed_params.py); None: as a tree
+    param_layout: ParamLayout | None = None
 
 
 @pytree_dataclass
@@ -62,7 +66,7 @@ class StepOutput:
 
 
 def step(
-    params: Params,
+    params: Params | tuple,
     cache: KVCache,
     recurrent: RecurrentState,
     logits_state: LogitsState,
@@ -79,7 +83,8 @@ def step(
     is; carry: the previous step's StepOutput.carry; ints/floats: the batch packed by batch.pack_batch; oracle_tokens:
     None, or a benchmark's table whose tokens replace the MTP drafts (oracle_drafts);
     shape (static): how to unpack the batch, and whether no row samples, asks for top
-    logprobs or for logits processing (BatchShape.greedy)."""
+    logprobs or for logits processing (BatchShape.greedy). params: packed as config.param_layout says."""
+    params = _unpacked(params, config)
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
         batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
         cache, recurrent, hidden = _main_forward(params, cache, recurrent, batch, shape, config)
@@ -87,16 +92,21 @@ def step(
                                  shape, config)
 
 
-def forward(params: Params, cache: KVCache, recurrent: RecurrentState, carry: Carry, ints: jax.Array,
+def forward(params: Params | tuple, cache: KVCache, recurrent: RecurrentState, carry: Carry, ints: jax.Array,
             floats: jax.Array, shape: BatchShape, config: StepConfig) -> tuple[KVCache, RecurrentState, jax.Array]:
     """A masked shape's first program: the main forward, the cache and recurrent state
     donated (the latter holding the verify rows' states until finish commits one);
     returns the hidden rows [T, H]. It needs no grammar mask, so the host dispatches it before it
     has read the previous step, whose tokens the masks depend on, and computes the masks
-    while it runs."""
+    while it runs. params: as step's."""
+    params = _unpacked(params, config)
     with dense_kernels(dense_kernels_for(config.attention_backend, config.mesh)):
         batch = _batch_in(ints, floats, carry, shape, config, cache.page_size)
         return _main_forward(params, cache, recurrent, batch, shape, config)
+
+
+def _unpacked(params: Params | tuple, config: StepConfig) -> Params:
+    return params if config.param_layout is None else config.param_layout.unpack(params)
 
 
 def finish(params: Params, cache: KVCache, recurrent: RecurrentState, logits_state: LogitsState, carry: Carry,
@@ -248,3 +258,11 @@ DONATED_STATE = ("cache", "recurrent", "logits_state")
 jitted_step = jax.jit(step, static_argnames=("config", "shape"), donate_argnames=DONATED_STATE)
 jitted_forward = jax.jit(forward, static_argnames=("config", "shape"), donate_argnames=("cache", "recurrent"))
 jitted_finish = jax.jit(finish, static_argnames=("config", "shape", "page_size"), donate_argnames=DONATED_STATE)
+
+
+def matmul_precision(dtype: str):
+    """The precision the step's XLA dots trace at (the Pallas kernels pick theirs from
+    their operands' dtype): a float32 model computes in float32, where a GPU's default
+    float32 dot rounds its operands to TF32; bf16 (and fp8, which computes in bf16)
+    keeps the default, the fast path."""
+    return jax.default_matmul_precision("highest") if dtype == "float32" else contextlib.nullcontext()
