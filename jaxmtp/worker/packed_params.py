@@ -63,7 +63,7 @@ class ParamLayout:
         parts = [[x for x, p in zip(leaves, self.places) if isinstance(p, tuple) and p[0] == b]
                  for b in range(len(self.dtypes))]
         buffers = tuple(jax.jit(lambda *xs: jnp.concatenate([x.reshape(-1) for x in xs]),
-                                out_shardings=xs[0].sharding)(*xs) for xs in parts)
+                                out_shardings=_whole(xs[0].sharding))(*xs) for xs in parts)
         return buffers, tuple(x for x, p in zip(leaves, self.places) if not isinstance(p, tuple))
 
     def unpack(self, packed: tuple) -> object:
@@ -73,3 +73,10 @@ class ParamLayout:
                   jax.lax.slice(buffers[p[0]], (p[1],), (p[1] + math.prod(p[2]),)).reshape(p[2])
                   for p in self.places]
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def _whole(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """A buffer's sharding: whole on the devices of one of its arrays' (of any rank)."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return sharding
