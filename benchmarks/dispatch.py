@@ -92,7 +92,7 @@ def engine_row(model: str, layers: int, steps: int, sampling: str = "0:1") -> di
         llm.generate(prompts, params, use_tqdm=False)
     done = llm.engine.stats.steps - before
     runner, record = llm.engine.runner, llm.engine.last_step
-    arguments = len(jax.tree.leaves((runner.params, *runner.step_state())))
+    arguments = len(jax.tree.leaves((runner.step_params, *runner.step_state())))
     # the last step replayed with the device idle at each call: no step before it computes
     # (a masked step: its forward's dispatch, and its finish's once the forward is done)
     masks = None if record.token_bitmask is None else put_replicated(record.token_bitmask, runner.mesh)
@@ -125,11 +125,11 @@ def arguments_alone(runner, calls: int) -> float:
 
     counter = jax.numpy.int32(0)
     program = jax.jit(lambda params, state, counter: (state, counter + 1),
-                      donate_argnums=1).lower(runner.params, runner.step_state(), counter).compile()
+                      donate_argnums=1).lower(runner.step_params, runner.step_state(), counter).compile()
     state, spent = runner.step_state(), 0.0
     for _ in range(calls):
         start = time.perf_counter()
-        state, counter = program(runner.params, state, counter)
+        state, counter = program(runner.step_params, state, counter)
         spent += time.perf_counter() - start
     jax.block_until_ready(counter)
     for name, array in zip(STEP_STATE, state):  # the step's state, handed back
