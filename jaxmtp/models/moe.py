@@ -123,8 +123,8 @@ def sorted_experts(x: jax.Array, pairs: SortedPairs, gate_up: jax.Array, down: j
     projection as another, and the outputs summed back onto their rows with their
     weights, in float32. expert_swiglu, expert_matmul: kernels/grouped_matmul.py's entry
     points (the Pallas kernel on GPUs), or its references or kernels of the same
-    signature (tests, benchmarks); real_pairs: the most pairs a group may hold (a
-    decode step's bound), whose measured tiling the calls take."""
+    signature (tests, benchmarks); real_pairs: the most pairs that can be a request's
+    (a decode step's bound; the rest are padding), whose measured tiling the calls take."""
     t, h = x.shape
     (gate_up, gate_up_scales), (down, down_scales) = _expert_weight(gate_up), _expert_weight(down)
     if real_pairs is not None:
