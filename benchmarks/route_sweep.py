@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 WEIGHT_RTOL = 16 * 2.0**-24  # tests/test_route_kernel.py says why
 
 
-def paths(logits, bias, real, moe_cfg, tiny: bool) -> dict:
+def paths(moe_cfg, tiny: bool) -> dict:
     """name -> a jitted function of (logits, bias, real rows) giving (group sizes, rows,
     weights) of the sorted pairs."""
     import jax
@@ -62,7 +62,7 @@ def run_case(model: str, moe_cfg, rows: int, real: int, repeats: int, tiny: bool
     logits = jnp.asarray(rng.standard_normal((rows, moe_cfg.num_experts)), jnp.float32)
     bias = jnp.asarray(0.1 * rng.standard_normal(moe_cfg.num_experts), jnp.float32)
     real = jnp.int32(min(real, rows))
-    fns = paths(logits, bias, real, moe_cfg, tiny)
+    fns = paths(moe_cfg, tiny)
     outs = {name: [np.asarray(o) for o in fn(logits, bias, real)] for name, fn in fns.items()}
     (sizes, order, weights), (k_sizes, k_order, k_weights) = outs["xla"], outs["kernel"]
     ok = bool(np.array_equal(sizes, k_sizes) and np.array_equal(order, k_order)
