@@ -392,13 +392,13 @@ def test_sampling_stages_timed_for_every_batch_and_row_count(tmp_path):
 
 
 def test_step_kernels_counts_what_an_optimised_gpu_program_launches():
-    """benchmarks/step_kernels.py's reading of XLA:GPU's optimised HLO: every entry
-    instruction that launches work, by kind (XLA's GEMM fusions and cuBLAS calls as
+    """benchmarks/step_kernels.py's reading of XLA:GPU's optimised HLO: the entry's
+    arguments, and every entry instruction that launches work, by kind (XLA's GEMM fusions and cuBLAS calls as
     gemm, Pallas' Triton and Mosaic GPU calls as pallas, other fusions, copies, sorts),
     none of the views, tuples and arguments that launch nothing, charged to the step's
     part its op_name names. The program below is written by hand, as XLA prints one."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from step_kernels import launched, summary
+    from step_kernels import arguments, launched, summary
 
     hlo = """HloModule jit_step
 
@@ -428,6 +428,7 @@ ENTRY %main.9 (p0: bf16[8,64], p1: bf16[64,64]) -> (bf16[8,64], s32[8]) {
         ("pallas_call.6", "pallas"), ("loop_add_fusion", "fusion"), ("sort.7", "sort"), ("copy.8", "copy")]
     assert summary(got) == {"kernels": 7, "by_kind": {"gemm": 2, "pallas": 2, "fusion": 1, "sort": 1, "copy": 1},
                             "by_part": {"main_forward": 3, "verify": 1, "draft": 1, "carry_out": 1, "other": 1}}
+    assert arguments(hlo) == 2  # the entry's parameters, not the fused computation's
 
 
 def test_route_sweep_checks_both_routings_and_writes_the_table_the_engine_reads(tmp_path):
