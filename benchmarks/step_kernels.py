@@ -17,7 +17,7 @@ kernel is timed. The CPU builds the runner (dummy weights at full width, `--laye
 decoder layers); the kernels' choices are the GPU's (jax.default_backend reads "gpu"
 while the runner is built and the step traced).
 
-    python benchmarks/step_kernels.py [--model moonlight|llama3_8b|glm45_air_fp8]
+    python benchmarks/step_kernels.py [--model moonlight|llama3_8b|llama3_8b_fp8|glm45_air_fp8]
         [--batch 1] [--k 0] [--layers 2,3] [--out DIR]
 
 Needs the CUDA plugin of jax (`pip install "jax[cuda12]"`, or jax-cuda13-plugin and
@@ -149,10 +149,11 @@ def step_hlo(config: dict, batch: int, k: int, mesh) -> str:
 
 
 def model_configs() -> dict:
-    from e2e import LLAMA3_8B
+    from e2e import FP8_BLOCK_SCALED, LLAMA3_8B
     from moe import MODELS
 
-    return {"llama3_8b": LLAMA3_8B, "moonlight": MODELS["moonlight"][0], "glm45_air_fp8": MODELS["glm45_air_fp8"][0]}
+    return {"llama3_8b": LLAMA3_8B, "llama3_8b_fp8": {**LLAMA3_8B, "quantization_config": FP8_BLOCK_SCALED},
+            "moonlight": MODELS["moonlight"][0], "glm45_air_fp8": MODELS["glm45_air_fp8"][0]}
 
 
 def main() -> None:
