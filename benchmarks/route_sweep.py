@@ -111,10 +111,7 @@ def main() -> None:
     results = []
     for model in args.models.split(","):
         hf = MODELS[model][1 if args.tiny else 0]
-        moe_cfg = MoEConfig(num_experts=hf["n_routed_experts"], num_experts_per_tok=hf["num_experts_per_tok"],
-                            num_shared_experts=hf.get("n_shared_experts", 1), moe_intermediate_size=1,
-                            first_k_dense_replace=0, n_group=1, topk_group=1,
-                            routed_scaling_factor=hf["routed_scaling_factor"], norm_topk_prob=hf["norm_topk_prob"])
+        moe_cfg = MoEConfig.from_hf(hf, hf["model_type"])
         for rows in map(int, args.rows.split(",")):
             if rows * moe_cfg.num_experts_per_tok > MAX_PAIRS:
                 continue

@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.fp8_wgmma import WgmmaConfig, fp8_wgmma_matmul
-from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
+from jaxmtp.kernels.tiling_table import bucket_at_or_above, read_tilings, row_bucket
 
 # `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams` before
 _TritonCompilerParams = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
@@ -125,8 +125,8 @@ def fp8_tiling(m: int, weight_shape: tuple[int, int, int], block: tuple[int, int
     buckets = FP8_TILINGS.get((*weight_shape, *block))
     if not buckets:
         return default_config(m, weight_shape[-1])
-    above = [b for b in buckets if b >= row_bucket(m)]
-    return buckets[min(above) if above else max(buckets)]
+    bucket = bucket_at_or_above(buckets, m)
+    return buckets[max(buckets) if bucket is None else bucket]
 
 
 def dequantize_blocks(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, ...]) -> jax.Array:

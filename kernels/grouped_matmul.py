@@ -62,7 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxmtp.kernels.fp8_matmul import F16_SHIFT, is_k_step
 from jaxmtp.kernels.grouped_reference import grouped_matmul_reference, grouped_swiglu_reference, silu_and_mul
 from jaxmtp.kernels.triton_common import NUM_SMS, TritonCompilerParams, cdiv, next_power_of_2
-from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
+from jaxmtp.kernels.tiling_table import bucket_at_or_above, read_tilings, row_bucket
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -152,8 +152,8 @@ def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool,
     "xla" where XLA's ragged_dot was faster than every tiling; else default_config's."""
     key = (num_groups, k, n, int(swiglu)) + ((scale_block[0],) if scale_block else ())
     buckets = GROUPED_TILINGS.get(key, {})
-    above = [b for b in buckets if b >= row_bucket(num_rows)]
-    return buckets[min(above)] if above else default_config(num_rows, num_groups, k, n, swiglu, scale_block)
+    bucket = bucket_at_or_above(buckets, num_rows)
+    return default_config(num_rows, num_groups, k, n, swiglu, scale_block) if bucket is None else buckets[bucket]
 
 
 def _sorted_block(group_sizes_ref, m_block, *, num_groups: int, block_m: int, num_rows: int):

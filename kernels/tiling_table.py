@@ -29,3 +29,9 @@ def read_tilings(filename: str, config_class, kernels: dict | None = None) -> di
 def row_bucket(num_rows: int) -> int:
     """A table's row bucket: the rows rounded up to a power of 2."""
     return 1 << max(0, num_rows - 1).bit_length()
+
+
+def bucket_at_or_above(buckets, num_rows: int) -> int | None:
+    """The smallest of a table entry's measured row buckets at or above num_rows' bucket,
+    or None past them all."""
+    return min((b for b in buckets if b >= row_bucket(num_rows)), default=None)

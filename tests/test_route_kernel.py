@@ -7,6 +7,7 @@ Random inputs are fresh per test (the seed is in every failure message)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,7 @@ import pytest
 
 from jaxmtp.kernels import route as route_kernel
 from jaxmtp.models import moe
-from jaxmtp.models.config import MoEConfig
+from test_moe_kernels import moe_config as grouped_moe_config
 from test_moe_kernels import seeded
 
 # Weights: the kernel's sigmoid (or softmax) and XLA's round differently, and the k
@@ -33,10 +34,9 @@ CASES = [
 ]
 
 
-def moe_config(experts: int, k: int, routing: str, norm: bool) -> MoEConfig:
-    return MoEConfig(num_experts=experts, num_experts_per_tok=k, num_shared_experts=1, moe_intermediate_size=16,
-                     first_k_dense_replace=0, n_group=1, topk_group=1, routed_scaling_factor=2.5,
-                     norm_topk_prob=norm, routing=routing)
+def moe_config(experts: int, k: int, routing: str, norm: bool):
+    """test_moe_kernels' config without group limits (what the kernel routes), scaled by 2.5."""
+    return dataclasses.replace(grouped_moe_config(experts, k, n_group=1, topk_group=1, norm=norm), routing=routing)
 
 
 @pytest.mark.parametrize("rows, experts, k, routing, norm, real, first, held, grid", CASES)

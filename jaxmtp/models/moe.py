@@ -127,11 +127,10 @@ def sorted_experts(x: jax.Array, pairs: SortedPairs, gate_up: jax.Array, down: j
     (a decode step's bound; the rest are padding), whose measured tiling the calls take."""
     t, h = x.shape
     (gate_up, gate_up_scales), (down, down_scales) = _expert_weight(gate_up), _expert_weight(down)
-    if real_pairs is not None:
-        gate_up_scales, down_scales = ({**scales, "real_rows": real_pairs} for scales in (gate_up_scales, down_scales))
+    tiling = {} if real_pairs is None else {"real_rows": real_pairs}
     # the pairs held elsewhere lie past every group: the grouped calls' rows there are 0
-    out = expert_matmul(expert_swiglu(x, gate_up, pairs.group_sizes, rows=pairs.rows, **gate_up_scales), down,
-                        pairs.group_sizes, **down_scales)
+    out = expert_matmul(expert_swiglu(x, gate_up, pairs.group_sizes, rows=pairs.rows, **gate_up_scales, **tiling),
+                        down, pairs.group_sizes, **down_scales, **tiling)
     weighted = out.astype(jnp.float32) * pairs.weights[:, None]
     return jnp.zeros((t, h), jnp.float32).at[pairs.rows].add(weighted)
 
@@ -171,12 +170,12 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     num_pairs = h.shape[0] * k
     real_pairs = min(h.shape[0], max_rows or h.shape[0]) * k
     by_pair = experts_by_pair(real_pairs, gate_up.shape, scales.get("scale_block"))
-    grouped = cfg.routing != "softmax" and cfg.topk_group < cfg.n_group
-    if routes_in_kernel(num_pairs, cfg.num_experts, k, grouped) and not by_pair:
+    sigmoid = cfg.routing != "softmax"
+    if routes_in_kernel(num_pairs, cfg.num_experts, k, sigmoid and cfg.topk_group < cfg.n_group) and not by_pair:
         pairs = SortedPairs(*route_and_sort(
             router_logits(h, p.router), p.router_bias, h.shape[0] if num_rows is None else num_rows, first_expert,
-            k=cfg.num_experts_per_tok, num_held=gate_up.shape[0], sigmoid=cfg.routing != "softmax",
-            norm_topk_prob=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor))
+            k=k, num_held=gate_up.shape[0], sigmoid=sigmoid, norm_topk_prob=cfg.norm_topk_prob,
+            scaling=cfg.routed_scaling_factor))
         out = sorted_experts(h, pairs, p.experts_gate_up, p.experts_down, real_pairs=real_pairs)
     else:
         routing = route(h, p.router, p.router_bias, cfg)
