@@ -126,7 +126,7 @@ def main() -> None:
     note = (f"benchmarks/route_sweep.py on {device}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%M%z}, "
             f"jax {jax.__version__}")
     (out / "route_sweep.json").write_text(json.dumps({"note": note, "rows": results}, indent=1))
-    (out / "route_paths.json").write_text(json.dumps({"_note": note, **merged_table(args.update, measured)}, indent=1))
+    (out / "route_paths.json").write_text(json.dumps(merged_table(args.update, measured) | {"_note": note}, indent=1))
     print(json.dumps(measured))
 
 
