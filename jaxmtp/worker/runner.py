@@ -34,7 +34,7 @@ from jaxmtp.worker.packed_params import ParamLayout
 from jaxmtp.worker.programs import StepPrograms
 from jaxmtp.worker.recurrent import allocate_recurrent, recurrent_bytes
 from jaxmtp.worker.snapshot_table import SnapshotTable
-from jaxmtp.worker.sharding import (array_spec, check_divisible, make_mesh, param_shardings, put_replicated,
+from jaxmtp.worker.sharding import (array_spec, check_divisible, host_inputs, make_mesh, param_shardings, put_replicated,
                                     replicated)
 from jaxmtp.worker.step import (STEP_STATE, StepConfig, StepOutput, finish_inputs, jitted_finish, jitted_forward,
                                 jitted_step, matmul_precision)
@@ -237,7 +237,7 @@ class ModelRunner:
             self.logits_state = write_rows(self.logits_state, *put_replicated((inputs.state_slots, inputs.state_rows), self.mesh))
         if inputs.shape is None:
             return None, None
-        args = (*put_replicated((inputs.ints, inputs.floats), self.mesh), self.oracle_tokens, inputs.shape)
+        args = (*host_inputs((inputs.ints, inputs.floats), self.mesh), self.oracle_tokens, inputs.shape)
         output = self._run(args)
         if inputs.state_saves is not None:  # once the step ran (it may raise)
             self.snapshots.due_saves = inputs.state_saves
@@ -248,7 +248,7 @@ class ModelRunner:
         token bitmasks [B, k+1, W] (structured_outputs.step_bitmask)."""
         if self.peers is not None:
             self.peers.send_masks(token_bitmask)
-        return self._finish(put_replicated(token_bitmask, self.mesh))
+        return self._finish(host_inputs(token_bitmask, self.mesh))
 
     def complete(self, record: InFlightStep, masks: np.ndarray) -> None:
         """Queue a masked step's second program with its grammar masks [B, k+1, W], B the
@@ -301,6 +301,8 @@ class ModelRunner:
         """Run a step's batch again, on the cache as it is now (benchmarks time it alone)."""
         if self.peers is not None:
             raise ValueError("replay runs a step on one process; with num_nodes > 1 every process must run it")
+        if isinstance(record.args[0], np.ndarray):  # placed once: a replay times the device, not the transfer
+            record.args = (*put_replicated(record.args[:2], self.mesh), *record.args[2:])
         masks = None if record.token_bitmask is None else put_replicated(record.token_bitmask, self.mesh)
         return self._run(record.args, masks)
 

@@ -25,7 +25,7 @@ class InFlightStep:
     preemptions: list[int]  # each sequence's num_preemptions at dispatch
     # on the device; None while a masked step waits for its masks (ModelRunner.complete)
     output: StepOutput | None
-    args: tuple  # (ints, floats, oracle table, shape) as placed, for replays
+    args: tuple  # (ints, floats, oracle table, shape) as the step took them, for replays
     token_bitmask: np.ndarray | None = None  # a masked step's masks as its second program took them
 
     @property
