@@ -40,6 +40,7 @@ import math
 import subprocess
 import sys
 import tempfile
+import types
 import time
 import warnings
 from pathlib import Path
@@ -744,6 +745,28 @@ def step_bytes(params, cfg, batch: int, context: int, rows: int = 1) -> float:
     return total + cfg.num_layers * context * per_token * 2 * batch
 
 
+def shape_floors(model: str, tiny: bool) -> dict:
+    """A model's batch-1 plain and MTP k=1 steps' bytes (step_bytes) from its shapes alone,
+    no weights made and no device: at these floors an MTP step with every draft accepted
+    gives 2 * plain / MTP the plain step's tokens/s, the most the e2e part's MTP row can
+    reach as both steps near them."""
+    import jax
+
+    from jaxmtp.models.params import random_params
+    from jaxmtp.models.registry import load_config
+
+    folder = tempfile.mkdtemp()
+    Path(folder, "config.json").write_text(json.dumps(MODELS[model][1 if tiny else 0]))
+    cfg = load_config(folder)
+    shapes = jax.eval_shape(lambda key: random_params(cfg, key, 1), jax.random.key(0))
+    sized = jax.tree.map(lambda x: types.SimpleNamespace(nbytes=x.size * x.dtype.itemsize), shapes)
+    s = TINY if tiny else Shapes()
+    context = s.prompt + s.new_tokens // 2
+    plain, mtp = step_bytes(sized, cfg, 1, context), step_bytes(sized, cfg, 1, context, rows=2)
+    return {"model": model, "context": context, "plain_bytes": plain, "mtp_k1_bytes": mtp,
+            "mtp_k1_over_plain_at_floors": 2 * plain / mtp}
+
+
 def part_e2e(run: Run):
     for name in run.args.models.split(","):
         if run.budget_left() <= 90:
@@ -869,10 +892,20 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: interpret-mode kernels, a tiny model")
     parser.add_argument("--models", default="moonlight,glm45_air_fp8", help="e2e part: comma list of: "
                         + ", ".join(MODELS))
+    parser.add_argument("--floors-only", action="store_true", help="no device work: each model's batch-1 plain and "
+                        "MTP k=1 steps' bytes floors from its shapes, and their tokens/s ratio (moe_floors.json)")
     args = parser.parse_args()
     unknown = sorted(set(args.models.split(",")) - set(MODELS))
     if unknown:
         raise SystemExit(f"unknown models {unknown}; choose from {list(MODELS)}")
+    if args.floors_only:
+        floors = [shape_floors(model, args.tiny) for model in args.models.split(",")]
+        print(json.dumps(floors, indent=1))
+        out = Path(os.environ.get("OUT", args.out))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"moe_floors{args.tag}.json").write_text(json.dumps(
+            {"command": "python benchmarks/moe.py " + " ".join(sys.argv[1:]), "floors": floors}, indent=1))
+        return
     run = Run(args)
     parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(parts) - set(PARTS))

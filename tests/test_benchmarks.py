@@ -266,6 +266,20 @@ def test_moe_tp_times_both_ways_of_meeting_the_experts(tmp_path):
     assert rows[0]["gathered (psum) ms"] > 0 and rows[0]["all-to-all ms"] > 0
 
 
+def test_moe_floors_from_shapes_alone(tmp_path):
+    """--floors-only: each model's batch-1 plain and MTP k=1 steps' bytes from its shapes,
+    with no weights made. The MTP step reads more than the plain one (the experts of a
+    second row, the MTP module, the LM head again) and less than twice it (the dense
+    weights are read once for both rows), so the tokens/s ratio at the floors lies
+    strictly between 1 and 2."""
+    run_script("moe.py", "--tiny", "--floors-only", "--models", "moonlight,glm45_air_fp8", "--out", str(tmp_path))
+    floors = json.loads((tmp_path / "moe_floors.json").read_text())["floors"]
+    assert [f["model"] for f in floors] == ["moonlight", "glm45_air_fp8"]
+    for f in floors:
+        assert f["plain_bytes"] < f["mtp_k1_bytes"] < 2 * f["plain_bytes"]
+        assert f["mtp_k1_over_plain_at_floors"] == pytest.approx(2 * f["plain_bytes"] / f["mtp_k1_bytes"])
+
+
 def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     """The MoE/MLA benchmark's rows: the kernels (interpret mode; the expert layer also
     with fp8 experts) and the tiny GLM-4.5-Air-FP8-shaped engine (fp8 weights and
