@@ -730,9 +730,11 @@ def step_bytes(params, cfg, batch: int, context: int, rows: int = 1) -> float:
     moe = cfg.moe
     picked = moe.num_experts * (1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** (batch * rows))
 
+    def routed_bytes(p):  # held with the shared experts as their first groups, or apart
+        return nbytes((p.experts_gate_up, p.experts_down)) * moe.num_experts / (moe.num_experts + p.shared_in_experts)
+
     def read(layers):  # the layers' bytes less their routed experts no row picks
-        routed = sum(nbytes((layer.moe.experts_gate_up, layer.moe.experts_down)) for layer in layers
-                     if layer.moe is not None)
+        routed = sum(routed_bytes(layer.moe) for layer in layers if layer.moe is not None)
         return nbytes(layers) - routed + routed * picked / moe.num_experts
 
     head = 0 if params.lm_head is None else params.lm_head.nbytes

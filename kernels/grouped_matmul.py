@@ -62,7 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxmtp.kernels.fp8_matmul import F16_SHIFT, is_k_step
 from jaxmtp.kernels.grouped_reference import grouped_matmul_reference, grouped_swiglu_reference, silu_and_mul
 from jaxmtp.kernels.triton_common import NUM_SMS, TritonCompilerParams, cdiv, next_power_of_2
-from jaxmtp.kernels.tiling_table import bucket_at_or_above, read_tilings, row_bucket
+from jaxmtp.kernels.tiling_table import bucket_at_or_above, groups_entry, read_tilings, row_bucket
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -151,7 +151,7 @@ def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool,
     scale block's K) at num_rows' bucket, or at the smallest measured bucket above it;
     "xla" where XLA's ragged_dot was faster than every tiling; else default_config's."""
     key = (num_groups, k, n, int(swiglu)) + ((scale_block[0],) if scale_block else ())
-    buckets = GROUPED_TILINGS.get(key, {})
+    buckets = groups_entry(GROUPED_TILINGS, key)
     bucket = bucket_at_or_above(buckets, num_rows)
     return default_config(num_rows, num_groups, k, n, swiglu, scale_block) if bucket is None else buckets[bucket]
 
@@ -191,7 +191,7 @@ def experts_by_pair(num_pairs: int, gate_up_shape: tuple[int, ...], scale_block:
     if scale_block is not None and not is_k_step(scale_block[0]):
         return False
     key = (num_groups, k, n) + ((scale_block[0],) if scale_block else ())
-    return EXPERT_PATHS.get(key, {}).get(row_bucket(num_pairs)) == "paired"
+    return groups_entry(EXPERT_PATHS, key).get(row_bucket(num_pairs)) == "paired"
 
 
 def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, block_k: int, swiglu: bool, n: int,

@@ -13,7 +13,9 @@ One program does it all here:
   round of its own rank: no gather across registers;
 - the pairs are sorted by expert with a counting sort (each pair's place is the number
   of pairs before it in (expert, pair) order: [P, P] comparisons, hence MAX_PAIRS), and
-  each stores its row and weight at its place.
+  each stores its row and weight at its place;
+- where the shared experts are held as the first groups (jaxmtp.models.expert_layout),
+  their pairs (every real row, weight 1) take the first places, in order.
 
 Same contract as jaxmtp.models.moe's jnp path (route, without_rows_from, sort_pairs),
 integer outputs equal, weights within float32 rounding; every memory access an explicit
@@ -51,10 +53,11 @@ def routes_in_kernel(num_pairs: int, num_experts: int, k: int, grouped: bool) ->
 
 
 def _kernel(scalars_ref, logits_ref, bias_ref, sizes_ref, rows_ref, weights_ref, *, num_pairs: int, k: int,
-            sigmoid: bool, norm_topk_prob: bool, scaling: float):
+            shared: int, sigmoid: bool, norm_topk_prob: bool, scaling: float):
     num_tokens, num_experts = logits_ref.shape
     num_held = sizes_ref.shape[0]
     num_rows, first_expert = scalars_ref[0], scalars_ref[1]
+    shared_real = shared * num_rows  # the shared experts' pairs, first: group j holds rows 0 .. num_rows - 1
     pair = jnp.arange(next_power_of_2(num_pairs), dtype=jnp.int32)
     expert = jnp.arange(next_power_of_2(num_experts), dtype=jnp.int32)
     token, rank = lax.div(pair, k), lax.rem(pair, k)
@@ -86,28 +89,40 @@ def _kernel(scalars_ref, logits_ref, bias_ref, sizes_ref, rows_ref, weights_ref,
         weight = weight / (total + 1e-20)
     weight = weight * scaling
 
-    # the experts held here (expert parallel: first_expert on), the rest and every
-    # padding row's pairs after them, as group num_held
-    local = chosen - first_expert
-    held = pair_ok & (token < num_rows) & (local >= 0) & (local < num_held)
+    # the experts held here (expert parallel: first_expert on) after the shared groups,
+    # the rest and every padding row's pairs after them, as group num_held
+    local = chosen - first_expert + shared
+    held = pair_ok & (token < num_rows) & (local >= shared) & (local < num_held)
     local = jnp.where(held, local, num_held)
     before = (local[None, :] < local[:, None]) | ((local[None, :] == local[:, None]) & (pair[None, :] < pair[:, None]))
-    place = jnp.sum((before & pair_ok[None, :]).astype(jnp.int32), axis=1)
+    place = shared_real + jnp.sum((before & pair_ok[None, :]).astype(jnp.int32), axis=1)
     plgpu.store(rows_ref.at[place], token, mask=pair_ok)
     plgpu.store(weights_ref.at[place], weight, mask=pair_ok)
     group = jnp.arange(next_power_of_2(num_held), dtype=jnp.int32)
     sizes = jnp.sum(((local[None, :] == group[:, None]) & pair_ok[None, :]).astype(jnp.int32), axis=1)
+    sizes = jnp.where(group < shared, num_rows, sizes)
     plgpu.store(sizes_ref.at[group], sizes, mask=group < num_held)
+    if shared:  # pair j * T + r: row r of shared group j, past every routed pair where r is padding
+        slot = jnp.arange(next_power_of_2(shared * num_tokens), dtype=jnp.int32)
+        j, r = lax.div(slot, num_tokens), lax.rem(slot, num_tokens)
+        padding_place = shared_real + num_pairs + j * (num_tokens - num_rows) + r - num_rows
+        place = jnp.where(r < num_rows, j * num_rows + r, padding_place)
+        slot_ok = slot < shared * num_tokens
+        plgpu.store(rows_ref.at[place], r, mask=slot_ok)
+        plgpu.store(weights_ref.at[place], jnp.ones(slot.shape, jnp.float32), mask=slot_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "num_held", "sigmoid", "norm_topk_prob", "scaling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k", "num_held", "shared", "sigmoid", "norm_topk_prob", "scaling",
+                                             "interpret"))
 def route_and_sort(logits: jax.Array, bias: jax.Array | None, num_rows: jax.Array | int,
                    first_expert: jax.Array | int, *, k: int, num_held: int, sigmoid: bool, norm_topk_prob: bool,
-                   scaling: float, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """logits [T, E] float32 -> (group_sizes [num_held], rows [T*k], weights [T*k]): the
-    pairs of rows below num_rows routed to experts first_expert .. + num_held - 1, sorted
-    by expert (stably), each pair's row and weight at its place; the other pairs (held
-    elsewhere, or of padding rows) after them, in pair order."""
+                   scaling: float, shared: int = 0, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """logits [T, E] float32 -> (group_sizes [num_held], rows [T*(shared + k)], weights
+    [T*(shared + k)]): groups 0 .. shared - 1 (the shared experts held as groups,
+    jaxmtp.models.expert_layout) each rows 0 .. num_rows - 1 with weight 1; then the
+    pairs of rows below num_rows routed to experts first_expert .. + num_held - shared -
+    1, as groups shared on, sorted by expert (stably), each pair's row and weight at its
+    place; the other pairs (held elsewhere, or of padding rows) after them."""
     num_tokens, num_experts = logits.shape
     num_pairs = num_tokens * k
     if num_pairs > MAX_PAIRS:
@@ -115,13 +130,14 @@ def route_and_sort(logits: jax.Array, bias: jax.Array | None, num_rows: jax.Arra
     if bias is None:
         bias = jnp.zeros((num_experts,), jnp.float32)
     scalars = jnp.stack([jnp.asarray(num_rows, jnp.int32), jnp.asarray(first_expert, jnp.int32)])
-    kernel = functools.partial(_kernel, num_pairs=num_pairs, k=k, sigmoid=sigmoid, norm_topk_prob=norm_topk_prob,
-                               scaling=float(scaling))
+    kernel = functools.partial(_kernel, num_pairs=num_pairs, k=k, shared=shared, sigmoid=sigmoid,
+                               norm_topk_prob=norm_topk_prob, scaling=float(scaling))
+    all_pairs = num_tokens * shared + num_pairs
     return pl.pallas_call(
         kernel,
         grid=(1,),
-        out_shape=[jax.ShapeDtypeStruct((num_held,), jnp.int32), jax.ShapeDtypeStruct((num_pairs,), jnp.int32),
-                   jax.ShapeDtypeStruct((num_pairs,), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct((num_held,), jnp.int32), jax.ShapeDtypeStruct((all_pairs,), jnp.int32),
+                   jax.ShapeDtypeStruct((all_pairs,), jnp.float32)],
         compiler_params=TritonCompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="route_and_sort",

@@ -35,3 +35,15 @@ def bucket_at_or_above(buckets, num_rows: int) -> int | None:
     """The smallest of a table entry's measured row buckets at or above num_rows' bucket,
     or None past them all."""
     return min((b for b in buckets if b >= row_bucket(num_rows)), default=None)
+
+
+def groups_entry(table: dict, key: tuple) -> dict:
+    """table's entry for key = (groups, *shape), or, where it has none, the entry of the
+    same shape measured at the nearest groups count: a MoE layer holding its shared
+    experts as groups (jaxmtp.models.expert_layout) has a few more groups than the routed
+    experts that the sweeps measure, and a groups count changes the grid's empty blocks
+    only, not what a tile reads."""
+    if key in table:
+        return table[key]
+    near = [other for other in table if other[1:] == key[1:]]
+    return table[min(near, key=lambda other: abs(other[0] - key[0]))] if near else {}

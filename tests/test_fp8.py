@@ -449,7 +449,7 @@ def test_fp8_q_k_and_v_merge_with_their_scales_where_the_kernels_run(tmp_path, m
     are two) run as one K-major matmul with their scales side by side: the same logits
     as apart, and a saved checkpoint holds them apart again, byte for byte."""
     from jaxmtp.loading.loader import save_checkpoint
-    from jaxmtp.worker import runner as runner_module
+    from jaxmtp.worker import param_layouts
 
     folder = make_hf_model(tmp_path / "llama", "llama", seed=int(rng.integers(1 << 30)), dtype="bfloat16",
                            **LLAMA_SHAPE)
@@ -457,7 +457,7 @@ def test_fp8_q_k_and_v_merge_with_their_scales_where_the_kernels_run(tmp_path, m
     engine = dict(dtype="float32", max_num_seqs=1, max_num_batched_tokens=32, page_size=4,
                   attention_backend="pallas_interpret")
     apart = LLM(folder, **engine)
-    monkeypatch.setattr(runner_module, "dense_kernels_for", lambda backend, mesh: True)
+    monkeypatch.setattr(param_layouts, "dense_kernels_for", lambda backend, mesh: True)
     merged = LLM(folder, **engine)
     layer = merged.engine.params.layers[1]
     assert layer.k_proj is None and isinstance(layer.q_proj, Fp8Weight) and layer.q_proj.k_major

@@ -89,6 +89,7 @@ def test_logits_and_greedy_match_transformers(tmp_path, rng, family):
     # go to in the first MoE layer (every token's embedding and 512 random rows of the
     # same scale, so that for no seed do all rows route alike by chance)
     cfg, moe = llm.engine.model_config, llm.engine.params.layers[1].moe
+    assert moe.shared_in_experts == 1, "the shared expert runs as the routed experts' first group"
     embed = np.asarray(llm.engine.params.embed)
     x = jnp.asarray(np.concatenate([embed, embed.std() * rng.standard_normal((512, embed.shape[1]))]), embed.dtype)
     chosen = np.sort(np.asarray(route(x, moe.router, moe.router_bias, cfg.moe).experts))

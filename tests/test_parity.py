@@ -101,9 +101,9 @@ def test_q_k_and_v_merged_into_one_weight_give_the_same_model(tmp_path, biased_g
 
     from conftest import MTP_MODEL, golden_ids
     from jaxmtp.loading.loader import export_hf_checkpoint
-    from jaxmtp.worker import runner as runner_module
+    from jaxmtp.worker import param_layouts
 
-    monkeypatch.setattr(runner_module, "dense_kernels_for", lambda backend, mesh: True)
+    monkeypatch.setattr(param_layouts, "dense_kernels_for", lambda backend, mesh: True)
     folder, seed = biased_gelu_model
     ids = [1] + rng.integers(3, 97, size=24).tolist()
     expected, _ = hf_logits(folder, ids)

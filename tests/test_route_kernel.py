@@ -25,12 +25,15 @@ from test_moe_kernels import seeded
 # of relative error bound both for k <= 8.
 WEIGHT_RTOL = 16 * 2.0**-24
 
-# (rows, experts, k, routing, norm_topk_prob, real rows, first expert held, experts held, logits on a grid)
+# (rows, experts, k, routing, norm_topk_prob, real rows, first expert held, experts held, logits on a grid,
+#  shared experts held as the first groups)
 CASES = [
-    (8, 64, 6, "noaux_tc", True, 1, 0, 64, False),  # Moonlight's batch-1 step: 1 real row of 8
-    (8, 128, 8, "noaux_tc", True, 8, 0, 128, True),  # GLM-4.5-Air's 64 pairs, ties in every row
-    (5, 16, 4, "softmax", False, 5, 0, 16, False),  # Qwen's softmax, unnormalised, 20 pairs
-    (6, 32, 4, "noaux_tc", False, 4, 8, 8, True),  # a device's 8 of 32 experts (expert parallel), 2 padding rows
+    (8, 64, 6, "noaux_tc", True, 1, 0, 64, False, 0),  # Moonlight's batch-1 step: 1 real row of 8
+    (8, 64, 6, "noaux_tc", True, 1, 0, 64, False, 2),  # the same with its 2 shared experts as groups
+    (8, 128, 8, "noaux_tc", True, 8, 0, 128, True, 1),  # GLM-4.5-Air's 64 pairs (and its shared one), ties in every row
+    (5, 16, 4, "softmax", False, 5, 0, 16, False, 0),  # Qwen's softmax, unnormalised, 20 pairs
+    (7, 16, 4, "noaux_tc", True, 3, 0, 16, True, 3),  # 3 shared groups, 4 padding rows
+    (6, 32, 4, "noaux_tc", False, 4, 8, 8, True, 0),  # a device's 8 of 32 experts (expert parallel), 2 padding rows
 ]
 
 
@@ -39,11 +42,14 @@ def moe_config(experts: int, k: int, routing: str, norm: bool):
     return dataclasses.replace(grouped_moe_config(experts, k, n_group=1, topk_group=1, norm=norm), routing=routing)
 
 
-@pytest.mark.parametrize("rows, experts, k, routing, norm, real, first, held, grid", CASES)
-def test_kernel_routes_and_sorts_as_the_jnp_path(rows, experts, k, routing, norm, real, first, held, grid):
+@pytest.mark.parametrize("rows, experts, k, routing, norm, real, first, held, grid, shared", CASES)
+def test_kernel_routes_and_sorts_as_the_jnp_path(rows, experts, k, routing, norm, real, first, held, grid, shared):
     """Group sizes and each sorted pair's row equal the jnp path's (a stable argsort of
-    the pairs by expert); the weights within WEIGHT_RTOL. Logits on a grid of 0.25 tie
-    experts within a row: both take the lower expert first (lax.top_k's rule)."""
+    the pairs by expert, shared groups first); the weights within WEIGHT_RTOL. Logits on
+    a grid of 0.25 tie experts within a row: both take the lower expert first
+    (lax.top_k's rule). The pairs past the groups (padding rows', experts held
+    elsewhere) add nothing, in an order of their own; every place is written once: the
+    same (row, weight) pairs as the jnp path's there."""
     rng, seed = seeded()
     logits = rng.standard_normal((rows, experts))
     if grid:
@@ -53,15 +59,25 @@ def test_kernel_routes_and_sorts_as_the_jnp_path(rows, experts, k, routing, norm
     bias = None if routing == "softmax" else jnp.asarray(0.0 if grid else 0.3 * rng.standard_normal(experts),
                                                           jnp.float32) * jnp.ones(experts, jnp.float32)
     cfg = moe_config(experts, k, routing, norm)
-    want = moe.sort_pairs(moe.choose(logits, bias, cfg).without_rows_from(real), first, held)
+    chosen = moe.choose(logits, bias, cfg).with_shared_experts(shared).without_rows_from(real)
+    want = moe.sort_pairs(chosen, first, shared + held)
     sizes, got_rows, weights = route_kernel.route_and_sort(
-        logits, bias, real, first, k=k, num_held=held, sigmoid=routing != "softmax", norm_topk_prob=norm,
-        scaling=cfg.routed_scaling_factor, interpret=True)
+        logits, bias, real, first, k=k, num_held=shared + held, shared=shared, sigmoid=routing != "softmax",
+        norm_topk_prob=norm, scaling=cfg.routed_scaling_factor, interpret=True)
     np.testing.assert_array_equal(np.asarray(sizes), np.asarray(want.group_sizes), f"seed={seed}")
-    np.testing.assert_array_equal(np.asarray(got_rows), np.asarray(want.rows), f"seed={seed}")
-    np.testing.assert_allclose(np.asarray(weights), np.asarray(want.weights), rtol=WEIGHT_RTOL, atol=0,
+    grouped = int(np.sum(np.asarray(sizes)))
+    assert grouped == real * shared + min(real * k, grouped - real * shared), f"seed={seed}"
+    np.testing.assert_array_equal(np.asarray(got_rows)[:grouped], np.asarray(want.rows)[:grouped], f"seed={seed}")
+    np.testing.assert_allclose(np.asarray(weights)[:grouped], np.asarray(want.weights)[:grouped], rtol=WEIGHT_RTOL,
+                               atol=0, err_msg=f"seed={seed}")
+
+    def past_groups(rows_, weights_):
+        return sorted(zip(np.asarray(rows_)[grouped:].tolist(), np.asarray(weights_)[grouped:].tolist()))
+
+    got_rest, want_rest = past_groups(got_rows, weights), past_groups(want.rows, want.weights)
+    assert [r for r, _ in got_rest] == [r for r, _ in want_rest], f"seed={seed}"
+    np.testing.assert_allclose([w for _, w in got_rest], [w for _, w in want_rest], rtol=WEIGHT_RTOL, atol=0,
                                err_msg=f"seed={seed}")
-    assert int(np.sum(np.asarray(sizes))) == min(real * k, int(np.sum(np.asarray(want.group_sizes))))
 
 
 def test_more_pairs_than_one_program_sorts_are_refused():
@@ -71,12 +87,12 @@ def test_more_pairs_than_one_program_sorts_are_refused():
                                     scaling=1.0, interpret=True)
 
 
-@pytest.mark.parametrize("rows, experts, k", [(8, 64, 6), (8, 128, 8)], ids=["moonlight", "glm-4.5-air"])
-def test_kernel_lowers_for_the_gpu_at_the_moe_shapes(rows, experts, k):
+@pytest.mark.parametrize("rows, experts, k, shared", [(8, 64, 6, 2), (8, 128, 8, 0)], ids=["moonlight", "glm-4.5-air"])
+def test_kernel_lowers_for_the_gpu_at_the_moe_shapes(rows, experts, k, shared):
     """Through the Triton lowering, from the CPU (what interpret mode does not check: the
     tile shapes and operations Triton accepts), at a batch-1 step's 8 rows."""
-    fn = functools.partial(route_kernel.route_and_sort, k=k, num_held=experts, sigmoid=True, norm_topk_prob=True,
-                           scaling=2.5)
+    fn = functools.partial(route_kernel.route_and_sort, k=k, num_held=shared + experts, shared=shared, sigmoid=True,
+                           norm_topk_prob=True, scaling=2.5)
     args = (jax.ShapeDtypeStruct((rows, experts), jnp.float32), jax.ShapeDtypeStruct((experts,), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     assert "route_and_sort" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -32,6 +32,7 @@ from jaxmtp.models.params import (
     param_shapes,
     random_params,
 )
+from jaxmtp.models.expert_layout import with_shared_apart
 from jaxmtp.models.qkv_layout import with_separate_qkv
 from jaxmtp.models.registry import FAMILIES
 
@@ -256,8 +257,9 @@ def save_checkpoint(out_dir: str | Path, params: Params, cfg: ModelConfig, sourc
     if target.exists():
         shutil.rmtree(target)
     checkpointer = _orbax().StandardCheckpointer()
-    # the checkpoint's layout: fp8 weights [in, out] (the reference's), q, k and v apart
-    checkpointer.save(target, with_separate_qkv(with_fp8_matmul(params, "reference"), cfg))
+    # the checkpoint's layout: fp8 weights [in, out] (the reference's), q, k and v apart,
+    # the shared experts apart from the routed ones
+    checkpointer.save(target, with_separate_qkv(with_shared_apart(with_fp8_matmul(params, "reference")), cfg))
     checkpointer.wait_until_finished()
     return out
 

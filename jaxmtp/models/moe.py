@@ -32,6 +32,17 @@ class Routing:
         padding = jnp.arange(self.experts.shape[0])[:, None] >= num_rows
         return dataclasses.replace(self, experts=jnp.where(padding, -1, self.experts))
 
+    def with_shared_experts(self, shared: int) -> Routing:
+        """Every row's pairs with the shared experts held as groups 0 .. shared - 1
+        (MoEParams.shared_in_experts), weight 1 each, first; its routed experts after them."""
+        if not shared:
+            return self
+        t = self.experts.shape[0]
+        return Routing(
+            jnp.concatenate([jnp.broadcast_to(jnp.arange(shared, dtype=jnp.int32), (t, shared)), self.experts + shared],
+                            axis=1),
+            jnp.concatenate([jnp.ones((t, shared), jnp.float32), self.weights], axis=1))
+
 
 @pytree_dataclass
 class SortedPairs:
@@ -157,7 +168,8 @@ def routed_experts_by_pair(x: jax.Array, routing: Routing, gate_up: jax.Array, d
 def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array | int = 0,
             num_rows: jax.Array | int | None = None, max_rows: int | None = None) -> jax.Array:
     """The routed experts p holds (from first_expert) plus the shared experts (Qwen's
-    scaled by sigmoid(h @ shared_gate)), in float32. Under expert parallelism each
+    scaled by sigmoid(h @ shared_gate); held as the first groups, on one device, where
+    p.shared_in_experts: their pairs are taken with the routed ones'), in float32. Under expert parallelism each
     device's columns of the shared experts are scaled alike, so the sum over devices is
     the gated whole. Rows from num_rows on (a step's padding) go to no routed expert:
     routed like the rest, a decode step's padding rows would read experts of their own
@@ -166,19 +178,19 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     grouped calls' tiling and the paired form's choice are taken: at batch 1 the 8-row
     bucket's 48 pairs are 6 real ones, which the tables measured as 1 token's."""
     gate_up, scales = _expert_weight(p.experts_gate_up)
-    k = cfg.num_experts_per_tok
+    k, shared = cfg.num_experts_per_tok, p.shared_in_experts
     num_pairs = h.shape[0] * k
-    real_pairs = min(h.shape[0], max_rows or h.shape[0]) * k
+    real_pairs = min(h.shape[0], max_rows or h.shape[0]) * (k + shared)
     by_pair = experts_by_pair(real_pairs, gate_up.shape, scales.get("scale_block"))
     sigmoid = cfg.routing != "softmax"
     if routes_in_kernel(num_pairs, cfg.num_experts, k, sigmoid and cfg.topk_group < cfg.n_group) and not by_pair:
         pairs = SortedPairs(*route_and_sort(
             router_logits(h, p.router), p.router_bias, h.shape[0] if num_rows is None else num_rows, first_expert,
-            k=k, num_held=gate_up.shape[0], sigmoid=sigmoid, norm_topk_prob=cfg.norm_topk_prob,
+            k=k, num_held=gate_up.shape[0], shared=shared, sigmoid=sigmoid, norm_topk_prob=cfg.norm_topk_prob,
             scaling=cfg.routed_scaling_factor))
         out = sorted_experts(h, pairs, p.experts_gate_up, p.experts_down, real_pairs=real_pairs)
     else:
-        routing = route(h, p.router, p.router_bias, cfg)
+        routing = route(h, p.router, p.router_bias, cfg).with_shared_experts(shared)
         if num_rows is not None:
             routing = routing.without_rows_from(num_rows)
         if by_pair:
@@ -199,7 +211,8 @@ ExpertsFn = Callable[[MoEParams, MoEConfig, jax.Array, jax.Array], jax.Array]
 
 def experts_fn(mesh: Mesh | None = None, max_rows: int | None = None) -> ExpertsFn:
     """(p, cfg, h [T, H], num_rows) -> the MoE FFN's output [T, H], rows from num_rows
-    on (padding) through the shared experts only; max_rows: moe_ffn's bound on
+    on (padding) through the shared experts only, or (shared experts held as groups) no
+    expert; max_rows: moe_ffn's bound on
     num_rows. With a mesh, expert parallel:
     every device holds every row (the residual stream is replicated) and routes them
     all alike, runs the rows routed to its own experts and its columns of the shared
@@ -214,6 +227,7 @@ def experts_fn(mesh: Mesh | None = None, max_rows: int | None = None) -> Experts
         return jax.lax.psum(moe_ffn(p, cfg, h, first, num_rows, max_rows), TP).astype(h.dtype)
 
     def expert_parallel(p, cfg, h, num_rows):
+        assert mesh.size == 1 or not p.shared_in_experts, "shared experts held as groups are for one device"
         return shard_per_device(per_device, mesh, (param_specs(p, mesh), ROWS_AXES, ()), ROWS_AXES)(
             p, h, jnp.asarray(num_rows, jnp.int32), cfg=cfg)
 

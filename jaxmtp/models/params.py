@@ -81,6 +81,10 @@ class MoEParams:
     shared_gate_up: jax.Array | None = None  # [H, 2, Is]
     shared_down: jax.Array | None = None  # [Is, H]
     shared_gate: jax.Array | None = None  # [H] float32: Qwen's shared_expert_gate, a Linear(H, 1)'s one row
+    # where not 0, the shared experts are experts_gate_up/down's first groups, of
+    # moe_intermediate_size columns each, which every row takes with weight 1, and
+    # shared_gate_up/down are None (expert_layout.with_shared_in_experts)
+    shared_in_experts: int = dataclasses.field(default=0, metadata=dict(static=True))
 
 
 @pytree_dataclass

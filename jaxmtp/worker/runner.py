@@ -22,8 +22,6 @@ from jaxmtp.engine.model_options import num_state_snapshots
 from jaxmtp.engine.scheduler import ScheduledRows, SchedulerOutput
 from jaxmtp.loading.loader import load_params
 from jaxmtp.models.config import ModelConfig
-from jaxmtp.models.linear import dense_kernels_for, fp8_matmul_for, with_fp8_matmul
-from jaxmtp.models.qkv_layout import with_merged_qkv
 from jaxmtp.worker.batch import (
     OTHER_KINDS, BatchShape, BucketPlan, Carry, build_batch, lookahead_width, mask_words, pack_batch,
 )
@@ -31,6 +29,7 @@ from jaxmtp.worker.cache import PAGE_COPY_BATCH, allocate_cache, copy_pages, pag
 from jaxmtp.worker.logits_processors import padded_state_rows, write_rows, zero_state
 from jaxmtp.worker.memory import plan_kv_pool
 from jaxmtp.worker.packed_params import ParamLayout
+from jaxmtp.worker.param_layouts import step_layouts
 from jaxmtp.worker.programs import StepPrograms
 from jaxmtp.worker.recurrent import allocate_recurrent, recurrent_bytes
 from jaxmtp.worker.snapshot_table import SnapshotTable
@@ -52,17 +51,10 @@ class ModelRunner:
         self.num_draft_modules = num_draft_modules
         self.mask_width = mask_words(model_config.vocab_size)  # 32-bit words of a grammar's token bitmask
         self.peers = None  # rank 0 of several processes: what sends them its device work (distributed.Leader)
-        self.params = load_params(
+        self.params = step_layouts(load_params(
             model_dir, model_config, config.load_format, config.seed, num_mtp_modules=num_draft_modules,
             shardings=functools.partial(param_shardings, mesh=self.mesh),
-        )
-        if dense_kernels_for(config.attention_backend, self.mesh):
-            # where the step may take the kernels: q, k and v as one matmul, whose merged
-            # shape their measured tables name (before the fp8 weights' layout moves)
-            self.params = with_merged_qkv(self.params)
-        if model_config.quantization is not None:
-            matmul = fp8_matmul_for(config.attention_backend, model_config.quantization)
-            self.params = with_fp8_matmul(self.params, matmul, in_place=True)
+        ), model_config, config.attention_backend, self.mesh)
         self.page_size, self.max_pages_per_seq = config.page_size, max_pages_per_seq
         # placed before the pool is sized: the pool gets what the weights and these leave
         self.logits_state = self._state_builders()["logits_state"]()
