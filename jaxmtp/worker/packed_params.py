@@ -2,8 +2,8 @@
 
 The host hands a compiled program every array as an argument of its own, at every call
 (about 3 us an argument on the H200's host: docs/benchmarks/README.md, "what a step's
-dispatch is made of"), and a decoder layer's norms, router and its bias are a third of
-a Moonlight-shaped layer's 15 arguments for a few hundred kilobytes. The runner hands
+dispatch is made of"), and a decoder layer's norms and the router's bias are a third of
+a Moonlight-shaped layer's arguments for a few kilobytes. The runner hands
 the step (and a masked step's forward program) those arrays concatenated by dtype; the
 program slices them back out, static slices that XLA folds into the fusions and GEMMs
 that read them. Only arrays whole on every device are packed (a sharded one keeps its
@@ -17,12 +17,15 @@ import math
 import jax
 import jax.numpy as jnp
 
-# the parameters small enough to pack, by field name: the norms' weights, biases and
-# the routers, each read by XLA's own fusions or GEMMs (never a Pallas kernel, for which
-# a slice would be copied out first)
+# the parameters small enough to pack, by field name: the norms' weights and biases,
+# each read by XLA's own fusions, which slice the buffer in place. Not the router: a
+# GEMM's operand, for which XLA copies the slice out first (a kernel a layer in the
+# step compiled for the H200, benchmarks/step_kernels.py), as it does for a Pallas
+# kernel's (the routing kernel's router_bias: one such copy, where XLA's routing reads
+# it in place)
 PACKED_FIELDS = frozenset({
     "input_norm", "post_norm", "final_norm", "q_norm", "k_norm", "kv_a_norm", "q_a_norm", "token_norm",
-    "hidden_norm", "q_bias", "k_bias", "v_bias", "o_bias", "gate_up_bias", "down_bias", "router", "router_bias",
+    "hidden_norm", "q_bias", "k_bias", "v_bias", "o_bias", "gate_up_bias", "down_bias", "router_bias",
     "shared_gate",
 })
 MAX_PACKED_BYTES = 4 << 20
