@@ -16,7 +16,8 @@ base 2: the cache is read once per (q block, head block), and memory stays a til
 whatever the context (the expanded form would build every context token's keys and
 values per head). A decode sequence is one block. When there are too few programs to
 fill the GPU (small batches), the token range is split over `num_splits` programs and
-one XLA fusion merges their partial results (flash decoding).
+a second kernel merges their partial results into the rows (flash decoding;
+triton_common.merged_rows).
 
 Every memory access is an explicit gather (row and slot index vectors), so the same
 kernel runs under Triton on the GPU and under `interpret=True` on the CPU.
@@ -34,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
+from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merged_rows,
                                           mma_sizes, next_power_of_2, online_softmax_step, q_blocks_per_seq,
                                           step_slots)
 from jaxmtp.kernels.reference import row_ownership
@@ -262,6 +263,6 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
     # a taken sequence's q blocks follow the taken sequences before it (locate_q_block)
     first_block = jnp.cumsum(blocks) - blocks
     part_row = first_block[seq] * config.block_q + jnp.arange(num_rows, dtype=jnp.int32) - query_start[seq]
-    merged = merge_splits(*outs).reshape(num_blocks * config.block_q, num_heads, rank)
-    out = merged[jnp.clip(part_row, 0, num_blocks * config.block_q - 1)]
-    return jnp.where(taken[:, None, None], out, 0).astype(q_latent.dtype)
+    merged = merged_rows(*outs, jnp.where(taken, part_row, -1), num_heads=num_heads, dtype=q_latent.dtype,
+                         interpret=interpret)
+    return merged.reshape(num_rows, num_heads, rank)

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merge_splits,
+from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merged_rows,
                                           next_power_of_2, online_softmax_step, step_slots)
 
 _LOG2E = math.log2(math.e)
@@ -330,7 +330,7 @@ def ragged_paged_attention(
     if config.num_splits == 1:
         out = outs[0]
     else:
-        rows = jnp.arange(num_rows)
+        rows = jnp.arange(num_rows, dtype=jnp.int32)
         owned = (rows >= query_start[0]) & (rows < query_start[num_seqs])
-        out = merge_splits(*outs, jnp.repeat(owned, num_q_heads)).astype(q.dtype)
+        out = merged_rows(*outs, jnp.where(owned, rows, -1), num_heads=num_q_heads, dtype=q.dtype, interpret=interpret)
     return out.reshape(num_rows, num_q_heads, head_dim)

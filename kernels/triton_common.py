@@ -4,8 +4,12 @@ attention kernels' q-block lookup and split merge."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 # `CompilerParams` since jax 0.6.2 (0.10 and 0.11 included); `TritonCompilerParams`
@@ -67,18 +71,51 @@ def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_row
     return seq, row_start, num_rows, first_pos
 
 
-def merge_splits(acc, row_max, row_sum, owned=None):
-    """Combines per-split (unnormalised acc, base-2 max, sum) into the output rows; rows
-    not `owned` (never written) come out 0, where the caller has not masked them itself."""
-    overall_max = jnp.max(row_max, axis=0)
-    overall_max = jnp.where(jnp.isfinite(overall_max), overall_max, 0.0)
-    weight = jnp.exp2(row_max - overall_max)
-    # the sums as one more column of acc: one reduction over the splits, not two (XLA
-    # fuses the concatenation into it)
-    both = jnp.sum(weight[..., None] * jnp.concatenate([acc, row_sum[..., None]], axis=-1), axis=0)
-    total = both[:, -1:]
-    out = both[:, :-1] / jnp.where(total > 0, total, 1.0)
-    return out if owned is None else jnp.where(owned[:, None], out, 0.0)
+MERGE_TILE = 8192  # values of a merge program's [splits, columns] tile: 64 registers a thread of 4 warps
+
+
+def merged_rows(acc: jax.Array, row_max: jax.Array, row_sum: jax.Array, part_rows: jax.Array, *, num_heads: int,
+                dtype, interpret: bool = False) -> jax.Array:
+    """The split token ranges' partial results (flash decoding: per split, the unnormalised
+    rows `acc`, their base-2 maxima and sums) merged and placed, in one Pallas kernel:
+    out [T * num_heads, R] in dtype, row t * num_heads + h the splits' results of
+    partial row part_rows[t] * num_heads + h merged, 0 where part_rows[t] < 0. In XLA
+    the merge took three kernels (the maximum, the weighted sum, the division) and a
+    gather where the partial rows are not the output's. A program takes one
+    output row's columns, every split at once (no loop over the splits: each load's
+    latency would add up), as many columns as keep its tile within MERGE_TILE."""
+    num_splits, num_parts, rank = acc.shape
+    num_rows = part_rows.shape[0] * num_heads
+    block_r = min(rank, max(16, MERGE_TILE // next_power_of_2(num_splits)))
+    kernel = functools.partial(_merge_kernel, num_splits=num_splits, num_heads=num_heads, block_r=block_r)
+    return pl.pallas_call(
+        kernel,
+        grid=(num_rows, cdiv(rank, block_r)),
+        out_shape=jax.ShapeDtypeStruct((num_rows, rank), dtype),
+        compiler_params=TritonCompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="merge_splits",
+    )(part_rows.astype(jnp.int32), acc.reshape(num_splits * num_parts, rank), row_max.reshape(-1), row_sum.reshape(-1))
+
+
+def _merge_kernel(part_rows_ref, acc_ref, max_ref, sum_ref, out_ref, *, num_splits: int, num_heads: int,
+                  block_r: int):
+    row, chunk = pl.program_id(0), pl.program_id(1)
+    rank = out_ref.shape[1]
+    num_parts = max_ref.shape[0] // num_splits
+    part_row = part_rows_ref[lax.div(row, num_heads)]
+    split = jnp.arange(next_power_of_2(num_splits), dtype=jnp.int32)
+    ok = (split < num_splits) & (part_row >= 0)
+    index = split * num_parts + jnp.maximum(part_row, 0) * num_heads + lax.rem(row, num_heads)
+    split_max = plgpu.load(max_ref.at[index], mask=ok, other=-jnp.inf)
+    overall = jnp.max(split_max)
+    weight = jnp.exp2(split_max - jnp.where(overall > -jnp.inf, overall, 0.0))  # 0 for an empty split
+    total = jnp.sum(weight * plgpu.load(sum_ref.at[index], mask=ok, other=0.0))
+    column = chunk * block_r + jnp.arange(block_r, dtype=jnp.int32)
+    tile_ok = ok[:, None] & (column[None, :] < rank)
+    acc = plgpu.load(acc_ref.at[index[:, None], column[None, :]], mask=tile_ok, other=0.0)
+    out = jnp.sum(weight[:, None] * acc, axis=0) / jnp.where(total > 0, total, 1.0)
+    plgpu.store(out_ref.at[row, column], out.astype(out_ref.dtype), mask=column < rank)
 
 
 def step_slots(page_table_ref, page_table_offset, kv_step, *, block_kv: int, page_size: int, kv_end,

@@ -21,6 +21,7 @@ from jaxmtp.kernels import grouped_matmul as gm
 from jaxmtp.kernels.grouped_reference import paired_swiglu_reference
 from jaxmtp.kernels.mla_attention import MLAKernelConfig, mla_absorbed_attention
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
+from jaxmtp.kernels.triton_common import merged_rows
 from test_kernels import make_case, relative_error
 from test_moe_kernels import experts_float64, grouped_matmul_float64, mla_float64, seeded
 from tolerances import assert_within, attention_float64, gamma, swiglu_relative
@@ -429,13 +430,13 @@ def pallas_output_shapes(jaxpr) -> list[tuple]:
 
 def test_a_decode_calls_split_results_are_kept_per_q_block():
     """A decode call in a step that also holds a 60-row prefill chunk keeps its splits'
-    partial results for its 3 q blocks (3 x 4 heads), not for the step's 65 rows: the
-    merge reads every split's buffer whole."""
+    partial results for its 3 q blocks (3 x 4 heads), not for the step's 65 rows; the
+    merge kernel writes the step's rows (65 x 4 heads)."""
     rng, _ = seeded()
     args = mla_case(rng, [(1, 9), (60, 70), (1, 5)])
     call = functools.partial(mla_absorbed_attention, sm_scale=0.3, decode_rows=1, interpret=True,
                              config=MLAKernelConfig(1, 4, 4, 3, 4, 2))
-    assert pallas_output_shapes(jax.make_jaxpr(call)(*args).jaxpr) == [(3, 12, R), (3, 12), (3, 12)]
+    assert pallas_output_shapes(jax.make_jaxpr(call)(*args).jaxpr) == [(3, 12, R), (3, 12), (3, 12), (65 * 4, R)]
 
 
 def test_mla_kernel_in_bfloat16():
@@ -646,6 +647,39 @@ def test_mla_kernel_lowers_for_the_gpu_at_moonlight_shapes(prefill):
     fn = lambda *a: mla_absorbed_attention(*a, sm_scale=0.1, decode_rows=1, prefill=prefill)  # noqa: E731
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_prefill_attention" in text if prefill else "mla_decode_attention" in text
+    assert ("merge_splits" in text) == (not prefill)  # the decode call's 8 splits merged by the kernel
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_merged_rows_match_float64_and_place_the_rows(dtype):
+    """triton_common.merged_rows (interpret mode): 5 splits' partial results of 6 q-block
+    rows x 3 heads, some splits empty (maximum -inf, sum 0), merged in float64 with the
+    overall maximum; output rows placed from their partial rows (one read twice, one
+    row -1: zeros). float32: the online merge's rescalings and sums, a few roundings per
+    split (8 u a split bounds them); bfloat16: and the output's rounding (2^-9)."""
+    rng, seed = seeded()
+    splits, parts, heads = 5, 6, 3
+    row_max = rng.uniform(-4, 4, (splits, parts * heads))
+    row_max[rng.random(row_max.shape) < 0.3] = -np.inf
+    row_max[0, ::2] = rng.uniform(-4, 4, parts * heads // 2)  # no row empty in every split
+    empty = np.isinf(row_max)
+    row_sum = np.where(empty, 0.0, rng.uniform(0.5, 4, row_max.shape))
+    acc = np.where(empty[..., None], 0.0, rng.standard_normal((splits, parts * heads, R)))
+    part_rows = np.array([2, -1, 0, 5, 5, 3])
+    overall = row_max.max(axis=0)
+    weight = np.exp2(row_max - overall)
+    merged = (weight[..., None] * acc).sum(axis=0) / (weight * row_sum).sum(axis=0)[:, None]
+    want = np.zeros((len(part_rows) * heads, R))
+    for t, part in enumerate(part_rows):
+        if part >= 0:
+            want[t * heads:(t + 1) * heads] = merged[part * heads:(part + 1) * heads]
+    got = merged_rows(jnp.asarray(acc, jnp.float32), jnp.asarray(row_max, jnp.float32), jnp.asarray(row_sum, jnp.float32),
+                      jnp.asarray(part_rows, jnp.int32), num_heads=heads, dtype=dtype, interpret=True)
+    assert got.dtype == dtype and got.shape == want.shape
+    bound = 8 * splits * 2.0**-24 + (2.0**-9 if dtype == jnp.bfloat16 else 0)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=bound, atol=bound * np.abs(want).max(),
+                               err_msg=f"seed={seed}")
+    assert not np.asarray(got, np.float64)[heads:2 * heads].any()
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
