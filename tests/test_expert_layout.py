@@ -73,7 +73,8 @@ def test_shared_experts_as_groups_give_the_layers_output(monkeypatch, block):
     """Two shared experts: the folded layer's real rows (5 of 8) equal the layer with them
     apart, through XLA's sort, the paired form and the routing kernel (interpret mode);
     fp8 ones with non-square blocks (a swapped block axis would scale the wrong columns).
-    Undone, the layout is the one loaded, to the bit."""
+    Folded in place, the old arrays are freed; undone, the layout is the one loaded, to
+    the bit."""
     rng, seed = seeded()
     cfg, apart = config(2, 16), layer(rng, 16, 32, block)
     folded = shared_in_experts(apart, cfg)
@@ -91,6 +92,14 @@ def test_shared_experts_as_groups_give_the_layers_output(monkeypatch, block):
     monkeypatch.setattr(moe, "route_and_sort",
                         lambda *args, **kwargs: route_kernel.route_and_sort(*args, **kwargs, interpret=True))
     assert_same_rows(moe.moe_ffn(folded, cfg, x, num_rows=5), want, 5, seed)
+
+    # in place: the same arrays, the old ones freed (no second copy of the experts on the device)
+    copy = jax.tree.map(jnp.copy, apart)
+    in_place = shared_in_experts(copy, cfg, in_place=True)
+    assert all(x.is_deleted() for x in jax.tree.leaves((copy.experts_gate_up, copy.experts_down, copy.shared_gate_up,
+                                                       copy.shared_down)))
+    for got, expected in zip(jax.tree.leaves(in_place), jax.tree.leaves(folded)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
     undone = shared_apart(folded)
     assert jax.tree.structure(undone) == jax.tree.structure(apart)

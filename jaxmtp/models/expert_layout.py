@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jaxmtp.models.config import ModelConfig, MoEConfig
 from jaxmtp.models.params import Fp8Weight, MoEParams, Params
 
 
-def with_shared_in_experts(params: Params, cfg: ModelConfig) -> Params:
-    """shared_in_experts over every MoE layer, the MTP modules' too."""
-    return _map_moe(params, lambda p: shared_in_experts(p, cfg.moe))
+def with_shared_in_experts(params: Params, cfg: ModelConfig, *, in_place: bool = False) -> Params:
+    """shared_in_experts over every MoE layer, the MTP modules' too, one layer at a time.
+    in_place: each layer's old arrays freed once its new ones exist, which params loses
+    (a model that fills the device has no room for a second copy of its experts)."""
+    return _map_moe(params, lambda p: shared_in_experts(p, cfg.moe, in_place=in_place))
 
 
-def shared_in_experts(p: MoEParams, moe: MoEConfig) -> MoEParams:
+def shared_in_experts(p: MoEParams, moe: MoEConfig, *, in_place: bool = False) -> MoEParams:
     """p with its shared experts moved into its routed experts' arrays as their first
     groups (MoEParams.shared_in_experts), where they can be: DeepSeek's unscaled shared
     experts of moe_intermediate_size columns each (Qwen's gated one, of a width of its
@@ -36,9 +39,13 @@ def shared_in_experts(p: MoEParams, moe: MoEConfig) -> MoEParams:
     down = _each(p.shared_down, lambda w: w.reshape(n, -1, *w.shape[1:]), add_axis=True)
     if not (_fits(gate_up, p.experts_gate_up) and _fits(down, p.experts_down)):
         return p
-    return dataclasses.replace(p, experts_gate_up=_first(gate_up, p.experts_gate_up),
-                               experts_down=_first(down, p.experts_down), shared_gate_up=None, shared_down=None,
-                               shared_in_experts=n)
+    folded = dataclasses.replace(p, experts_gate_up=_first(gate_up, p.experts_gate_up),
+                                 experts_down=_first(down, p.experts_down), shared_gate_up=None, shared_down=None,
+                                 shared_in_experts=n)
+    if in_place:
+        for array in jax.tree.leaves((p.experts_gate_up, p.experts_down, p.shared_gate_up, p.shared_down)):
+            array.delete()
+    return folded
 
 
 def with_shared_apart(params: Params) -> Params:
@@ -85,11 +92,12 @@ def _fits(shared, experts) -> bool:
 
 
 def _first(shared, experts):
-    """shared's groups, then the experts', along the experts' axis (fp8: with their scales)."""
-    if not isinstance(experts, Fp8Weight):
-        return jnp.concatenate([shared, experts])
-    return dataclasses.replace(experts, weight=jnp.concatenate([shared.weight, experts.weight]),
-                               scale_inv=jnp.concatenate([shared.scale_inv, experts.scale_inv]))
+    """shared's groups, then the experts', along the experts' axis (fp8: with their
+    scales), placed as the experts are."""
+    if isinstance(experts, Fp8Weight):
+        return dataclasses.replace(experts, weight=_first(shared.weight, experts.weight),
+                                   scale_inv=_first(shared.scale_inv, experts.scale_inv))
+    return jax.jit(lambda a, b: jnp.concatenate([a, b]), out_shardings=experts.sharding)(shared, experts)
 
 
 def _split(experts, n: int) -> tuple:

@@ -16,7 +16,7 @@ def step_layouts(params: Params, cfg: ModelConfig, attention_backend: str, mesh)
     as one matmul, whose merged shape their measured tables name (before the fp8
     weights' layout moves); fp8 weights in the layout of the matmul the backend takes."""
     if mesh.size == 1:
-        params = with_shared_in_experts(params, cfg)
+        params = with_shared_in_experts(params, cfg, in_place=True)
     if dense_kernels_for(attention_backend, mesh):
         params = with_merged_qkv(params)
     if cfg.quantization is not None:
