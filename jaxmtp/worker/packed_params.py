@@ -21,8 +21,8 @@ import jax.numpy as jnp
 # each read by XLA's own fusions, which slice the buffer in place. Not the router: a
 # GEMM's operand, for which XLA copies the slice out first (a kernel a layer in the
 # step compiled for the H200, benchmarks/step_kernels.py), as it does for a Pallas
-# kernel's (the routing kernel's router_bias: one such copy, where XLA's routing reads
-# it in place)
+# kernel's (the routing kernel's router_bias, 256 bytes a layer, which XLA's routing
+# reads in place)
 PACKED_FIELDS = frozenset({
     "input_norm", "post_norm", "final_norm", "q_norm", "k_norm", "kv_a_norm", "q_a_norm", "token_norm",
     "hidden_norm", "q_bias", "k_bias", "v_bias", "o_bias", "gate_up_bias", "down_bias", "router_bias",
