@@ -129,11 +129,35 @@ def _num_blocks(num_rows: int, num_seqs: int, block_q: int, min_rows: int, max_r
     return max(1, min(num_rows, num_rows // block_q + taken))
 
 
-def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_ref, latent_ref, rope_ref, *out_refs,
+def _rotated_q_rope(q_ref, cos_ref, sin_ref, q_index, row, mask, *, rope_dim: int, interleave: bool):
+    """The tile's q rope part rotated (jaxmtp.models.layers.rotate, rounded as it rounds):
+    from the last rope_dim columns of q_ref's rows and the tables' rows. Output column j
+    < h is first_j cos_j - second_j sin_j, column h + j second_j cos_j + first_j sin_j,
+    each operand gathered from memory in place (no register shuffle)."""
+    half = rope_dim // 2
+    column = jnp.arange(rope_dim, dtype=jnp.int32)
+    pair, low = lax.rem(column, half), column < half
+    first, second = (2 * pair, 2 * pair + 1) if interleave else (pair, half + pair)
+    offset = q_ref.shape[-1] - rope_dim
+    own = plgpu.load(q_ref.at[q_index[:, None], offset + jnp.where(low, first, second)[None, :]], mask=mask, other=0)
+    partner = plgpu.load(q_ref.at[q_index[:, None], offset + jnp.where(low, second, first)[None, :]], mask=mask,
+                         other=0)
+    cos = plgpu.load(cos_ref.at[row[:, None], pair[None, :]], mask=mask, other=0)
+    sin = plgpu.load(sin_ref.at[row[:, None], pair[None, :]], mask=mask, other=0)
+    dtype = q_ref.dtype
+    own_term = (own.astype(jnp.float32) * cos.astype(jnp.float32)).astype(dtype)
+    partner_term = (partner.astype(jnp.float32) * sin.astype(jnp.float32)).astype(dtype)
+    signed = jnp.where(low[None, :], -partner_term.astype(jnp.float32), partner_term.astype(jnp.float32))
+    return (own_term.astype(jnp.float32) + signed).astype(dtype)
+
+
+def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_ref, latent_ref, rope_ref, *refs,
             num_heads: int, rows_taken: tuple[int, int | None], num_blocks: int, block_q: int, block_h: int,
-            block_kv: int, page_size: int, pages_per_seq: int, num_splits: int, sm_scale: float):
+            block_kv: int, page_size: int, pages_per_seq: int, num_splits: int, sm_scale: float,
+            rope_interleave: bool | None):
     head_block, program, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rank, rope_dim = latent_ref.shape[-1], rope_ref.shape[-1]
+    rope_tables, out_refs = (refs[:2], refs[2:]) if rope_interleave is not None else (None, refs)
     precision = lax.Precision.HIGHEST if q_latent_ref.dtype == jnp.float32 else None
     # the blocks that see the most cache start first
     seq, row_start, num_rows, first_pos = locate_q_block(
@@ -151,8 +175,12 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
     rank_ids, rope_ids = jnp.arange(rank, dtype=jnp.int32), jnp.arange(rope_dim, dtype=jnp.int32)
     q_latent = plgpu.load(q_latent_ref.at[q_index[:, None], rank_ids[None, :]],
                           mask=jnp.broadcast_to(row_ok[:, None], (tile_rows, rank)), other=0)
-    q_rope = plgpu.load(q_rope_ref.at[q_index[:, None], rope_ids[None, :]],
-                        mask=jnp.broadcast_to(row_ok[:, None], (tile_rows, rope_dim)), other=0)
+    rope_mask = jnp.broadcast_to(row_ok[:, None], (tile_rows, rope_dim))
+    if rope_tables is None:
+        q_rope = plgpu.load(q_rope_ref.at[q_index[:, None], rope_ids[None, :]], mask=rope_mask, other=0)
+    else:
+        q_rope = _rotated_q_rope(q_rope_ref, *rope_tables, q_index, row_start + row_in_block, rope_mask,
+                                 rope_dim=rope_dim, interleave=rope_interleave)
 
     # Steps below full_hi are seen whole by every row: no mask; the rest (the diagonal)
     # are masked, and never load slots at or past kv_end.
@@ -199,13 +227,19 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
         plgpu.store(sum_ref.at[split, part_index], row_sum, mask=row_ok)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "decode_rows", "prefill", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "decode_rows", "prefill", "interpret", "config",
+                                             "rope_interleave"))
 def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, *,
                            sm_scale: float, decode_rows: int, prefill: bool = False, interpret: bool = False,
-                           config: MLAKernelConfig | None = None) -> jax.Array:
+                           config: MLAKernelConfig | None = None, rope_tables: tuple | None = None,
+                           rope_interleave: bool = False) -> jax.Array:
     """q_latent [T, Hq, R] (W_UK folded in), q_rope [T, Hq, Dr] -> [T, Hq, R] for the rows
     of sequences with at most decode_rows rows, or with `prefill` of those with more
-    (others 0). `config` overrides the tiling that `default_config` picks (for tuning)."""
+    (others 0). With rope_tables (cos, sin [T, Dr / 2]: jaxmtp.models.layers.rope_tables),
+    q_rope is the unrotated query whose last Dr columns the kernel rotates
+    (layers.rotate, `rope_interleave` its layout): the whole [T, Hq, Dn + Dr] projection
+    can be passed, with no kernel of XLA's to slice or rotate it. `config` overrides the
+    tiling that `default_config` picks (for tuning)."""
     num_rows, num_heads, rank = q_latent.shape
     num_pages, page_size, _, _ = latent_pages.shape
     rope_dim = rope_pages.shape[-1]
@@ -235,6 +269,7 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
         _kernel, num_heads=num_heads, rows_taken=(min_rows, max_rows), num_blocks=num_blocks, block_q=config.block_q,
         block_h=config.block_h, block_kv=config.block_kv, page_size=page_size, pages_per_seq=pages_per_seq,
         num_splits=config.num_splits, sm_scale=float(sm_scale),
+        rope_interleave=None if rope_tables is None else rope_interleave,
     )
     query_start = query_start.astype(jnp.int32)
     outs = pl.pallas_call(
@@ -250,9 +285,10 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
         kv_lens.astype(jnp.int32),
         page_table.astype(jnp.int32).reshape(-1),
         q_latent.reshape(flat_rows, rank),
-        q_rope.reshape(flat_rows, rope_dim),
+        q_rope.reshape(flat_rows, q_rope.shape[-1]),
         latent_pages.reshape(num_pages * page_size, rank),
         rope_pages.reshape(num_pages * page_size, rope_dim),
+        *(() if rope_tables is None else rope_tables),
     )
     seq, owned = row_ownership(query_start, num_rows)
     blocks = q_blocks_per_seq(query_start[1:] - query_start[:-1], block_q=config.block_q, min_rows=min_rows,

@@ -3,6 +3,7 @@ references; random inputs fresh per test, the seed in every failure message."""
 
 from __future__ import annotations
 
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -328,9 +329,12 @@ def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
         for j in range(nq):
             pos = kv_len - nq + j
             slots[int(query_start[s]) + j] = int(page_table[s, pos // page_size]) * page_size + pos % page_size
-    attend = mla_attention_fn("reference", decode_rows=2)
-    out, new_latent, new_rope = attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, jnp.asarray(slots),
-                                       kv_lens, page_table, query_start, w_uk, w_uv, sm_scale=0.3)
+    attend = functools.partial(mla_attention_fn("reference", decode_rows=2), sm_scale=0.3, rope_interleave=False)
+    # tables that leave the rope part as it is (cos 1, sin 0): q_rope is the rotated query
+    no_rotation = jnp.ones((num_rows, DR // 2), jnp.float32), jnp.zeros((num_rows, DR // 2), jnp.float32)
+    q = jnp.concatenate([q_nope, q_rope], axis=-1)
+    out, new_latent, new_rope = attend(q, *no_rotation, latent, rope_key, latent_pages, rope_pages, jnp.asarray(slots),
+                                       kv_lens, page_table, query_start, w_uk, w_uv)
     written = slots < latent_pages.shape[0] * page_size
     np.testing.assert_array_equal(np.asarray(new_latent).reshape(-1, R)[slots[written]], np.asarray(latent)[written])
     np.testing.assert_array_equal(np.asarray(new_rope).reshape(-1, DR)[slots[written]], np.asarray(rope_key)[written])
@@ -343,8 +347,8 @@ def test_mla_entry_point_writes_the_latent_and_picks_the_form_per_row():
     original = mla.mla_absorbed_attention_reference
     mla.mla_absorbed_attention_reference = lambda *a, **kw: 2 * original(*a, **kw)
     try:
-        broken, _, _ = attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, jnp.asarray(slots),
-                              kv_lens, page_table, query_start, w_uk, w_uv, sm_scale=0.3)
+        broken, _, _ = attend(q, *no_rotation, latent, rope_key, latent_pages, rope_pages, jnp.asarray(slots),
+                              kv_lens, page_table, query_start, w_uk, w_uv)
     finally:
         mla.mla_absorbed_attention_reference = original
     assert ref.mla_absorbed_attention_reference is original

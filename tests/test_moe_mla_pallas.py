@@ -22,6 +22,7 @@ from jaxmtp.kernels.grouped_reference import paired_swiglu_reference
 from jaxmtp.kernels.mla_attention import MLAKernelConfig, mla_absorbed_attention
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
 from jaxmtp.kernels.triton_common import merged_rows
+from jaxmtp.models.layers import rotate
 from test_kernels import make_case, relative_error
 from test_moe_kernels import experts_float64, grouped_matmul_float64, mla_float64, seeded
 from tolerances import assert_within, attention_float64, gamma, swiglu_relative
@@ -415,6 +416,29 @@ def test_mla_kernel_matches_the_reference(case):
     assert_within(out[taken], ref[taken], 2 * bound[taken], f"seed={seed}")  # two float32 evaluations
 
 
+@pytest.mark.parametrize("interleave", [False, True], ids=["half-split", "interleaved"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_rotates_the_query_rope_part_as_the_model_does(interleave, dtype):
+    """With rope tables the kernel takes the whole unrotated [T, Hq, Dn + Dr] projection
+    and rotates its last Dr columns as jaxmtp.models.layers.rotate does, rounding as it
+    rounds: decode rows with splits and prefill rows give the outputs of the kernel on the
+    query rotated beforehand, to the bit."""
+    rng, seed = seeded()
+    q_latent, q_pe, latent_pages, rope_pages, *cache = mla_case(rng, [(2, 17), (1, 7), (9, 9), (5, 23)], dtype=dtype)
+    num_rows = q_latent.shape[0]
+    q = jnp.concatenate([jnp.asarray(rng.standard_normal((num_rows, HEADS, 12)), dtype), q_pe], axis=-1)
+    angles = rng.uniform(0, 2 * np.pi, (num_rows, DR // 2))
+    cos, sin = jnp.asarray(1.3 * np.cos(angles), dtype), jnp.asarray(1.3 * np.sin(angles), dtype)  # YaRN-like scale
+    rotated = rotate(q_pe, cos, sin, interleave)
+    for prefill, config in ((False, MLAKernelConfig(2, 2, 4, 3, 4, 2)), (True, None)):
+        options = dict(sm_scale=0.3, decode_rows=2, prefill=prefill, interpret=True, config=config)
+        want = mla_absorbed_attention(q_latent, rotated, latent_pages, rope_pages, *cache, **options)
+        got = mla_absorbed_attention(q_latent, q, latent_pages, rope_pages, *cache, rope_tables=(cos, sin),
+                                     rope_interleave=interleave, **options)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                      f"seed={seed} prefill={prefill}")
+
+
 def pallas_output_shapes(jaxpr) -> list[tuple]:
     """The output shapes of every pallas_call in a jaxpr, nested jaxprs included."""
     shapes = []
@@ -452,12 +476,19 @@ def test_mla_kernel_in_bfloat16():
     assert error < 3 * 2.0**-8, f"seed={seed}: relative error {error:.2e}"
 
 
+def rope_case(rng, num_rows):
+    """Rope tables of random angles [T, DR / 2], scaled as YaRN's are."""
+    angles = rng.uniform(0, 2 * np.pi, (num_rows, DR // 2))
+    return jnp.asarray(1.3 * np.cos(angles), jnp.float32), jnp.asarray(1.3 * np.sin(angles), jnp.float32)
+
+
 def entry_point_args(rng, seqs):
-    """mla_attention_fn's arguments for a step of the given sequences: fresh queries,
-    weights and latent rows, each row's slot at its position in its sequence's pages."""
-    q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start = mla_case(rng, seqs)
+    """mla_attention_fn's arguments for a step of the given sequences: fresh queries
+    (the projection's [T, Hq, Dn + Dr], unrotated) and rope tables, weights and latent
+    rows, each row's slot at its position in its sequence's pages."""
+    q_latent, q_pe, latent_pages, rope_pages, kv_lens, page_table, query_start = mla_case(rng, seqs)
     num_rows, dn, dv = q_latent.shape[0], 8, 12
-    q_nope = jnp.asarray(rng.standard_normal((num_rows, HEADS, dn)), jnp.float32)
+    q = jnp.concatenate([jnp.asarray(rng.standard_normal((num_rows, HEADS, dn)), jnp.float32), q_pe], axis=-1)
     w_uk = jnp.asarray(0.4 * rng.standard_normal((R, HEADS, dn)), jnp.float32)
     w_uv = jnp.asarray(rng.standard_normal((R, HEADS, dv)), jnp.float32)
     new_latent = jnp.asarray(rng.standard_normal((num_rows, R)), jnp.float32)
@@ -468,8 +499,8 @@ def entry_point_args(rng, seqs):
         for j in range(nq):
             pos = kv_len - nq + j
             slots[int(query_start[s]) + j] = int(page_table[s, pos // page_size]) * page_size + pos % page_size
-    return (q_nope, q_rope, new_latent, new_rope, latent_pages, rope_pages, jnp.asarray(slots), kv_lens, page_table,
-            query_start, w_uk, w_uv)
+    return (q, *rope_case(rng, num_rows), new_latent, new_rope, latent_pages, rope_pages, jnp.asarray(slots), kv_lens,
+            page_table, query_start, w_uk, w_uv)
 
 
 def test_mla_entry_point_takes_the_kernel_for_every_row():
@@ -478,11 +509,14 @@ def test_mla_entry_point_takes_the_kernel_for_every_row():
     reference backend (the absorbed and the expanded jnp forms) on a mixed step."""
     rng, seed = seeded()
     args = entry_point_args(rng, [(1, 9), (2, 3), (0, 0), (5, 11), (1, 1)])
-    got, got_latent, got_rope = mla_attention_fn("pallas_interpret", decode_rows=2)(*args, sm_scale=0.3)
-    want, want_latent, _ = mla_attention_fn("reference", decode_rows=2)(*args, sm_scale=0.3)
+    options = dict(sm_scale=0.3, rope_interleave=True)
+    got, got_latent, got_rope = mla_attention_fn("pallas_interpret", decode_rows=2)(*args, **options)
+    want, want_latent, _ = mla_attention_fn("reference", decode_rows=2)(*args, **options)
     np.testing.assert_array_equal(np.asarray(got_latent), np.asarray(want_latent))
-    q_nope, q_rope, _, _, _, _, _, kv_lens, page_table, query_start, w_uk, w_uv = args
-    _, bound = mla_float64(q_nope, q_rope, got_latent, got_rope, kv_lens, page_table, query_start, w_uk, w_uv, 0.3)
+    q, cos, sin, _, _, _, _, _, kv_lens, page_table, query_start, w_uk, w_uv = args
+    q_rope = rotate(q[..., -DR:], cos, sin, True)
+    _, bound = mla_float64(q[..., :-DR], q_rope, got_latent, got_rope, kv_lens, page_table, query_start, w_uk, w_uv,
+                           0.3)
     assert_within(got, want, 2 * bound, f"seed={seed}")  # two float32 evaluations
 
 
@@ -509,7 +543,7 @@ def test_auto_on_a_gpu_takes_the_measured_decode_path(monkeypatch):
     rng, _ = seeded()
     seqs = [(1, 9), (2, 3), (5, 11), (1, 1)]  # 4 sequences: batch bucket 4
     args = entry_point_args(rng, seqs)
-    context = args[8].shape[1] * args[4].shape[1]  # the page table's width in tokens
+    context = args[9].shape[1] * args[5].shape[1]  # the page table's width in tokens
     calls = []
 
     def kernel(q_latent, *a, prefill, config, **kw):
@@ -528,11 +562,11 @@ def test_auto_on_a_gpu_takes_the_measured_decode_path(monkeypatch):
     for entry, want in ((tiling, ("kernel", False, tiling)), ("xla", ("xla",)), (None, ("kernel", False, None))):
         monkeypatch.setitem(mk.MEASURED_PATHS, key, {} if entry is None else {4: entry})
         calls.clear()
-        mla_attention_fn("auto", decode_rows=2)(*args, sm_scale=0.3)
+        mla_attention_fn("auto", decode_rows=2)(*args, sm_scale=0.3, rope_interleave=False)
         assert calls == [want, ("kernel", True, None)], (entry, calls)
     monkeypatch.setitem(mk.MEASURED_PATHS, key, {8: "xla"})  # another batch bucket's entry
     calls.clear()
-    mla_attention_fn("auto", decode_rows=2)(*args, sm_scale=0.3)
+    mla_attention_fn("auto", decode_rows=2)(*args, sm_scale=0.3, rope_interleave=False)
     assert calls[0] == ("kernel", False, None)
 
 
@@ -637,14 +671,21 @@ def test_fp8_grouped_kernels_lower_for_the_gpu(dtype):
 def test_mla_kernel_lowers_for_the_gpu_at_moonlight_shapes(prefill):
     """Both calls through the Triton lowering, from the CPU (what interpret mode does not
     check: the tile shapes Triton accepts), at Moonlight's MLA (16 heads, R 512, rope 64,
-    bf16, pages of 16): a decode batch of 32 and a 2048-row prefill chunk."""
+    bf16, pages of 16): a decode batch of 32 and a 2048-row prefill chunk, the query's
+    rope part rotated in the kernel from the whole projection (Dn 128 + Dr 64), as the
+    engine calls it."""
 
     num_rows, num_seqs = (2048, 1) if prefill else (32, 32)
-    shapes = [((num_rows, 16, 512), jnp.bfloat16), ((num_rows, 16, 64), jnp.bfloat16),
+    shapes = [((num_rows, 16, 512), jnp.bfloat16), ((num_rows, 16, 192), jnp.bfloat16),
               ((256, 16, 1, 512), jnp.bfloat16), ((256, 16, 1, 64), jnp.bfloat16), ((num_seqs,), jnp.int32),
-              ((num_seqs, 128), jnp.int32), ((num_seqs + 1,), jnp.int32)]
+              ((num_seqs, 128), jnp.int32), ((num_seqs + 1,), jnp.int32), ((num_rows, 32), jnp.bfloat16),
+              ((num_rows, 32), jnp.bfloat16)]
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-    fn = lambda *a: mla_absorbed_attention(*a, sm_scale=0.1, decode_rows=1, prefill=prefill)  # noqa: E731
+
+    def fn(*a):
+        return mla_absorbed_attention(*a[:7], sm_scale=0.1, decode_rows=1, prefill=prefill, rope_tables=a[7:],
+                                      rope_interleave=True)
+
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mla_prefill_attention" in text if prefill else "mla_decode_attention" in text
     assert ("merge_splits" in text) == (not prefill)  # the decode call's 8 splits merged by the kernel

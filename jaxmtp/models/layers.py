@@ -35,45 +35,39 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def _cos_sin(angles: jax.Array, scale: float, dtype) -> tuple[jax.Array, jax.Array]:
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if scale != 1.0:  # YaRN's attention factor
+def rope_tables(positions: jax.Array, cfg: ModelConfig, dtype) -> tuple[jax.Array, jax.Array]:
+    """The config's rotary embedding at positions [T]: cos and sin [T, rotary_dim / 2], in
+    dtype (as the rotation multiplies them), YaRN's attention factor in."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(cfg.rope_inv_freq(), jnp.float32)[None, :]
+    cos, sin = jnp.cos(freqs), jnp.sin(freqs)
+    scale = cfg.rope_attention_factor()
+    if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     return cos.astype(dtype), sin.astype(dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float = 1.0) -> jax.Array:
-    """Rotary embedding in the half-split layout: x [T, heads, D], positions [T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
-    cos, sin = _cos_sin(angles, scale, x.dtype)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
-
-
-def rope_interleaved(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scale: float) -> jax.Array:
-    """DeepSeek's layout: dims (x0, x1), (x2, x3), ... rotate in pairs, and come out
-    de-interleaved (evens' results, then odds'), as transformers writes them: q and k
-    are permuted alike, so their dot products are the interleaved rotation's."""
-    freqs = positions.astype(jnp.float32)[:, None, None] * inv_freq[None, None, :]
-    cos, sin = _cos_sin(freqs, scale, x.dtype)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    return jnp.concatenate([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -> jax.Array:
+    """x [T, heads, 2h] rotated by tables [T, h] (rope_tables): dim pairs (i, i + h), or
+    interleaved (DeepSeek's) (2i, 2i + 1), whose results come out de-interleaved (evens',
+    then odds'), as transformers writes them: q and k are permuted alike, so their dot
+    products are the interleaved rotation's."""
+    if interleave:
+        first, second = x[..., 0::2], x[..., 1::2]
+    else:
+        first, second = jnp.split(x, 2, axis=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The config's rotary embedding over the first cfg.rotary_dim dims of each head of
     x [T, heads, D] (fewer than D under partial_rotary_factor; MLA passes only its rope
-    part). YaRN scales cos and sin by its attention factor."""
-    inv_freq = jnp.asarray(cfg.rope_inv_freq(), jnp.float32)
-    scale = cfg.rope_attention_factor()
-    if cfg.rope_interleave:
-        return rope_interleaved(x, positions, inv_freq, scale)
+    part)."""
+    cos, sin = rope_tables(positions, cfg, x.dtype)
     rot = cfg.rotary_dim
-    if rot == x.shape[-1]:
-        return rope(x, positions, inv_freq, scale)
-    return jnp.concatenate([rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1)
+    if cfg.rope_interleave or rot == x.shape[-1]:
+        return rotate(x, cos, sin, cfg.rope_interleave)
+    return jnp.concatenate([rotate(x[..., :rot], cos, sin, False), x[..., rot:]], axis=-1)
 
 
 def gated_mlp(

@@ -27,7 +27,7 @@ from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_e
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.models.attention import write_kv
 from jaxmtp.models.config import ModelConfig, check_attention_backend
-from jaxmtp.models.layers import apply_rope, rms_norm
+from jaxmtp.models.layers import rms_norm, rope_tables, rotate
 from jaxmtp.models.linear import linear
 from jaxmtp.models.params import LayerParams
 from jaxmtp.worker.batch import Batch
@@ -53,10 +53,12 @@ def resolve_mla_backend(name: str, kv_lora_rank: int, rope_dim: int) -> str:
 
 
 def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, prefill_rows: bool = True) -> MLAAttentionFn:
-    """(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
-    page_table, query_start, w_uk, w_uv, *, sm_scale) -> (out [T, Hq, Dv], latent_pages,
-    rope_pages): writes this step's latent and rope key rows into their slots, then
-    attends. Rows of a sequence with at most decode_rows rows this step (decode, verify,
+    """(q, rope_cos, rope_sin, latent, rope_key, latent_pages, rope_pages, slot_mapping,
+    kv_lens, page_table, query_start, w_uk, w_uv, *, sm_scale, rope_interleave) -> (out
+    [T, Hq, Dv], latent_pages, rope_pages): writes this step's latent and rope key rows
+    into their slots, then attends. q [T, Hq, Dn + Dr] is the projection as it comes, its
+    rope part unrotated: the kernel rotates it with the tables (layers.rope_tables) as it
+    loads it, the other paths first (layers.rotate). Rows of a sequence with at most decode_rows rows this step (decode, verify,
     draft rows) are decode rows, longer runs (prefill chunks) prefill rows; the reference
     takes the absorbed form for the first and the expanded one for the second, the
     kernel the absorbed form for both, in one call each. Without prefill_rows (a batch
@@ -70,11 +72,13 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, p
     whole copy of the latent cache (sharding.shard_mla_over_heads)."""
     check_attention_backend(backend)
 
-    def write_and_attend(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
-                         page_table, query_start, w_uk, w_uv, *, sm_scale):
+    def write_and_attend(q, rope_cos, rope_sin, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
+                         page_table, query_start, w_uk, w_uv, *, sm_scale, rope_interleave):
         latent_pages, rope_pages = write_kv(latent_pages, rope_pages, slot_mapping, latent[:, None], rope_key[:, None])
         cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
         kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
+        q_nope, q_pe = jnp.split(q, [q.shape[-1] - rope_key.shape[-1]], axis=-1)
+        q_rope = rotate(q_pe, rope_cos, rope_sin, rope_interleave)  # for the paths other than the kernel
 
         def absorbed(prefill: bool):
             q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
@@ -85,8 +89,9 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, p
             if kind == "reference" or path == "xla":
                 out = mla_absorbed_attention_reference(q_latent, q_rope, *cache_args, sm_scale=sm_scale)
             else:
-                out = mla_absorbed_attention(q_latent, q_rope, *cache_args, sm_scale=sm_scale, decode_rows=decode_rows,
-                                             prefill=prefill, interpret=kind == "pallas_interpret", config=path)
+                out = mla_absorbed_attention(q_latent, q, *cache_args, sm_scale=sm_scale, decode_rows=decode_rows,
+                                             prefill=prefill, interpret=kind == "pallas_interpret", config=path,
+                                             rope_tables=(rope_cos, rope_sin), rope_interleave=rope_interleave)
             return jnp.einsum("thr,rhv->thv", out, w_uv)
 
         def prefill_form():
@@ -116,15 +121,16 @@ def mla_attention(
     else:
         q = linear(rms_norm(linear(h, p.mla.q_a_proj), p.mla.q_a_norm, LORA_NORM_EPS), p.mla.q_b_proj)
     q = q.reshape(t, heads, m.qk_head_dim)
-    q_nope, q_rope = q[..., : m.qk_nope_head_dim], apply_rope(q[..., m.qk_nope_head_dim :], batch.positions, cfg)
     kv = linear(h, p.mla.kv_a_proj)
     latent = rms_norm(kv[:, : m.kv_lora_rank], p.mla.kv_a_norm, LORA_NORM_EPS)
-    rope_key = apply_rope(kv[:, None, m.kv_lora_rank :], batch.positions, cfg)[:, 0]
+    rope_cos, rope_sin = rope_tables(batch.positions, cfg, q.dtype)
+    rope_key = rotate(kv[:, None, m.kv_lora_rank :], rope_cos, rope_sin, cfg.rope_interleave)[:, 0]
     # W_UK and W_UV [R, Hq, D] as views of kv_b_proj's halves: XLA folds the slice and
     # the transpose into the products that read them
     w_uk, w_uv = (jnp.transpose(half, (2, 1, 0)) for half in jnp.split(p.mla.kv_b_proj, [m.qk_nope_head_dim]))
     out, latent_pages, rope_pages = attention(
-        q_nope, q_rope, latent, rope_key, latent_pages, rope_pages, batch.slot_mapping, batch.kv_len,
+        q, rope_cos, rope_sin, latent, rope_key, latent_pages, rope_pages, batch.slot_mapping, batch.kv_len,
         batch.page_table, batch.query_start, w_uk, w_uv, sm_scale=cfg.mla_softmax_scale(),
+        rope_interleave=cfg.rope_interleave,
     )
     return linear(out.reshape(t, heads * m.v_head_dim), p.o_proj), latent_pages, rope_pages

@@ -356,7 +356,7 @@ def shard_mla_over_heads(write_and_attend, mesh: Mesh):
     every device writes the same latent rows into its copy, and attends with no collective."""
     return shard_per_device(
         write_and_attend, mesh,
-        (QUERY_AXES, QUERY_AXES, NEW_LATENT_AXES, NEW_LATENT_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES)
+        (QUERY_AXES, (), (), NEW_LATENT_AXES, NEW_LATENT_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES)
         + ((),) * 4 + (MLA_UP_AXES, MLA_UP_AXES),
         (QUERY_AXES, LATENT_CACHE_AXES, LATENT_CACHE_AXES),
     )
