@@ -77,6 +77,9 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, p
         latent_pages, rope_pages = write_kv(latent_pages, rope_pages, slot_mapping, latent[:, None], rope_key[:, None])
         cache_args = (latent_pages, rope_pages, kv_lens, page_table, query_start)
         kind = resolve_mla_backend(backend, latent.shape[-1], rope_key.shape[-1])
+        # q whole, once: the kernel reads its rope part and W_UK's product slices its nope
+        # part inside the GEMM (XLA otherwise merges the slices and copies q_nope apart)
+        q = jax.lax.optimization_barrier(q)
         q_nope, q_pe = jnp.split(q, [q.shape[-1] - rope_key.shape[-1]], axis=-1)
         q_rope = rotate(q_pe, rope_cos, rope_sin, rope_interleave)  # for the paths other than the kernel
 
