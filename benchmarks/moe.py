@@ -252,6 +252,7 @@ def part_checks(run: Run):
     from jaxmtp.kernels import grouped_matmul as gm
     from jaxmtp.kernels.mla_attention import mla_absorbed_attention
     from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
+    from jaxmtp.models.layers import rotate
 
     rng, s, interpret = np.random.default_rng(1), run.shapes, run.args.tiny
     checks = []
@@ -287,6 +288,21 @@ def part_checks(run: Run):
         ref = np.asarray(mla_absorbed_attention_reference(*args, sm_scale=0.1), np.float32)
         decode = 5 * rows_per_seq
         checks.append({"kernel": "mla decode", "case": f"{rows_per_seq} rows/seq + a 7-row prefill",
+                       "rel_err": relative_error(out[:decode], ref[:decode]),
+                       "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((out[decode:] == 0).all())})
+        # as the engine calls it: the query's rope part rotated in the kernel, from the whole
+        # projection (a nope part of 128 before it), against the reference on the query
+        # rotated first
+        q_latent, q_pe, *cache = args
+        angles = rng.uniform(0, 2 * np.pi, (q_pe.shape[0], q_pe.shape[-1] // 2))
+        tables = tuple(jnp.asarray(f(angles), jnp.bfloat16) for f in (np.cos, np.sin))
+        q_whole = jnp.concatenate([jnp.zeros((*q_pe.shape[:2], 128), q_pe.dtype), q_pe], axis=-1)
+        out = np.asarray(mla_absorbed_attention(q_latent, q_whole, *cache, sm_scale=0.1, decode_rows=rows_per_seq,
+                                                interpret=interpret, rope_tables=tables, rope_interleave=True),
+                         np.float32)
+        ref = np.asarray(mla_absorbed_attention_reference(q_latent, rotate(q_pe, *tables, True), *cache, sm_scale=0.1),
+                         np.float32)
+        checks.append({"kernel": "mla decode, rope in the kernel", "case": f"{rows_per_seq} rows/seq + a 7-row prefill",
                        "rel_err": relative_error(out[:decode], ref[:decode]),
                        "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((out[decode:] == 0).all())})
     chunk, context = (s.mla_prefill[0][0] // 4, s.mla_prefill[0][1] // 2) if not run.args.tiny else s.mla_prefill[0]
