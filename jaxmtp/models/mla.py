@@ -58,18 +58,19 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, p
     [T, Hq, Dv], latent_pages, rope_pages): writes this step's latent and rope key rows
     into their slots, then attends. q [T, Hq, Dn + Dr] is the projection as it comes, its
     rope part unrotated: the kernel rotates it with the tables (layers.rope_tables) as it
-    loads it, the other paths first (layers.rotate). Rows of a sequence with at most decode_rows rows this step (decode, verify,
-    draft rows) are decode rows, longer runs (prefill chunks) prefill rows; the reference
-    takes the absorbed form for the first and the expanded one for the second, the
-    kernel the absorbed form for both, in one call each. Without prefill_rows (a batch
-    of decode rows alone, BatchShape.decode_only) only the decode call runs; with them
-    both run, unconditionally, and each row takes its kind's (the kernel computes its
-    kind's rows alone, the references all rows): a lax.cond would have XLA:GPU read its
-    predicate on the host, twice a layer. "auto" on a GPU takes the
-    kernel's decode call at its measured tiling, or XLA's absorbed form where
-    kernels/mla_paths.json measured that faster (per shape, batch and context bucket,
-    read at trace time). With a mesh, each device runs it on its own q heads and a
-    whole copy of the latent cache (sharding.shard_mla_over_heads)."""
+    loads it, the other paths first (layers.rotate). Rows of a sequence with at most
+    decode_rows rows this step (decode, verify, draft rows) are decode rows, longer runs
+    (prefill chunks) prefill rows; the reference takes the absorbed form for the first
+    and the expanded one for the second, the kernel the absorbed form for both, in one
+    call each. Without prefill_rows (a batch of decode rows alone,
+    BatchShape.decode_only) only the decode call runs; with them both run,
+    unconditionally, and each row takes its kind's (the kernel computes its kind's rows
+    alone, the references all rows): a lax.cond would have XLA:GPU read its predicate on
+    the host, twice a layer. "auto" on a GPU takes the kernel's decode call at its
+    measured tiling, or XLA's absorbed form where kernels/mla_paths.json measured that
+    faster (per shape, batch and context bucket, read at trace time). With a mesh, each
+    device runs it on its own q heads and a whole copy of the latent cache
+    (sharding.shard_mla_over_heads)."""
     check_attention_backend(backend)
 
     def write_and_attend(q, rope_cos, rope_sin, latent, rope_key, latent_pages, rope_pages, slot_mapping, kv_lens,
