@@ -144,11 +144,13 @@ def _rotated_q_rope(q_ref, cos_ref, sin_ref, q_index, row, mask, *, rope_dim: in
                          other=0)
     cos = plgpu.load(cos_ref.at[row[:, None], pair[None, :]], mask=mask, other=0)
     sin = plgpu.load(sin_ref.at[row[:, None], pair[None, :]], mask=mask, other=0)
-    dtype = q_ref.dtype
-    own_term = (own.astype(jnp.float32) * cos.astype(jnp.float32)).astype(dtype)
-    partner_term = (partner.astype(jnp.float32) * sin.astype(jnp.float32)).astype(dtype)
-    signed = jnp.where(low[None, :], -partner_term.astype(jnp.float32), partner_term.astype(jnp.float32))
-    return (own_term.astype(jnp.float32) + signed).astype(dtype)
+    dtype, f32 = q_ref.dtype, jnp.float32
+
+    def product(a, b):  # rounded to the query's dtype, as the model's rotation rounds it
+        return (a.astype(f32) * b.astype(f32)).astype(dtype).astype(f32)
+
+    own_term, partner_term = product(own, cos), product(partner, sin)
+    return (own_term + jnp.where(low[None, :], -partner_term, partner_term)).astype(dtype)
 
 
 def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_ref, latent_ref, rope_ref, *refs,

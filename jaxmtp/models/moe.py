@@ -169,9 +169,9 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
             num_rows: jax.Array | int | None = None, max_rows: int | None = None) -> jax.Array:
     """The routed experts p holds (from first_expert) plus the shared experts (Qwen's
     scaled by sigmoid(h @ shared_gate); held as the first groups, on one device, where
-    p.shared_in_experts: their pairs are taken with the routed ones'), in float32. Under expert parallelism each
-    device's columns of the shared experts are scaled alike, so the sum over devices is
-    the gated whole. Rows from num_rows on (a step's padding) go to no routed expert:
+    p.shared_in_experts: their pairs are taken with the routed ones'), in float32. Under
+    expert parallelism each device's columns of the shared experts are scaled alike, so
+    the sum over devices is the gated whole. Rows from num_rows on (a step's padding) go to no routed expert:
     routed like the rest, a decode step's padding rows would read experts of their own
     (at batch 1, 7 padding rows doubled the experts a layer reads). max_rows: a static
     bound on num_rows (a decode-only step's requests times their rows), from which the
