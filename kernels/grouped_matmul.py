@@ -7,7 +7,8 @@ Layout (fixed by jaxmtp/models/moe.py):
                           token gather fused into the kernel's loads), else lhs itself
   rows         int32 [M]  optional: which lhs row each sorted row reads
   rhs          [G, K, N]  one matrix per group (expert); swiglu: [G, K, 2, N], the
-                          gate and the up projection side by side
+                          gate and the up projection side by side; k_major: held with
+                          K last, [G, N, K] (swiglu: [G, 2, N, K]), as fp8 experts are
   group_sizes  int32 [G]  sorted rows per group: group g owns rows
                           sum(group_sizes[:g]) .. sum(group_sizes[:g+1]) - 1; they sum to
                           at most M, and rows past the sum (padding) come out 0
@@ -92,6 +93,11 @@ def _largest_dividing(n: int, preferred: int) -> int:
 
 # The kernel's element offsets are int32.
 _MAX_ELEMENTS = 2**31 - 1
+
+
+def expert_dims(shape: tuple[int, ...], k_major: bool = False) -> tuple[int, int, int]:
+    """(G, K, N) of an expert weight [G, K, (2,) N], or k_major [G, (2,) N, K]."""
+    return (shape[0], shape[-1], shape[-2]) if k_major else (shape[0], shape[1], shape[-1])
 
 
 def supports(num_groups: int, k: int, n: int) -> bool:
@@ -195,12 +201,13 @@ def experts_by_pair(num_pairs: int, gate_up_shape: tuple[int, ...], scale_block:
 
 
 def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, block_k: int, swiglu: bool, n: int,
-            split_k: int, scale_block: tuple[int, int] | None, f16_shift: int, paired: bool, gathered: bool):
+            split_k: int, scale_block: tuple[int, int] | None, f16_shift: int, paired: bool, gathered: bool,
+            k_major: bool):
     """out: [M, N] (swiglu: the activated product) with one run of K, else [split_k, M,
     N] float32 partials (swiglu: [split_k, M, 2N], gate then up, activated after).
     groups_ref: group_sizes [G], or paired each row's group [M]. refs: (rows, if
-    gathered,) lhs, rhs, (scale_inv [G * ceil(K / bk), (2 x) ceil(N / bn)], for an fp8
-    rhs,) out."""
+    gathered,) lhs, rhs ([G * K, (2 x) N], or k_major [G * (2 x) N, K]), (scale_inv
+    [G * ceil(K / bk), (2 x) ceil(N / bn)], for an fp8 rhs,) out."""
     rows_ref, lhs_ref, rhs_ref, *refs = refs if gathered else (None, *refs)
     scale_ref, out_ref = refs if scale_block else (None, *refs)
     m_block, n_block, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -220,8 +227,9 @@ def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, bloc
     col = n_block * block_n + jnp.arange(block_n, dtype=jnp.int32)
     depth = jnp.arange(block_k, dtype=jnp.int32)
     lhs_mask = jnp.broadcast_to(row_ok[:, None], (block_m, block_k))
-    # rhs rows of this group: [G * K, N] (swiglu: [G * K, 2N], up n columns after gate)
-    rhs_row = jnp.minimum(group, num_groups - 1) * k_total
+    # this group's first rhs row: [G * K, N] (swiglu: [G * K, 2N], up n columns after
+    # gate), or k_major [G * N, K] (swiglu: [G * 2N, K], up n rows after gate)
+    rhs_row = jnp.minimum(group, num_groups - 1) * ((2 if swiglu else 1) * n if k_major else k_total)
     # the padding group and blocks with no rows run no K steps: their tile stays 0
     # (a product, not where(): the Triton lowering types a select of two literals as i1)
     run_steps = k_total // block_k // split_k
@@ -232,8 +240,13 @@ def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, bloc
         scale_row0 = jnp.minimum(group, num_groups - 1) * cdiv(k_total, scale_k)
         scale_cols = [lax.div(col, scale_n)] + ([cdiv(n, scale_n) + lax.div(col, scale_n)] if swiglu else [])
 
-    def product(a, weights, part, first_k):
-        w = plgpu.load(weights)
+    def weight_tile(kk, part):  # [block_k, block_n]
+        if k_major:  # a K-contiguous tile, transposed in registers: an fp8 tile then feeds the
+            # MMA from shared memory in 16-byte loads (along N, Triton reads it byte by byte)
+            return plgpu.load(rhs_ref.at[rhs_row + part * n + col[:, None], kk[None, :]]).T
+        return plgpu.load(rhs_ref.at[rhs_row + kk[:, None], part * n + col[None, :]])
+
+    def product(a, w, part, first_k):
         if not scale_block:
             return plgpu.dot(a, w, precision=precision)
         scale = plgpu.load(scale_ref.at[scale_row0 + lax.div(first_k, scale_k), scale_cols[part]])
@@ -245,10 +258,7 @@ def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, bloc
         a = plgpu.load(lhs_ref.at[source[:, None], kk[None, :]], mask=lhs_mask, other=0)
         if f16_shift:
             a = (a.astype(jnp.float32) * 2.0**-f16_shift).astype(jnp.float16)
-        out = [accs[0] + product(a, rhs_ref.at[rhs_row + kk[:, None], col[None, :]], 0, first_k)]
-        if swiglu:
-            out.append(accs[1] + product(a, rhs_ref.at[rhs_row + kk[:, None], n + col[None, :]], 1, first_k))
-        return tuple(out)
+        return tuple(acc + product(a, weight_tile(kk, part), part, first_k) for part, acc in enumerate(accs))
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)
     accs = lax.fori_loop(0, k_steps, step, (zeros, zeros) if swiglu else (zeros,))
@@ -262,9 +272,9 @@ def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, bloc
 
 
 def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_inv=None, scale_block=None,
-                  paired=False):
+                  paired=False, k_major=False):
     """groups: group_sizes [G], or paired each row's group [M]."""
-    num_groups, k, n = rhs.shape[0], rhs.shape[1], rhs.shape[-1]
+    num_groups, k, n = expert_dims(rhs.shape, k_major)
     if lhs.shape[1] != k:
         raise ValueError(f"lhs has {lhs.shape[1]} columns, rhs {k} rows")
     if k % 16 or n % 16:
@@ -292,9 +302,10 @@ def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_in
     f16_shift = F16_SHIFT if scale_block is not None and lhs.dtype == jnp.bfloat16 else 0
     kernel = functools.partial(_kernel, num_groups=num_groups, block_m=config.block_m, block_n=config.block_n,
                                block_k=config.block_k, swiglu=swiglu, n=n, split_k=config.split_k,
-                               scale_block=scale_block, f16_shift=f16_shift, paired=paired, gathered=rows is not None)
+                               scale_block=scale_block, f16_shift=f16_shift, paired=paired, gathered=rows is not None,
+                               k_major=k_major)
     operands = [groups.astype(jnp.int32)] + ([] if rows is None else [rows.astype(jnp.int32)])
-    operands += [lhs, rhs.reshape(num_groups * k, -1)]
+    operands += [lhs, rhs.reshape(-1, k) if k_major else rhs.reshape(num_groups * k, -1)]
     if scale_block is not None:
         operands.append(scale_inv.astype(jnp.float32).reshape(num_groups * scales[1], -1))
     split = config.split_k > 1
@@ -313,56 +324,63 @@ def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_in
     return (silu_and_mul(out, n) if swiglu else out).astype(lhs.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
 def grouped_matmul_kernel(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
                           scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                          interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+                          k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
+                          ) -> jax.Array:
     """Pallas (Triton) grouped matmul; same contract as grouped_matmul_reference.
     `config` overrides the tiling that `default_config` picks (for tuning)."""
     return _grouped_call(lhs, rhs, group_sizes, rows, swiglu=False, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block)
+                         scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
 def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None,
                           *, scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                          interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+                          k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
+                          ) -> jax.Array:
     """Pallas (Triton) fused gate/up projection and SiLU-and-multiply; same contract as
     grouped_swiglu_reference."""
     return _grouped_call(lhs, gate_up, group_sizes, rows, swiglu=True, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block)
+                         scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
 def paired_matmul_kernel(lhs: jax.Array, rhs: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None, *,
                          scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                         interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+                         k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
+                         ) -> jax.Array:
     """Pallas (Triton) paired form; same contract as paired_matmul_reference."""
     return _grouped_call(lhs, rhs, pair_groups, rows, swiglu=False, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block, paired=True)
+                         scale_inv=scale_inv, scale_block=scale_block, paired=True,
+                         k_major=k_major)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
 def paired_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None,
                          *, scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                         interpret: bool = False, config: GroupedMatmulConfig | None = None) -> jax.Array:
+                         k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
+                         ) -> jax.Array:
     """Pallas (Triton) paired gate/up projection and SiLU-and-multiply; same contract as
     paired_swiglu_reference."""
     return _grouped_call(lhs, gate_up, pair_groups, rows, swiglu=True, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block, paired=True)
+                         scale_inv=scale_inv, scale_block=scale_block, paired=True,
+                         k_major=k_major)
 
 
 # ----- the model's entry points -----------------------------------------------------------
 
 
 def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool,
-            scale_block: tuple[int, int] | None = None, real_rows: int | None = None) -> GroupedMatmulConfig | None:
+            scale_block: tuple[int, int] | None = None, k_major: bool = False,
+            real_rows: int | None = None) -> GroupedMatmulConfig | None:
     """The kernel's tiling on GPUs where it tiles the shapes and the table does not name
     XLA for them; None: XLA's ragged_dot (the reference). fp8 experts take the kernel
     where their scale block's K can be a K step (a power of 2 >= 16). real_rows: the
     most rows that belong to some group (a decode step's bound; the rest are padding,
     which costs no K steps): the tiling of that bucket, what the table measured."""
-    num_groups, k = rhs.shape[:2]
+    num_groups, k, _ = expert_dims(rhs.shape, k_major)
     n = rhs.size // (num_groups * k)
     if jax.default_backend() != "gpu" or not supports(num_groups, k, n):
         return None
@@ -375,12 +393,12 @@ def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
                    scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                   real_rows: int | None = None) -> jax.Array:
+                   k_major: bool = False, real_rows: int | None = None) -> jax.Array:
     """The kernel at its measured tiling (for real_rows rows, _tiling says), or XLA's
     ragged_dot where that was faster or the kernel does not tile the shapes (and off
     GPUs)."""
-    scales = dict(scale_inv=scale_inv, scale_block=scale_block)
-    config = _tiling(lhs, rhs, rows, swiglu=False, scale_block=scale_block, real_rows=real_rows)
+    scales = dict(scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
+    config = _tiling(lhs, rhs, rows, False, scale_block, k_major, real_rows)
     if config is None:
         return grouped_matmul_reference(lhs, rhs, group_sizes, rows, **scales)
     return grouped_matmul_kernel(lhs, rhs, group_sizes, rows, **scales, config=config)
@@ -388,10 +406,10 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows:
 
 def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
                    scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                   real_rows: int | None = None) -> jax.Array:
+                   k_major: bool = False, real_rows: int | None = None) -> jax.Array:
     """As grouped_matmul, for the fused gate/up projection and SiLU-and-multiply."""
-    scales = dict(scale_inv=scale_inv, scale_block=scale_block)
-    config = _tiling(lhs, gate_up, rows, swiglu=True, scale_block=scale_block, real_rows=real_rows)
+    scales = dict(scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
+    config = _tiling(lhs, gate_up, rows, True, scale_block, k_major, real_rows)
     if config is None:
         return grouped_swiglu_reference(lhs, gate_up, group_sizes, rows, **scales)
     return grouped_swiglu_kernel(lhs, gate_up, group_sizes, rows, **scales, config=config)

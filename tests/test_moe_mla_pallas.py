@@ -99,14 +99,20 @@ def fp8_experts(rng, shape, scale_block):
     return q, jnp.asarray(scale), np.asarray(q.astype(jnp.float32), np.float64) * full
 
 
+def k_major_experts(q, k_major: bool):
+    """An expert weight [E, K, (2,) N] as the kernels take it: K-major [E, (2,) N, K] or as is."""
+    return jnp.moveaxis(q, 1, -1) if k_major else q
+
+
+@pytest.mark.parametrize("k_major", [False, True], ids=["k-by-n", "k-major"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("config", [SMALL, SPLIT_K, None], ids=["small-tiles", "split-k", "default-tiling"])
-def test_grouped_kernels_stream_fp8_experts_with_their_block_scales(config, dtype):
+def test_grouped_kernels_stream_fp8_experts_with_their_block_scales(config, dtype, k_major):
     """fp8 experts with block scales (K blocks of 32 over K steps of 16; N blocks of 32
-    over N = 48, the last partial, gate's and up's apart) against float64 of the
-    dequantized weights: the products are exact in float32 (bfloat16 rows through the
-    float16 shift), so within one float32 evaluation's bound, plus bfloat16's one
-    rounding of each output."""
+    over N = 48, the last partial, gate's and up's apart), as loaded or K-major (the
+    engine's layout on one device), against float64 of the dequantized weights: the
+    products are exact in float32 (bfloat16 rows through the float16 shift), so within
+    one float32 evaluation's bound, plus bfloat16's one rounding of each output."""
     rng, seed = seeded()
     groups, rows, k, n, block = 5, 36, 64, 48, (32, 32)
     sizes = jnp.asarray(group_sizes_for("padding-rows", rng, groups, rows), jnp.int32)
@@ -115,19 +121,21 @@ def test_grouped_kernels_stream_fp8_experts_with_their_block_scales(config, dtyp
     sorted_lhs = np.asarray(lhs.astype(jnp.float32), np.float64)[source]
     rounding = 0.0 if dtype == jnp.float32 else 2.0**-8
     q, scale, exact = fp8_experts(rng, (groups, k, n), block)
-    out = gm.grouped_matmul_kernel(lhs, q, sizes, jnp.asarray(source), scale_inv=scale, scale_block=block,
+    fp8 = dict(scale_inv=scale, scale_block=block, k_major=k_major)
+    out = gm.grouped_matmul_kernel(lhs, k_major_experts(q, k_major), sizes, jnp.asarray(source), **fp8,
                                    interpret=True, config=config)
     want, bound = grouped_matmul_float64(sorted_lhs, exact, sizes)
     assert_within(np.asarray(out, np.float64), want, bound + rounding * np.abs(want), f"seed={seed}")
     q, scale, exact = fp8_experts(rng, (groups, k, 2, n), block)
-    got = gm.grouped_swiglu_kernel(lhs, q, sizes, jnp.asarray(source), scale_inv=scale, scale_block=block,
-                                   interpret=True, config=config)
+    fp8 = dict(scale_inv=scale, scale_block=block, k_major=k_major)
+    q = k_major_experts(q, k_major)
+    got = gm.grouped_swiglu_kernel(lhs, q, sizes, jnp.asarray(source), **fp8, interpret=True, config=config)
     both, _ = grouped_matmul_float64(sorted_lhs, exact.reshape(groups, k, 2 * n), sizes)
     magnitude, _ = grouped_matmul_float64(np.abs(sorted_lhs), np.abs(exact).reshape(groups, k, 2 * n), sizes)
     want = both[:, :n] / (1 + np.exp(-both[:, :n])) * both[:, n:]
     bound = swiglu_relative(k) * magnitude[:, :n] * magnitude[:, n:] + rounding * np.abs(want)
     assert_within(np.asarray(got, np.float64), want, bound, f"seed={seed}")
-    reference = gm.grouped_swiglu_reference(lhs, q, sizes, jnp.asarray(source), scale_inv=scale, scale_block=block)
+    reference = gm.grouped_swiglu_reference(lhs, q, sizes, jnp.asarray(source), **fp8)
     assert_within(np.asarray(reference, np.float64), want, bound, f"seed={seed} reference")
     total = int(sizes.sum())
     assert (np.asarray(out)[total:] == 0).all() and (np.asarray(got)[total:] == 0).all(), f"seed={seed}: padding"
@@ -199,11 +207,13 @@ def test_paired_kernels_match_float64(config):
     assert (out[elsewhere] == 0).all() and (got[elsewhere] == 0).all(), f"seed={seed}: pairs held elsewhere"
 
 
+@pytest.mark.parametrize("k_major", [False, True], ids=["k-by-n", "k-major"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_paired_kernels_stream_fp8_experts_with_their_block_scales(dtype):
+def test_paired_kernels_stream_fp8_experts_with_their_block_scales(dtype, k_major):
     """fp8 experts in non-square blocks (32 x 16: a block size read along the wrong axis
-    fails) through both paired kernels, split over K, against float64 of the dequantized
-    weights, as the sorted form's fp8 test bounds them."""
+    fails), as loaded or K-major, through both paired kernels, split over K, and the
+    paired reference, against float64 of the dequantized weights, as the sorted form's
+    fp8 test bounds them."""
     rng, seed = seeded()
     groups, pairs, k, n, block = 4, 9, 64, 48, (32, 16)
     pair_groups, source = paired_case(rng, groups, pairs)
@@ -212,13 +222,18 @@ def test_paired_kernels_stream_fp8_experts_with_their_block_scales(dtype):
     rounding = 0.0 if dtype == jnp.float32 else 2.0**-8
     args = (jnp.asarray(pair_groups), jnp.asarray(source))
     q, scale, exact = fp8_experts(rng, (groups, k, n), block)
-    out = gm.paired_matmul_kernel(lhs, q, *args, scale_inv=scale, scale_block=block, interpret=True, config=SPLIT_K)
+    fp8 = dict(scale_inv=scale, scale_block=block, k_major=k_major)
+    out = gm.paired_matmul_kernel(lhs, k_major_experts(q, k_major), *args, **fp8, interpret=True, config=SPLIT_K)
     want, bound = paired_float64(rows, exact, pair_groups)
     assert_within(np.asarray(out, np.float64), want, bound + rounding * np.abs(want), f"seed={seed}")
     q, scale, exact = fp8_experts(rng, (groups, k, 2, n), block)
-    got = gm.paired_swiglu_kernel(lhs, q, *args, scale_inv=scale, scale_block=block, interpret=True)
+    fp8 = dict(scale_inv=scale, scale_block=block, k_major=k_major)
+    q = k_major_experts(q, k_major)
+    got = gm.paired_swiglu_kernel(lhs, q, *args, **fp8, interpret=True)
     want, bound = swiglu_float64(rows, exact, pair_groups)
     assert_within(np.asarray(got, np.float64), want, bound + rounding * np.abs(want), f"seed={seed}")
+    reference = paired_swiglu_reference(lhs, q, *args, **fp8)
+    assert_within(np.asarray(reference, np.float64), want, bound + rounding * np.abs(want), f"seed={seed} reference")
 
 
 def test_routed_experts_by_pair_equal_the_sorted_layer():

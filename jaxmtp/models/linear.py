@@ -154,9 +154,9 @@ def fp8_shards(w: Fp8Weight) -> Fp8Shards | None:
     return Fp8Shards(mesh, k_major, PartitionSpec(*scale), split)
 
 
-# The fp8 weights that linear() does not multiply by, which keep the [in, out] layout on
-# every matmul path: jaxmtp/models/moe.py's experts (the grouped kernels read [E, K, N])
-IN_MAJOR_WEIGHTS = frozenset({"experts_gate_up", "experts_down"})
+# The fp8 weights that linear() does not multiply by: jaxmtp/models/moe.py's experts,
+# which kernels/grouped_matmul.py multiplies by, K-major on one device
+EXPERT_WEIGHTS = frozenset({"experts_gate_up", "experts_down"})
 
 
 def fp8_matmul_for(attention_backend: str, quantization: Fp8BlockConfig) -> str:
@@ -180,9 +180,11 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
     """params with every fp8 weight multiplied by `matmul` (one of FP8_MATMULS), in the
     layout that path reads: K-major for the Pallas kernel (fp8 tiles along K feed its
     MMA without a transpose in shared memory: 1.3-1.6x faster at decode on the H200,
-    docs/benchmarks/2026-12-03_H200_fp8_sweep_k_major.json), [in, out] for the reference
-    and for the weights in IN_MAJOR_WEIGHTS; sharded over several devices, each with
-    its Fp8Shards (the reference where fp8_shards finds none). in_place: a weight
+    docs/benchmarks/2026-12-03_H200_fp8_sweep_k_major.json; the grouped kernel's fp8
+    tile along N is read from shared memory byte by byte), [in, out] for the reference;
+    sharded over several devices, each with its Fp8Shards (the reference where
+    fp8_shards finds none), the experts in their loaded layout (expert parallelism
+    shards them as loaded: jaxmtp.worker.sharding). in_place: a weight
     changing layout is moved and its old buffer freed at once, which params loses (a
     model that fills the device in fp8 has no room for a second copy); else copied. An
     array two leaves share is moved once."""
@@ -197,10 +199,12 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
         if not isinstance(w, Fp8Weight):
             return w
         if w.k_major:  # back to the loaded layout first
-            w = dataclasses.replace(w, weight=move(w.weight, (-1, 0)), k_major=False, shards=None)
-        if matmul == "reference" or path[-1].name in IN_MAJOR_WEIGHTS:
-            return dataclasses.replace(w, matmul=matmul)
+            w = dataclasses.replace(w, weight=move(w.weight, (-1, w.in_axis)), k_major=False, shards=None)
         sharded = _sharded(w.weight)
+        if matmul == "reference" or (path[-1].name in EXPERT_WEIGHTS and sharded):
+            return dataclasses.replace(w, matmul=matmul)
+        if path[-1].name in EXPERT_WEIGHTS:
+            return dataclasses.replace(w, weight=move(w.weight, (w.in_axis, -1)), k_major=True, matmul=matmul)
         shards = fp8_shards(w) if sharded else None
         if sharded and shards is None:
             log.info("fp8 %s: a device's part is not whole scale blocks; the jnp reference multiplies by it",

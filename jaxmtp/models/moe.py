@@ -109,11 +109,12 @@ def _group_limited_top_k(choice: jax.Array, cfg: MoEConfig) -> jax.Array:
 
 
 def _expert_weight(w: jax.Array | Fp8Weight) -> tuple[jax.Array, dict]:
-    """An expert weight [E, K, (2,) N] for the grouped calls, and their fp8 arguments: the
-    block scales and the (K, N) block (fp8 experts stream as fp8), or none."""
+    """An expert weight [E, K, (2,) N] (fp8 on one device: K-major) for the grouped calls,
+    and their fp8 arguments: the block scales, the (K, N) block and the layout (fp8
+    experts stream as fp8), or none."""
     if not isinstance(w, Fp8Weight):
         return w, {}
-    return w.weight, {"scale_inv": w.scale_inv, "scale_block": (w.block[1], w.block[-1])}
+    return w.weight, {"scale_inv": w.scale_inv, "scale_block": (w.block[1], w.block[-1]), "k_major": w.k_major}
 
 
 def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
@@ -181,7 +182,7 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     k, shared = cfg.num_experts_per_tok, p.shared_in_experts
     num_pairs = h.shape[0] * k
     real_pairs = min(h.shape[0], max_rows or h.shape[0]) * (k + shared)
-    by_pair = experts_by_pair(real_pairs, gate_up.shape, scales.get("scale_block"))
+    by_pair = experts_by_pair(real_pairs, p.experts_gate_up.shape, scales.get("scale_block"))
     sigmoid = cfg.routing != "softmax"
     if routes_in_kernel(num_pairs, cfg.num_experts, k, sigmoid and cfg.topk_group < cfg.n_group) and not by_pair:
         pairs = SortedPairs(*route_and_sort(

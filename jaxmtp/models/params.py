@@ -31,24 +31,33 @@ class Fp8Weight:
     block: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
     # how jaxmtp.models.linear multiplies by it: "reference", "pallas" or "pallas_interpret"
     matmul: str = dataclasses.field(default="reference", metadata=dict(static=True))
-    # weight held K-major, its in axis moved last ([out, in]; gate and up [2, out, in]), as
-    # the Pallas kernel reads it (jaxmtp.models.linear.with_fp8_matmul); scale_inv and
-    # block keep the [in, out] layout either way
+    # weight held K-major, its in axis moved last ([out, in]; gate and up [2, out, in];
+    # experts [E, (2,) out, in]), as the Pallas kernels read it
+    # (jaxmtp.models.linear.with_fp8_matmul); scale_inv and block keep the [in, out]
+    # layout either way
     k_major: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # under tensor parallelism on the kernel's path, how each device multiplies by its
     # part (jaxmtp.models.linear.Fp8Shards); None on one device and for the reference
     shards: object = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
+    def in_axis(self) -> int:
+        """The in axis of the array it stands for: 1 for experts [E, in, (2,) out], whose
+        block along the experts' axis is 1, else 0. (A dense gate/up [in, 2, out] with an
+        in block of 1 would read as experts; such a block never runs K-major, the only
+        layout this decides.)"""
+        return 1 if len(self.block) > 2 and self.block[0] == 1 else 0
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the array it stands for ([in, out], ...), in either layout."""
-        shape = self.weight.shape
-        return (shape[-1], *shape[:-1]) if self.k_major else shape
+        shape, axis = self.weight.shape, self.in_axis
+        return (*shape[:axis], shape[-1], *shape[axis:-1]) if self.k_major else shape
 
     @property
     def in_major_weight(self) -> jax.Array:
         """weight in the layout of the array it stands for."""
-        return jnp.moveaxis(self.weight, -1, 0) if self.k_major else self.weight
+        return jnp.moveaxis(self.weight, -1, self.in_axis) if self.k_major else self.weight
 
 
 @pytree_dataclass
