@@ -19,7 +19,8 @@ experts' weight bytes over the copy bandwidth measured in the same process and i
 over the bf16 matmul rate, also measured here. Writes grouped_sweep.json (every variant)
 and grouped_tilings.json ({kernel key: {row bucket: tiling}}, the measured best where it
 beat both XLA and the kernel's default by 5%); --fp8: the experts in fp8 with 128 x 128
-block scales, XLA's path being the reference's (dequantize, then a float32 ragged_dot),
+block scales, held K-major as the engine holds them on one device, XLA's path being the
+reference's (dequantize, then a float32 ragged_dot),
 the keys "G,K,N,swiglu,128"; --step-tokens S: each --tokens count is the real tokens of
 a step of S rows whose other rows are padding routed to no expert (as an engine step pads
 to its token bucket: a batch-1 decode step is 8 rows), every count timed at the same
@@ -68,6 +69,11 @@ class Case:
     @property
     def scale_block(self) -> tuple[int, int] | None:
         return (self.scale_k, self.scale_k) if self.scale_k else None
+
+    def fp8_arguments(self, scale_inv) -> dict:
+        """The grouped calls' fp8 arguments: the experts K-major, as the engine holds them
+        on one device (jaxmtp.models.linear.with_fp8_matmul)."""
+        return {"scale_inv": scale_inv, "scale_block": self.scale_block, "k_major": True}
 
     @property
     def rows(self) -> int:
@@ -118,7 +124,7 @@ class GroupedSweep(Sweep):
 
         def one(x, w):
             sizes = jnp.asarray(case.sizes, jnp.int32)
-            w, scales = (w[0], {"scale_inv": w[1], "scale_block": case.scale_block}) if case.scale_k else (w, {})
+            w, scales = (w[0], case.fp8_arguments(w[1])) if case.scale_k else (w, {})
             if config is None:  # the engine's path off the kernel: XLA's ragged_dot
                 reference = gm.grouped_swiglu_reference if case.parts == 2 else gm.grouped_matmul_reference
                 return reference(x, w, sizes, **scales)
@@ -137,7 +143,7 @@ class GroupedSweep(Sweep):
             from fp8_sweep import quantize
 
             block = (1, case.scale_k) + ((1,) if case.parts == 2 else ()) + (case.scale_k,)
-            weights = [quantize(w, block) for w in weights]
+            weights = [(jnp.moveaxis(q, 1, -1), scale) for q, scale in (quantize(w, block) for w in weights)]
         else:
             weights = [w.astype(self.dtype) for w in weights]
         x = jax.random.normal(keys[0], (case.rows, case.k), jnp.float32).astype(self.dtype)
@@ -150,8 +156,7 @@ class GroupedSweep(Sweep):
 
         jnp = self.jnp
         sizes = jnp.asarray(case.sizes, jnp.int32)
-        weight, scales = (weight[0], {"scale_inv": weight[1], "scale_block": case.scale_block}) if case.scale_k \
-            else (weight.astype(jnp.float32), {})
+        weight, scales = (weight[0], case.fp8_arguments(weight[1])) if case.scale_k else (weight.astype(jnp.float32), {})
         reference = gm.grouped_swiglu_reference if case.parts == 2 else gm.grouped_matmul_reference
         return reference(x.astype(jnp.float32), weight, sizes, **scales)
 

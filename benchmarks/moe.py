@@ -380,14 +380,16 @@ def expert_inputs(rng, s: Shapes, tokens: int, reps: int):
 
 def fp8_experts(gate_up, down, block: int) -> tuple:
     """gate_up [E, H, 2, I] and down [E, I, H] quantized as DeepSeek-V3's fp8 experts
-    (jaxmtp.models.params.Fp8Weight, block x block scales)."""
+    (jaxmtp.models.params.Fp8Weight, block x block scales), held K-major as the engine
+    holds them on one device."""
     import jax.numpy as jnp
     from fp8_sweep import quantize
 
     from jaxmtp.models.params import Fp8Weight
 
     blocks = ((1, block, 1, block), (1, block, block))
-    return tuple(Fp8Weight(*quantize(w.astype(jnp.float32), b), b) for w, b in zip((gate_up, down), blocks))
+    return tuple(Fp8Weight(jnp.moveaxis(q, 1, -1), scale, b, k_major=True)
+                 for (q, scale), b in ((quantize(w.astype(jnp.float32), b), b) for w, b in zip((gate_up, down), blocks)))
 
 
 def part_experts(run: Run):

@@ -10,6 +10,7 @@ Random inputs are fresh per test (the seed is in every failure message)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -17,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmtp.kernels import grouped_matmul as gm
 from jaxmtp.kernels import route as route_kernel
 from jaxmtp.kernels.grouped_reference import paired_matmul_reference, paired_swiglu_reference
 from jaxmtp.loading.loader import on_first_device, restore_checkpoint, save_checkpoint
 from jaxmtp.models import moe
 from jaxmtp.models.expert_layout import shared_apart, shared_in_experts, with_shared_in_experts
+from jaxmtp.models.linear import with_fp8_matmul
 from jaxmtp.models.params import FP8, Fp8Weight, random_params
 from jaxmtp.models.registry import load_config
 from test_moe_kernels import seeded
@@ -107,6 +110,39 @@ def test_shared_experts_as_groups_give_the_layers_output(monkeypatch, block):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
 
 
+def test_fp8_experts_held_k_major_give_the_layers_output():
+    """On a kernel path with_fp8_matmul holds fp8 experts K-major ([E, (2,) N, K], the
+    grouped kernels' fp8 tile read along K), their shape still the loaded one; the
+    layer's output is the loaded layout's through the references (the engine's path off
+    GPUs; to the bit), the sorted grouped kernels and the paired ones (interpret mode);
+    on the reference path the weights are the loaded ones again, to the bit."""
+    rng, seed = seeded()
+    cfg = config(2, 16)
+    loaded = shared_in_experts(layer(rng, 16, 32, (16, 8)), cfg)
+    held = with_fp8_matmul(loaded, "pallas_interpret")
+    for got, want in ((held.experts_gate_up, loaded.experts_gate_up), (held.experts_down, loaded.experts_down)):
+        assert got.k_major and got.in_axis == 1 and got.shape == want.shape
+        assert got.weight.shape == (want.shape[0], *want.shape[2:], want.shape[1])
+        np.testing.assert_array_equal(np.asarray(got.in_major_weight, np.float32), np.asarray(want.weight, np.float32))
+    x = f32(rng, 8, H, scale=1.0)
+    for got, want in [(moe.moe_ffn(held, cfg, x, num_rows=5), moe.moe_ffn(loaded, cfg, x, num_rows=5))]:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"seed={seed}: references")
+    routing = moe.route(x, loaded.router, loaded.router_bias, cfg).with_shared_experts(2)
+    sorted_kernels = dict(expert_swiglu=functools.partial(gm.grouped_swiglu_kernel, interpret=True),
+                          expert_matmul=functools.partial(gm.grouped_matmul_kernel, interpret=True))
+    paired_kernels = dict(pair_swiglu=functools.partial(gm.paired_swiglu_kernel, interpret=True),
+                          pair_matmul=functools.partial(gm.paired_matmul_kernel, interpret=True))
+    for name, fn, kernels in [("sorted", moe.routed_experts, sorted_kernels),
+                              ("paired", moe.routed_experts_by_pair, paired_kernels)]:
+        got = fn(x, routing, held.experts_gate_up, held.experts_down, **kernels)
+        want = fn(x, routing, loaded.experts_gate_up, loaded.experts_down, **kernels)
+        assert_same_rows(got, want, 8, seed)  # the transposed tile's dot may sum in another order
+    back = with_fp8_matmul(held, "reference")
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not back.experts_gate_up.k_major
+
+
 @pytest.mark.parametrize("case", ["fp8-not-whole-blocks", "gated", "width-of-its-own"])
 def test_shared_experts_stay_apart_where_they_cannot_be_groups(case):
     """fp8 experts of 12 columns in blocks of 8 (the scales would split mid-block); Qwen's
@@ -137,8 +173,8 @@ FP8_BLOCKS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynami
 
 @pytest.mark.parametrize("quantization", [None, FP8_BLOCKS], ids=["bfloat16", "fp8-32x16"])
 def test_a_checkpoint_holds_the_shared_experts_apart(tmp_path, quantization):
-    """save_checkpoint of params whose 2 shared experts are groups (the MTP layer's too)
-    restores as the loaded layout, every array equal."""
+    """save_checkpoint of params whose 2 shared experts are groups (the MTP layer's too),
+    fp8 ones K-major, restores as the loaded layout, every array equal."""
     folder = tmp_path / "model"
     folder.mkdir()
     hf = TINY_DEEPSEEK if quantization is None else {**TINY_DEEPSEEK, "quantization_config": quantization}
@@ -148,6 +184,9 @@ def test_a_checkpoint_holds_the_shared_experts_apart(tmp_path, quantization):
     folded = with_shared_in_experts(params, cfg)
     assert folded.layers[0].moe is None and folded.layers[1].moe.shared_in_experts == 2  # a dense first layer
     assert folded.mtp[0].block.moe.shared_in_experts == 2
+    if quantization is not None:  # and the experts K-major, as the kernels read them
+        folded = with_fp8_matmul(folded, "pallas_interpret")
+        assert folded.layers[1].moe.experts_down.k_major and folded.mtp[0].block.moe.experts_gate_up.k_major
     restored = restore_checkpoint(save_checkpoint(tmp_path / "ckpt", folded, cfg, folder), cfg, on_first_device)
     assert jax.tree.structure(restored) == jax.tree.structure(params)
     for got, expected in zip(jax.tree.leaves(restored), jax.tree.leaves(params)):
