@@ -271,9 +271,12 @@ def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, bloc
     plgpu.store(out_ref.at[row[:, None], col[None, :]], out.astype(out_ref.dtype), mask=store_mask)
 
 
-def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_inv=None, scale_block=None,
-                  paired=False, k_major=False):
-    """groups: group_sizes [G], or paired each row's group [M]."""
+@functools.partial(jax.jit, static_argnames=("swiglu", "paired", "scale_block", "k_major", "interpret", "config"))
+def grouped_kernel(lhs: jax.Array, rhs: jax.Array, groups: jax.Array, rows: jax.Array | None = None, *, swiglu: bool,
+                   paired: bool = False, scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
+                   k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
+                   ) -> jax.Array:
+    """The Pallas (Triton) kernel: groups is group_sizes [G], or paired each row's group [M]."""
     num_groups, k, n = expert_dims(rhs.shape, k_major)
     if lhs.shape[1] != k:
         raise ValueError(f"lhs has {lhs.shape[1]} columns, rhs {k} rows")
@@ -324,49 +327,13 @@ def _grouped_call(lhs, rhs, groups, rows, *, swiglu, interpret, config, scale_in
     return (silu_and_mul(out, n) if swiglu else out).astype(lhs.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
-def grouped_matmul_kernel(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None, *,
-                          scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                          k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
-                          ) -> jax.Array:
-    """Pallas (Triton) grouped matmul; same contract as grouped_matmul_reference.
-    `config` overrides the tiling that `default_config` picks (for tuning)."""
-    return _grouped_call(lhs, rhs, group_sizes, rows, swiglu=False, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
-def grouped_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, rows: jax.Array | None = None,
-                          *, scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                          k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
-                          ) -> jax.Array:
-    """Pallas (Triton) fused gate/up projection and SiLU-and-multiply; same contract as
-    grouped_swiglu_reference."""
-    return _grouped_call(lhs, gate_up, group_sizes, rows, swiglu=True, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
-def paired_matmul_kernel(lhs: jax.Array, rhs: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None, *,
-                         scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                         k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
-                         ) -> jax.Array:
-    """Pallas (Triton) paired form; same contract as paired_matmul_reference."""
-    return _grouped_call(lhs, rhs, pair_groups, rows, swiglu=False, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block, paired=True,
-                         k_major=k_major)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "scale_block", "k_major"))
-def paired_swiglu_kernel(lhs: jax.Array, gate_up: jax.Array, pair_groups: jax.Array, rows: jax.Array | None = None,
-                         *, scale_inv: jax.Array | None = None, scale_block: tuple[int, int] | None = None,
-                         k_major: bool = False, interpret: bool = False, config: GroupedMatmulConfig | None = None
-                         ) -> jax.Array:
-    """Pallas (Triton) paired gate/up projection and SiLU-and-multiply; same contract as
-    paired_swiglu_reference."""
-    return _grouped_call(lhs, gate_up, pair_groups, rows, swiglu=True, interpret=interpret, config=config,
-                         scale_inv=scale_inv, scale_block=scale_block, paired=True,
-                         k_major=k_major)
+# The four forms, each of the contract of its reference (kernels/grouped_reference.py,
+# "_reference" for "_kernel"); `config` overrides the tiling that default_config (paired:
+# paired_config) picks, for tuning.
+grouped_matmul_kernel = functools.partial(grouped_kernel, swiglu=False)
+grouped_swiglu_kernel = functools.partial(grouped_kernel, swiglu=True)  # the gate/up projection and SiLU-and-multiply
+paired_matmul_kernel = functools.partial(grouped_kernel, swiglu=False, paired=True)
+paired_swiglu_kernel = functools.partial(grouped_kernel, swiglu=True, paired=True)
 
 
 # ----- the model's entry points -----------------------------------------------------------
@@ -398,7 +365,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows:
     ragged_dot where that was faster or the kernel does not tile the shapes (and off
     GPUs)."""
     scales = dict(scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
-    config = _tiling(lhs, rhs, rows, False, scale_block, k_major, real_rows)
+    config = _tiling(lhs, rhs, rows, False, scale_block, k_major, real_rows=real_rows)
     if config is None:
         return grouped_matmul_reference(lhs, rhs, group_sizes, rows, **scales)
     return grouped_matmul_kernel(lhs, rhs, group_sizes, rows, **scales, config=config)
@@ -409,7 +376,7 @@ def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, r
                    k_major: bool = False, real_rows: int | None = None) -> jax.Array:
     """As grouped_matmul, for the fused gate/up projection and SiLU-and-multiply."""
     scales = dict(scale_inv=scale_inv, scale_block=scale_block, k_major=k_major)
-    config = _tiling(lhs, gate_up, rows, True, scale_block, k_major, real_rows)
+    config = _tiling(lhs, gate_up, rows, True, scale_block, k_major, real_rows=real_rows)
     if config is None:
         return grouped_swiglu_reference(lhs, gate_up, group_sizes, rows, **scales)
     return grouped_swiglu_kernel(lhs, gate_up, group_sizes, rows, **scales, config=config)
