@@ -85,9 +85,10 @@ class Case:
 
 
 def first_stage(case: Case, tiny: bool) -> list:
-    """block_m around the rows per touched group at 4 warps and the most stages shared
-    memory holds: weight streams (block_m 16) over block_n x block_k x every split of K
-    up to 4 programs a multiprocessor; MMA tiles (64, 128) over block_n x block_k."""
+    """block_m around the rows per touched group at 4 warps (8 too for tiles of 128 x 128
+    or more) and the most stages shared memory holds: weight streams (block_m 16) over
+    block_n x block_k x every split of K up to 4 programs a multiprocessor; MMA tiles
+    (64, 128) over block_n x block_k."""
     from jaxmtp.kernels.grouped_matmul import GroupedMatmulConfig
 
     per_group = max(1, case.rows // max(1, sum(1 for s in case.sizes if s)))
@@ -105,8 +106,11 @@ def first_stage(case: Case, tiny: bool) -> list:
                 stages = min(4, (200 << 10) // stage_bytes)
                 if stages < 2:
                     continue
+                # two warpgroups for a 128 x 128 tile or larger (Hopper's MMA takes 64 rows a
+                # warpgroup): the second stage only reaches 8 warps around a 4-warp winner
+                warps = (4, 8) if block_m * block_n >= 128 * 128 else (4,)
                 for split in [d for d in range(1, 17) if steps % d == 0] if stream else [1]:
-                    configs.append(GroupedMatmulConfig(block_m, block_n, block_k, 4, stages, split))
+                    configs.extend(GroupedMatmulConfig(block_m, block_n, block_k, w, stages, split) for w in warps)
                     if blocks * (case.n // block_n) * split >= 4 * NUM_SMS:
                         break
     return configs
