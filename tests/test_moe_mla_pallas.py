@@ -668,17 +668,21 @@ def test_routed_fp8_experts_pass_their_scales_to_the_grouped_calls():
     assert_within(want, exact, 2 * bound, f"seed={seed} reference")
 
 
+@pytest.mark.parametrize("k_major", [False, True], ids=["k-by-n", "k-major"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_fp8_grouped_kernels_lower_for_the_gpu(dtype):
+def test_fp8_grouped_kernels_lower_for_the_gpu(dtype, k_major):
     """The Triton lowering of both fp8 grouped kernels, from the CPU (what interpret mode
-    does not check: the fp8 load, its conversion, the scale gathers)."""
+    does not check: the fp8 load, its transpose K-major, its conversion, the scale
+    gathers)."""
 
     lhs = jax.ShapeDtypeStruct((24, 256), dtype)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
     for shape, scales, fn in [((4, 256, 2, 96), (4, 2, 2, 1), gm.grouped_swiglu_kernel),
                               ((4, 256, 96), (4, 2, 1), gm.grouped_matmul_kernel)]:
+        shape = shape[:1] + shape[2:] + shape[1:2] if k_major else shape
         q, s = jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(scales, jnp.float32)
-        lowered = jax.jit(lambda a, q, g, s: fn(a, q, g, scale_inv=s, scale_block=(128, 128))).trace(lhs, q, sizes, s)
+        lowered = jax.jit(lambda a, q, g, s: fn(a, q, g, scale_inv=s, scale_block=(128, 128), k_major=k_major)
+                          ).trace(lhs, q, sizes, s)
         assert "triton" in lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
