@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, interpreted kernel")
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
 
     import jax
 

@@ -239,6 +239,7 @@ def main() -> None:
 
     add_dense_tilings_option(parser)
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.no_command_buffer:  # before JAX starts its backend
         os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
     import jax

@@ -240,8 +240,9 @@ def test_decode_step_times_each_tiling_against_the_default(tmp_path):
 
 
 def test_profile_step_replays_the_engines_step(tmp_path):
-    run_script("profile_step.py", "--tiny", "--k", "0,1", "--context", "40", "--steps", "3", "--out", str(tmp_path))
-    configs = json.loads((tmp_path / "profile.json").read_text())["configs"]
+    out = tmp_path / "not-yet"  # the script makes its --out folder
+    run_script("profile_step.py", "--tiny", "--k", "0,1", "--context", "40", "--steps", "3", "--out", str(out))
+    configs = json.loads((out / "profile.json").read_text())["configs"]
     assert set(configs) == {"b=1 k=0", "b=1 k=1"}
     assert all({"main_forward", "verify"} <= {p["part"] for p in c["parts"]} for c in configs.values())
     assert all(c["replayed_step_ms"] > 0 and c["replayed_step_requests"] == 1 for c in configs.values())
