@@ -115,7 +115,8 @@ def test_fp8_experts_held_k_major_give_the_layers_output():
     grouped kernels' fp8 tile read along K), their shape still the loaded one; the
     layer's output is the loaded layout's through the references (the engine's path off
     GPUs; to the bit), the sorted grouped kernels and the paired ones (interpret mode);
-    on the reference path the weights are the loaded ones again, to the bit."""
+    on the reference path the weights are the loaded ones again, to the bit; experts the
+    kernel cannot tile stay as loaded."""
     rng, seed = seeded()
     cfg = config(2, 16)
     loaded = shared_in_experts(layer(rng, 16, 32, (16, 8)), cfg)
@@ -141,6 +142,9 @@ def test_fp8_experts_held_k_major_give_the_layers_output():
     for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert not back.experts_gate_up.k_major
+    # experts the kernel cannot tile (K = 24, not a multiple of 16) run the reference: as loaded
+    untiled = dataclasses.replace(loaded, experts_gate_up=fp8(rng, (EXPERTS, 24, 2, 16), (1, 8, 1, 8)))
+    assert not with_fp8_matmul(untiled, "pallas_interpret").experts_gate_up.k_major
 
 
 @pytest.mark.parametrize("case", ["fp8-not-whole-blocks", "gated", "width-of-its-own"])

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmtp.kernels.fp8_matmul import (
     dense_matmul, dense_tiling, fp8_matmul_measured, fp8_matmul_reference, is_k_step,
 )
+from jaxmtp.kernels.grouped_matmul import supports as grouped_kernel_supports
 from jaxmtp.models.config import check_attention_backend
 from jaxmtp.models.params import Fp8Weight
 from jaxmtp.models.quantization import Fp8BlockConfig
@@ -184,7 +185,8 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
     tile along N is read from shared memory byte by byte), [in, out] for the reference;
     sharded over several devices, each with its Fp8Shards (the reference where
     fp8_shards finds none), the experts in their loaded layout (expert parallelism
-    shards them as loaded: jaxmtp.worker.sharding). in_place: a weight
+    shards them as loaded: jaxmtp.worker.sharding), as are experts the grouped kernel
+    cannot tile. in_place: a weight
     changing layout is moved and its old buffer freed at once, which params loses (a
     model that fills the device in fp8 has no room for a second copy); else copied. An
     array two leaves share is moved once."""
@@ -201,7 +203,7 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
         if w.k_major:  # back to the loaded layout first
             w = dataclasses.replace(w, weight=move(w.weight, (-1, w.in_axis)), k_major=False, shards=None)
         sharded = _sharded(w.weight)
-        if matmul == "reference" or (path[-1].name in EXPERT_WEIGHTS and sharded):
+        if matmul == "reference" or (path[-1].name in EXPERT_WEIGHTS and (sharded or not _grouped_kernel_takes(w))):
             return dataclasses.replace(w, matmul=matmul)
         if path[-1].name in EXPERT_WEIGHTS:
             return dataclasses.replace(w, weight=move(w.weight, (w.in_axis, -1)), k_major=True, matmul=matmul)
@@ -213,6 +215,13 @@ def with_fp8_matmul(params, matmul: str, *, in_place: bool = False):
         return dataclasses.replace(w, weight=move(w.weight, (0, -1)), k_major=True, matmul=matmul, shards=shards)
 
     return jax.tree_util.tree_map_with_path(convert, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+
+
+def _grouped_kernel_takes(w: Fp8Weight) -> bool:
+    """Whether the grouped kernel multiplies by these experts [E, K, (2,) N]; where it
+    does not, the reference does, which would move a K-major weight back every call."""
+    groups, k = w.shape[:2]
+    return grouped_kernel_supports(groups, k, math.prod(w.shape[2:]))
 
 
 def _sharded(a: jax.Array) -> bool:
