@@ -378,18 +378,20 @@ def expert_inputs(rng, s: Shapes, tokens: int, reps: int):
     return x, routing, touched
 
 
-def fp8_experts(gate_up, down, block: int, k_major: bool = True) -> tuple:
-    """gate_up [E, H, 2, I] and down [E, I, H] quantized as DeepSeek-V3's fp8 experts
-    (jaxmtp.models.params.Fp8Weight, block x block scales), held K-major as the engine
-    holds them on one device (or as loaded, as expert parallelism holds them)."""
+def fp8_experts(gate_up, down, block: int) -> tuple[tuple, tuple]:
+    """gate_up [E, H, 2, I] and down [E, I, H] quantized once as DeepSeek-V3's fp8 experts
+    (jaxmtp.models.params.Fp8Weight, block x block scales), in two layouts: K-major, as
+    the engine holds them on one device, and as loaded, as expert parallelism holds them."""
     import jax.numpy as jnp
     from fp8_sweep import quantize
 
     from jaxmtp.models.params import Fp8Weight
 
-    blocks = ((1, block, 1, block), (1, block, block))
-    return tuple(Fp8Weight(jnp.moveaxis(q, 1, -1) if k_major else q, scale, b, k_major=k_major)
-                 for (q, scale), b in ((quantize(w.astype(jnp.float32), b), b) for w, b in zip((gate_up, down), blocks)))
+    loaded = []
+    for w, b in zip((gate_up, down), ((1, block, 1, block), (1, block, block))):
+        loaded.append(Fp8Weight(*quantize(w.astype(jnp.float32), b), b))
+    k_major = tuple(dataclasses.replace(w, weight=jnp.moveaxis(w.weight, 1, -1), k_major=True) for w in loaded)
+    return k_major, tuple(loaded)
 
 
 def part_experts(run: Run):
@@ -429,6 +431,8 @@ def part_experts(run: Run):
         return routed_experts_by_pair(x, Routing(*routing), gu, dn, **pair_kernels)
 
     paths = {}  # expert_paths.json: the layer by pairs against the sorted one, per pairs bucket
+    scale_k = 16 if run.args.tiny else 128
+    fp8, fp8_loaded = fp8_experts(gate_up, down, scale_k) if run.args.fp8 else (None, None)
 
     def compare_paths(weights, inputs, sorted_s, name, floor, scale_k=None):
         paired_s = programs_over(by_pair, weights, inputs)
@@ -456,10 +460,8 @@ def part_experts(run: Run):
         if tokens <= s.paired_max_tokens:
             compare_paths((gate_up, down), list(zip(x, routing)), t_ours, "expert layer", floor)
         if run.args.fp8:  # the same layer with its experts in fp8 (128 x 128 block scales)
-            scale_k = 16 if run.args.tiny else 128
-            fp8 = fp8_experts(gate_up, down, scale_k)
             t_fp8 = programs_over(ours, fp8, list(zip(x, routing)))
-            t_loaded = programs_over(ours, fp8_experts(gate_up, down, scale_k, k_major=False), list(zip(x, routing)))
+            t_loaded = programs_over(ours, fp8_loaded, list(zip(x, routing)))
             fp8_bytes = nbytes - touched * expert_bytes / 2
             fp8_floor = max(run.bytes_s(fp8_bytes), run.flops_s(flops))
             run.row("experts", f"fp8 expert layer, {tokens} tokens", t_fp8, fp8_floor,

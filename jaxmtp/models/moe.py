@@ -172,12 +172,13 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     scaled by sigmoid(h @ shared_gate); held as the first groups, on one device, where
     p.shared_in_experts: their pairs are taken with the routed ones'), in float32. Under
     expert parallelism each device's columns of the shared experts are scaled alike, so
-    the sum over devices is the gated whole. Rows from num_rows on (a step's padding) go to no routed expert:
-    routed like the rest, a decode step's padding rows would read experts of their own
-    (at batch 1, 7 padding rows doubled the experts a layer reads). max_rows: a static
-    bound on num_rows (a decode-only step's requests times their rows), from which the
-    grouped calls' tiling and the paired form's choice are taken: at batch 1 the 8-row
-    bucket's 48 pairs are 6 real ones, which the tables measured as 1 token's."""
+    the sum over devices is the gated whole. Rows from num_rows on (a step's padding) go
+    to no routed expert: routed like the rest, a decode step's padding rows would read
+    experts of their own (at batch 1, 7 padding rows doubled the experts a layer reads).
+    max_rows: a static bound on num_rows (a decode-only step's requests times their
+    rows), from which the grouped calls' tiling and the paired form's choice are taken: at
+    batch 1 the 8-row bucket's 48 pairs are 6 real ones, which the tables measured as 1
+    token's."""
     gate_up, scales = _expert_weight(p.experts_gate_up)
     k, shared = cfg.num_experts_per_tok, p.shared_in_experts
     num_pairs = h.shape[0] * k
