@@ -21,7 +21,9 @@ Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names da
 prints the table last; the experts part also writes expert_paths.json (the routed-expert
 layer by pairs or sorted, per shape and pairs bucket): copy it to kernels/. The mla part
 times the decode path the engine takes (kernels/mla_paths.json, which
-benchmarks/mla_sweep.py writes); --tiny runs the kernels in interpret mode on a tiny model.
+benchmarks/mla_sweep.py writes), and the prefill chunks in both forms, absorbed and split
+(kernels/mla_prefill.py), writing mla_prefill_paths.json (copy it to kernels/); --tiny
+runs the kernels in interpret mode on a tiny model.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Shapes:
     heads: int = 16
     rank: int = 512
     rope: int = 64
+    nope: int = 128  # qk_nope_head_dim
+    v_head: int = 128  # v_head_dim
     mla_batches: tuple = (1, 32, 128)
     mla_contexts: tuple = (1024, 4096, 16384)
     mla_prefill: tuple = ((2048, 2048), (2048, 8192))  # (chunk rows, context): an 8k prompt's first and last chunks
@@ -103,7 +107,7 @@ class Shapes:
 
 
 TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(8,), heads=4, rank=32,
-              rope=16, mla_batches=(2,), mla_contexts=(40,), mla_prefill=((12, 40),), page_size=8, prompt=24,
+              rope=16, nope=16, v_head=16, mla_batches=(2,), mla_contexts=(40,), mla_prefill=((12, 40),), page_size=8, prompt=24,
               new_tokens=8, batch=3, batch_prompt=16, batch_new_tokens=6)
 
 PEER_SCRIPT = r"""
@@ -316,6 +320,15 @@ def part_checks(run: Run):
     checks.append({"kernel": "mla prefill", "case": f"a {chunk}-row chunk at context {context} beside decode rows",
                    "rel_err": relative_error(out[rows], ref[rows]), "finite": bool(np.isfinite(out).all()),
                    "padding_rows_zero": bool((others == 0).all())})
+    split = split_inputs(rng, s, case)
+    out = np.asarray(split_call(case, split, interpret=interpret, decode_rows=2), np.float32)
+    q_latent = jnp.einsum("thd,rhd->thr", split["q_nope"], split["w_uk"])
+    ref = np.asarray(jnp.einsum("thr,rhv->thv", mla_absorbed_attention_reference(q_latent, *args[1:], sm_scale=0.1),
+                                split["w_uv"]), np.float32)
+    others = np.delete(out, np.arange(1, 1 + chunk), axis=0)
+    checks.append({"kernel": "mla prefill, split form", "case": f"a {chunk}-row chunk at context {context} beside "
+                   "decode rows", "rel_err": relative_error(out[rows], ref[rows]),
+                   "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((others == 0).all())})
     x, routing, _ = expert_inputs(rng, s, 300 if not run.args.tiny else 9, 1)
     from jaxmtp.models.moe import Routing, routed_experts
 
@@ -643,6 +656,54 @@ def time_mla(run: Run, case, rows_per_seq, prefill=False, config=None, xla=False
     return (wall_us if device_us is None else device_us) / 1e6, wall_us / 1e6
 
 
+def split_inputs(rng, s: Shapes, case) -> dict:
+    """The split form's inputs beyond the case's (kernels/mla_prefill.py): the nope part of
+    the queries, W_UK and W_UV, and the step's own latent and rope rows as the case's
+    first page table holds them (each sequence's last rows)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    query_start, kv_lens = np.asarray(case["query_start"]), np.asarray(case["kv_lens"])
+    rows = np.arange(int(query_start[-1]))
+    seq = np.searchsorted(query_start[1:], rows, side="right")
+    position = kv_lens[seq] - (query_start[seq + 1] - rows)
+    slot = jnp.asarray(case["tables"][0])[seq, position // s.page_size] * s.page_size + position % s.page_size
+
+    def normal(shape, scale):
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)
+
+    return {"q_nope": normal((len(rows), s.heads, s.nope), 1.0), "w_uk": normal((s.rank, s.heads, s.nope), 0.05 / s.rank ** 0.5),
+            "w_uv": normal((s.rank, s.heads, s.v_head), 1 / s.rank ** 0.5),
+            "own_latent": case["latent"].reshape(-1, s.rank)[slot], "own_rope": case["rope"].reshape(-1, s.rope)[slot]}
+
+
+def split_call(case, split: dict, rep: int = 0, config=None, interpret: bool = False, decode_rows: int = 1):
+    """The split-form prefill (mla_split_prefill) on the case's input set `rep`."""
+    from jaxmtp.kernels.mla_prefill import mla_split_prefill
+
+    return mla_split_prefill(split["q_nope"], case["q_rope"][rep], split["own_latent"], split["own_rope"],
+                             case["latent"], case["rope"], case["kv_lens"], case["tables"][rep], case["query_start"],
+                             split["w_uk"], split["w_uv"], sm_scale=0.1, decode_rows=decode_rows, interpret=interpret,
+                             config=config)
+
+
+def time_split(run: Run, case, split: dict, config=None) -> float:
+    """Device seconds per call of the split form over every input set of the case (the own
+    rows are the first set's: their values do not change the work)."""
+    import jax
+
+    from gemm_sweep import device_times
+
+    reps = len(case["tables"])
+    program = jax.jit(lambda case, split: [split_call(case, split, r, config, run.args.tiny) for r in range(reps)])
+    device_us, _, wall_us = device_times({"split": lambda: program(case, split)}, 10, reps, run.args.tiny)["split"]
+    return (wall_us if device_us is None else device_us) / 1e6
+
+
+# own-rows tilings of the split form (block_q, block_kv, num_warps, num_stages), beside the default
+SPLIT_SWEEP = [(128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3), (32, 64, 4, 2), (128, 64, 4, 2)]
+
+
 # prefill tilings (block_q, block_h, block_kv, num_warps, num_stages), beside default_config's
 MLA_PREFILL_SWEEP = [(4, 16, 32, 8, 2), (1, 16, 64, 4, 3), (2, 16, 32, 4, 3), (4, 8, 64, 4, 2), (8, 8, 32, 8, 2)]
 
@@ -650,10 +711,9 @@ MLA_PREFILL_SWEEP = [(4, 16, 32, 8, 2), (1, 16, 64, 4, 3), (2, 16, 32, 4, 3), (4
 def prefill_flops(s: Shapes, chunk: int, context: int) -> tuple[float, float]:
     """A prefill chunk's attention FLOPs (its rows see context - chunk cached tokens and
     their own causal run): in the absorbed form the kernel computes (R + Dr scores, R
-    values a head), and in the expanded form (128 + Dr, 128: Moonlight's qk_nope and v
-    head dims), the least any form needs."""
+    values a head), and in the expanded form (Dn + Dr, Dv), the least any form needs."""
     seen = chunk * (context - chunk) + chunk * (chunk + 1) / 2
-    return (2 * seen * s.heads * (2 * s.rank + s.rope), 2 * seen * s.heads * (128 + s.rope + 128))
+    return (2 * seen * s.heads * (2 * s.rank + s.rope), 2 * seen * s.heads * (s.nope + s.rope + s.v_head))
 
 
 # XLA's absorbed form gathers every row's context in float32: timed where that stays
@@ -671,6 +731,7 @@ def part_mla(run: Run, cases):
     from jaxmtp.kernels.mla_attention import MLAKernelConfig, default_config, measured_decode_path
 
     s, rng, peer = run.shapes, np.random.default_rng(4), run.results["peer"]
+    prefill_paths = {}  # mla_prefill_paths.json: the split form's best tiling or "absorbed"
     for batch, context, rows, prefill in cases:
         if run.budget_left() < 45:
             run.results.setdefault("skipped_over_budget", []).append(f"mla {batch}x{context}x{rows}")
@@ -686,10 +747,11 @@ def part_mla(run: Run, cases):
             " (measured table)" if measured else " (default)")
         if prefill:
             absorbed, expanded = prefill_flops(s, rows, context)
+            target = ">= 50% of the matmul rate" if context == 8192 else ""
             run.row("mla", f"MLA prefill, a {rows}-row chunk at context {context}", seconds, run.flops_s(expanded), p,
-                    ">= 50% of the matmul rate" if context == 8192 else "",
-                    note=f"{absorbed / seconds / 1e12:.0f} TFLOP/s in the absorbed form (floor: the expanded "
-                         f"form's FLOPs); wall {wall * 1e6:.0f} us; torch SDPA over expanded K/V {fmt_peer(p)}")
+                    target, note=f"{absorbed / seconds / 1e12:.0f} TFLOP/s in the absorbed form (floor: the expanded "
+                                 f"form's FLOPs); wall {wall * 1e6:.0f} us; torch SDPA over expanded K/V {fmt_peer(p)}")
+            split_prefill_row(run, case, rows, context, seconds, target, prefill_paths)
         else:
             kind = "decode" if rows == 1 else f"verify k+1={rows}"
             target = ">= 75% of copy" if batch >= 32 and context >= 4096 else ""
@@ -724,6 +786,42 @@ def part_mla(run: Run, cases):
             print("sweep mla prefill", batch, context, rows, times, flush=True)
         del case
         gc.collect()
+    if prefill_paths:
+        run.write_paths("mla_prefill_paths.json", "mla", prefill_paths)
+
+
+def split_prefill_row(run: Run, case, rows: int, context: int, absorbed_s: float, target: str, paths: dict) -> None:
+    """The split form (kernels/mla_prefill.py) on a prefill case at the default own-rows
+    tiling, and with --sweep at SPLIT_SWEEP's too; its table entry in `paths`: the
+    fastest tiling, or "absorbed" where the absorbed call (absorbed_s) beat them all."""
+    import numpy as np
+
+    from jaxmtp.kernels.mla_prefill import OwnRowsConfig
+    from jaxmtp.kernels.tiling_table import row_bucket
+
+    s = run.shapes
+    split = split_inputs(np.random.default_rng(rows + context), s, case)
+    configs = [OwnRowsConfig()] + ([OwnRowsConfig(*t) for t in SPLIT_SWEEP] if run.args.sweep else [])
+    times = {}
+    for config in configs:
+        try:
+            times[config] = time_split(run, case, split, config)
+        except Exception as e:  # noqa: BLE001 - a tiling that does not compile is recorded
+            run.results["sweep"].append({"kernel": "mla split prefill", "context": context, "rows": rows,
+                                         "tiling": dataclasses.astuple(config), "error": repr(e)[:160]})
+    if not times:
+        return
+    best = min(times, key=times.get)
+    _, expanded = prefill_flops(s, rows, context)
+    run.row("mla", f"MLA prefill, split form, a {rows}-row chunk at context {context}", times[best],
+            run.flops_s(expanded), target=target,
+            note=f"own rows at tiling {dataclasses.astuple(best)} of {len(times)}; the absorbed call "
+                 f"{absorbed_s / times[best]:.2f}x its time; {expanded / times[best] / 1e12:.0f} TFLOP/s")
+    run.results["sweep"].append({"kernel": "mla split prefill", "context": context, "rows": rows,
+                                 "us": {str(dataclasses.astuple(c)): t * 1e6 for c, t in times.items()}})
+    key = ",".join(map(str, (s.heads, s.rank, s.rope, s.nope, s.v_head, row_bucket(context))))
+    entry = "absorbed" if absorbed_s <= times[best] else list(dataclasses.astuple(best))
+    paths.setdefault(key, {})[str(row_bucket(rows))] = entry
 
 
 def mla_cases(s: Shapes, only: str = ""):

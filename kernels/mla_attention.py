@@ -36,10 +36,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.triton_common import (NUM_SMS, TritonCompilerParams, cdiv, locate_q_block, merged_rows,
-                                          mma_sizes, next_power_of_2, online_softmax_step, q_blocks_per_seq,
-                                          step_slots)
+                                          mma_sizes, next_power_of_2, online_softmax_step, q_block_bound,
+                                          q_blocks_per_seq, step_slots)
 from jaxmtp.kernels.reference import row_ownership
-from jaxmtp.kernels.tiling_table import read_tilings, row_bucket
+from jaxmtp.kernels.tiling_table import nearest_context_entry, read_tilings, row_bucket
 
 _LOG2E = math.log2(math.e)
 # Splits: the largest power of 2 that keeps the grid within two programs a multiprocessor
@@ -78,13 +78,8 @@ def measured_decode_path(num_heads: int, rank: int, rope_dim: int, decode_rows: 
                          context: int) -> MLAKernelConfig | str | None:
     """The measured table's entry for a decode call: a tiling, "xla", or None where the
     table has none."""
-    shape = (num_heads, rank, rope_dim, decode_rows)
-    measured = [key[-1] for key in MEASURED_PATHS if key[:-1] == shape]
-    if not measured:
-        return None
-    bucket = row_bucket(context)
-    nearest = min(measured, key=lambda c: (abs(c.bit_length() - bucket.bit_length()), c))
-    return MEASURED_PATHS[shape + (nearest,)].get(row_bucket(num_seqs))
+    entry = nearest_context_entry(MEASURED_PATHS, (num_heads, rank, rope_dim, decode_rows), context)
+    return entry.get(row_bucket(num_seqs))
 
 
 def supports(kv_lora_rank: int, rope_dim: int) -> bool:
@@ -119,16 +114,6 @@ def _rows_taken(decode_rows: int, prefill: bool) -> tuple[int, int | None]:
     return (decode_rows + 1, None) if prefill else (1, decode_rows)
 
 
-def _num_blocks(num_rows: int, num_seqs: int, block_q: int, min_rows: int, max_rows: int | None) -> int:
-    """A static bound on the q blocks: at most num_rows // min_rows sequences are taken,
-    each with cdiv(rows, block_q) <= rows // block_q + 1 blocks (one when its rows fit a
-    block)."""
-    taken = min(num_seqs, num_rows // min_rows)
-    if max_rows is not None and max_rows <= block_q:
-        return max(1, taken)
-    return max(1, min(num_rows, num_rows // block_q + taken))
-
-
 def _rotated_q_rope(q_ref, cos_ref, sin_ref, q_index, row, mask, *, rope_dim: int, interleave: bool):
     """The tile's q rope part rotated (jaxmtp.models.layers.rotate, rounded as it rounds):
     from the last rope_dim columns of q_ref's rows and the tables' rows. Output column j
@@ -156,7 +141,7 @@ def _rotated_q_rope(q_ref, cos_ref, sin_ref, q_index, row, mask, *, rope_dim: in
 def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_ref, latent_ref, rope_ref, *refs,
             num_heads: int, rows_taken: tuple[int, int | None], num_blocks: int, block_q: int, block_h: int,
             block_kv: int, page_size: int, pages_per_seq: int, num_splits: int, sm_scale: float,
-            rope_interleave: bool | None):
+            rope_interleave: bool | None, prefix_only: bool):
     head_block, program, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rank, rope_dim = latent_ref.shape[-1], rope_ref.shape[-1]
     rope_tables, out_refs = (refs[:2], refs[2:]) if rope_interleave is not None else (None, refs)
@@ -165,7 +150,10 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
     seq, row_start, num_rows, first_pos = locate_q_block(
         query_start_ref, kv_lens_ref, num_blocks - 1 - program, block_q=block_q, min_rows=rows_taken[0],
         max_rows=rows_taken[1])
-    kv_end = first_pos + num_rows  # the tokens the block's last row sees
+    if prefix_only:  # the tokens before the sequence's rows of this step, seen by every row
+        kv_end = kv_lens_ref[seq] - (query_start_ref[seq + 1] - query_start_ref[seq])
+    else:  # the tokens the block's last row sees
+        kv_end = first_pos + num_rows
 
     # Tile row r is the block's row r // block_h, head head_block * block_h + r % block_h.
     tile_rows = max(_MIN_TILE_ROWS, block_q * block_h)
@@ -184,10 +172,10 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
         q_rope = _rotated_q_rope(q_rope_ref, *rope_tables, q_index, row_start + row_in_block, rope_mask,
                                  rope_dim=rope_dim, interleave=rope_interleave)
 
-    # Steps below full_hi are seen whole by every row: no mask; the rest (the diagonal)
-    # are masked, and never load slots at or past kv_end.
+    # Steps below full_hi are seen whole by every row: no mask; the rest (the diagonal,
+    # or the prefix's last part step) are masked, and never load slots at or past kv_end.
     step_hi = cdiv(kv_end, block_kv)
-    full_hi = jnp.clip((first_pos + 1) // block_kv, 0, step_hi)
+    full_hi = jnp.clip(jnp.minimum(first_pos + 1, kv_end) // block_kv, 0, step_hi)
     per_split = cdiv(step_hi, num_splits)
     split_lo = split * per_split
     split_hi = jnp.minimum(split_lo + per_split, step_hi)
@@ -205,7 +193,8 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
         logits += plgpu.dot(q_rope, rope, trans_b=True, precision=precision)
         logits = logits * (sm_scale * _LOG2E)
         if masked:
-            logits = jnp.where(token[None, :] <= position[:, None], logits, -jnp.inf)
+            seen = token[None, :] < kv_end if prefix_only else token[None, :] <= position[:, None]
+            logits = jnp.where(seen, logits, -jnp.inf)
         # the latent tile is the values too: loaded once for both products
         return online_softmax_step(carry, logits, lambda: latent, masked=masked, precision=precision)
 
@@ -218,9 +207,14 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
 
     row_mask = jnp.broadcast_to(row_ok[:, None], (tile_rows, rank))
     if num_splits == 1:
-        (o_ref,) = out_refs
-        plgpu.store(o_ref.at[q_index[:, None], rank_ids[None, :]], (acc / row_sum[:, None]).astype(o_ref.dtype),
-                    mask=row_mask)
+        o_ref = out_refs[0]
+        seen_any = row_sum > 0  # an empty prefix leaves acc and row_sum 0
+        out = acc / jnp.where(seen_any, row_sum, 1.0)[:, None]
+        plgpu.store(o_ref.at[q_index[:, None], rank_ids[None, :]], out.astype(o_ref.dtype), mask=row_mask)
+        if prefix_only:
+            (lse_ref,) = out_refs[1:]
+            lse = jnp.where(seen_any, row_max + jnp.log2(jnp.where(seen_any, row_sum, 1.0)), -jnp.inf)
+            plgpu.store(lse_ref.at[q_index], lse, mask=row_ok)
     else:  # partial results by q block, not by row: see mla_absorbed_attention
         acc_ref, max_ref, sum_ref = out_refs
         part_index = ((num_blocks - 1 - program) * block_q + row_in_block) * num_heads + head
@@ -230,18 +224,24 @@ def _kernel(query_start_ref, kv_lens_ref, page_table_ref, q_latent_ref, q_rope_r
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "decode_rows", "prefill", "interpret", "config",
-                                             "rope_interleave"))
+                                             "rope_interleave", "prefix_only"))
 def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, *,
                            sm_scale: float, decode_rows: int, prefill: bool = False, interpret: bool = False,
                            config: MLAKernelConfig | None = None, rope_tables: tuple | None = None,
-                           rope_interleave: bool = False) -> jax.Array:
+                           rope_interleave: bool = False, prefix_only: bool = False):
     """q_latent [T, Hq, R] (W_UK folded in), q_rope [T, Hq, Dr] -> [T, Hq, R] for the rows
     of sequences with at most decode_rows rows, or with `prefill` of those with more
     (others 0). With rope_tables (cos, sin [T, Dr / 2]: jaxmtp.models.layers.rope_tables),
     q_rope is the unrotated query whose last Dr columns the kernel rotates
     (layers.rotate, `rope_interleave` its layout): the whole [T, Hq, Dn + Dr] projection
     can be passed, with no kernel of XLA's to slice or rotate it. `config` overrides the
-    tiling that `default_config` picks (for tuning)."""
+    tiling that `default_config` picks (for tuning).
+
+    With `prefix_only` (prefill rows; kernels/mla_prefill.py) each row attends to its
+    sequence's tokens before this step's rows alone, and the call returns (out, lse):
+    lse [T, Hq] float32, each row's log2 of its softmax denominator over the logits in
+    base 2 (scaled by sm_scale / ln 2), -inf where the prefix is empty (out 0 there);
+    one program per q block (no splits)."""
     num_rows, num_heads, rank = q_latent.shape
     num_pages, page_size, _, _ = latent_pages.shape
     rope_dim = rope_pages.shape[-1]
@@ -254,11 +254,17 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
                          f"values is too large")
     if config is None:
         config = default_config(num_rows, num_seqs, num_heads, decode_rows, pages_per_seq * page_size, prefill)
+    if prefix_only:
+        if not prefill:
+            raise ValueError("prefix_only attention is for prefill rows")
+        config = dataclasses.replace(config, num_splits=1)
     min_rows, max_rows = _rows_taken(decode_rows, prefill)
-    num_blocks = _num_blocks(num_rows, num_seqs, config.block_q, min_rows, max_rows)
+    num_blocks = q_block_bound(num_rows, num_seqs, config.block_q, min_rows, max_rows)
     flat_rows = num_rows * num_heads
     if config.num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((flat_rows, rank), q_latent.dtype)]
+        if prefix_only:
+            out_shape.append(jax.ShapeDtypeStruct((flat_rows,), jnp.float32))
     else:
         # Split results are kept per q block row (num_blocks x block_q), not per step row:
         # a decode call in a step with a prefill chunk takes a few of its rows, and the
@@ -271,7 +277,7 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
         _kernel, num_heads=num_heads, rows_taken=(min_rows, max_rows), num_blocks=num_blocks, block_q=config.block_q,
         block_h=config.block_h, block_kv=config.block_kv, page_size=page_size, pages_per_seq=pages_per_seq,
         num_splits=config.num_splits, sm_scale=float(sm_scale),
-        rope_interleave=None if rope_tables is None else rope_interleave,
+        rope_interleave=None if rope_tables is None else rope_interleave, prefix_only=prefix_only,
     )
     query_start = query_start.astype(jnp.int32)
     outs = pl.pallas_call(
@@ -281,7 +287,7 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
         out_shape=out_shape,
         compiler_params=TritonCompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="mla_prefill_attention" if prefill else "mla_decode_attention",
+        name="mla_prefix_attention" if prefix_only else "mla_prefill_attention" if prefill else "mla_decode_attention",
     )(
         query_start,
         kv_lens.astype(jnp.int32),
@@ -297,7 +303,10 @@ def mla_absorbed_attention(q_latent, q_rope, latent_pages, rope_pages, kv_lens, 
                               max_rows=max_rows)
     taken = owned & (blocks[seq] > 0)
     if config.num_splits == 1:  # rows the kernel did not take were never written
-        return jnp.where(taken[:, None, None], outs[0].reshape(num_rows, num_heads, rank), 0)
+        out = jnp.where(taken[:, None, None], outs[0].reshape(num_rows, num_heads, rank), 0)
+        if prefix_only:
+            return out, jnp.where(taken[:, None], outs[1].reshape(num_rows, num_heads), -jnp.inf)
+        return out
     # a taken sequence's q blocks follow the taken sequences before it (locate_q_block)
     first_block = jnp.cumsum(blocks) - blocks
     part_row = first_block[seq] * config.block_q + jnp.arange(num_rows, dtype=jnp.int32) - query_start[seq]

@@ -31,6 +31,16 @@ def row_bucket(num_rows: int) -> int:
     return 1 << max(0, num_rows - 1).bit_length()
 
 
+def nearest_context_entry(table: dict, shape: tuple, context: int) -> dict:
+    """table's entry for shape + (context bucket,), at the measured context bucket nearest
+    context's (in powers of 2; the smaller on a tie), or {} where the shape has none."""
+    measured = [key[-1] for key in table if key[:-1] == shape]
+    if not measured:
+        return {}
+    bucket = row_bucket(context)
+    return table[shape + (min(measured, key=lambda c: (abs(c.bit_length() - bucket.bit_length()), c)),)]
+
+
 def bucket_at_or_above(buckets, num_rows: int) -> int | None:
     """The smallest of a table entry's measured row buckets at or above num_rows' bucket,
     or None past them all."""

@@ -45,6 +45,16 @@ def q_blocks_per_seq(rows, *, block_q: int, min_rows: int = 1, max_rows: int | N
     return blocks
 
 
+def q_block_bound(num_rows: int, num_seqs: int, block_q: int, min_rows: int, max_rows: int | None) -> int:
+    """A static bound on the q blocks: at most num_rows // min_rows sequences are taken,
+    each with cdiv(rows, block_q) <= rows // block_q + 1 blocks (one when its rows fit a
+    block)."""
+    taken = min(num_seqs, num_rows // min_rows)
+    if max_rows is not None and max_rows <= block_q:
+        return max(1, taken)
+    return max(1, min(num_rows, num_rows // block_q + taken))
+
+
 def locate_q_block(query_start_ref, kv_lens_ref, block, *, block_q: int, min_rows: int = 1,
                    max_rows: int | None = None):
     """The rows of q block `block`: each sequence with between min_rows and max_rows rows

@@ -497,12 +497,12 @@ def rope_case(rng, num_rows):
     return jnp.asarray(1.3 * np.cos(angles), jnp.float32), jnp.asarray(1.3 * np.sin(angles), jnp.float32)
 
 
-def entry_point_args(rng, seqs):
+def entry_point_args(rng, seqs, dn=8, dv=12):
     """mla_attention_fn's arguments for a step of the given sequences: fresh queries
     (the projection's [T, Hq, Dn + Dr], unrotated) and rope tables, weights and latent
     rows, each row's slot at its position in its sequence's pages."""
     q_latent, q_pe, latent_pages, rope_pages, kv_lens, page_table, query_start = mla_case(rng, seqs)
-    num_rows, dn, dv = q_latent.shape[0], 8, 12
+    num_rows = q_latent.shape[0]
     q = jnp.concatenate([jnp.asarray(rng.standard_normal((num_rows, HEADS, dn)), jnp.float32), q_pe], axis=-1)
     w_uk = jnp.asarray(0.4 * rng.standard_normal((R, HEADS, dn)), jnp.float32)
     w_uv = jnp.asarray(rng.standard_normal((R, HEADS, dv)), jnp.float32)

@@ -11,7 +11,9 @@ rebuilt from the latent) on the reference backend: both through `mla_attention_f
 one entry point. On GPUs (and pallas_interpret) both kinds of rows run the absorbed
 form as the Pallas kernel (kernels/mla_attention.py), one call for each kind: the jnp
 expanded form materializes every context token's keys and values for every prefill
-row, which no long prompt fits.
+row, which no long prompt fits. Where its measured table names the shape, prefill rows
+run the split form instead (kernels/mla_prefill.py: the cached prefix absorbed, the
+step's own rows expanded, 3.4x fewer FLOPs on them at DeepSeek-V3's dims).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxmtp.kernels.mla_attention import measured_decode_path, mla_absorbed_attention, supports
+from jaxmtp.kernels.mla_prefill import measured_prefill_path, mla_split_prefill
 from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference, mla_expanded_attention_reference
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.models.attention import write_kv
@@ -101,7 +104,13 @@ def mla_attention_fn(backend: str, decode_rows: int, mesh: Mesh | None = None, p
         def prefill_form():
             if kind == "reference":
                 return mla_expanded_attention_reference(q_nope, q_rope, *cache_args, w_uk, w_uv, sm_scale=sm_scale)
-            return absorbed(prefill=True)
+            split = measured_prefill_path(q_nope.shape[1], latent.shape[-1], rope_key.shape[-1], q_nope.shape[-1],
+                                          w_uv.shape[-1], q_nope.shape[0], page_table.shape[1] * latent_pages.shape[1])
+            if split is None:
+                return absorbed(prefill=True)
+            return mla_split_prefill(q_nope, q_rope, latent, rope_key, *cache_args, w_uk, w_uv, sm_scale=sm_scale,
+                                     decode_rows=decode_rows, interpret=kind == "pallas_interpret", config=split,
+                                     rope_tables=(rope_cos, rope_sin), rope_interleave=rope_interleave, q_whole=q)
 
         decode_out = absorbed(prefill=False)
         if not prefill_rows:
