@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import ROOT
+from jaxmtp.kernels.mla_prefill import OwnRowsConfig
 
 
 def run_script(name: str, *args: str) -> None:
@@ -297,6 +298,10 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     assert any(name.startswith("MLA verify k+1=2") for name in rows)
     assert any(name.startswith("MLA decode beside a 12-row prefill chunk") for name in rows)
     assert any(name.startswith("MLA prefill, a 12-row chunk") for name in rows)
+    assert any(name.startswith("MLA prefill, split form, a 12-row chunk") for name in rows)
+    # (heads, R, Dr, Dn, Dv, context bucket) -> {row bucket: an own-rows tiling or "absorbed"}
+    (entry,) = json.loads((tmp_path / "mla_prefill_paths.json").read_text())["4,32,16,16,16,64"].values()
+    assert entry == "absorbed" or OwnRowsConfig(*entry)
     assert any(name.startswith("fp8 expert layer by pairs, 8 tokens") for name in rows)
     experts = json.loads((tmp_path / "expert_paths.json").read_text())  # read as kernels/expert_paths.json is
     assert set(experts["8,32,16"]) == set(experts["8,32,16,16"]) == {"2", "16"}
