@@ -40,7 +40,7 @@ from jaxmtp.kernels.mla_attention import mla_absorbed_attention
 from jaxmtp.kernels.reference import row_ownership
 from jaxmtp.kernels.triton_common import (TritonCompilerParams, cdiv, locate_q_block, mma_sizes,
                                           online_softmax_step, q_block_bound)
-from jaxmtp.kernels.tiling_table import nearest_context_entry, read_tilings, row_bucket
+from jaxmtp.kernels.tiling_table import nearest_bucket, nearest_context_entry, read_tilings
 
 _LOG2E = math.log2(math.e)
 
@@ -180,7 +180,8 @@ def mla_split_prefill(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages
 # split form beat the absorbed prefill call, or "absorbed"}; the buckets: the page
 # table's width in tokens and the step's rows, each rounded up to a power of 2. A shape
 # the table lacks runs the absorbed call (the split form is taken where it was measured
-# faster); a context bucket it lacks takes the nearest one measured.
+# faster); a context or row bucket it lacks takes the nearest one measured (a step's
+# rows are its chunk's plus the decode rows beside it: 2048 + 32 rows is bucket 4096).
 MEASURED_PATHS = read_tilings("mla_prefill_paths.json", OwnRowsConfig)
 
 
@@ -191,5 +192,5 @@ def measured_prefill_path(num_heads: int, rank: int, rope_dim: int, nope_dim: in
     if not supports(nope_dim, rope_dim, v_dim):
         return None
     entry = nearest_context_entry(MEASURED_PATHS, (num_heads, rank, rope_dim, nope_dim, v_dim), context)
-    path = entry.get(row_bucket(num_rows))
+    path = entry.get(nearest_bucket(entry, num_rows))
     return path if isinstance(path, OwnRowsConfig) else None

@@ -31,14 +31,18 @@ def row_bucket(num_rows: int) -> int:
     return 1 << max(0, num_rows - 1).bit_length()
 
 
+def nearest_bucket(buckets, size: int) -> int | None:
+    """The measured bucket nearest size's (in powers of 2; the smaller on a tie), or None
+    where there is none."""
+    bucket = row_bucket(size)
+    return min(buckets, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b), default=None)
+
+
 def nearest_context_entry(table: dict, shape: tuple, context: int) -> dict:
     """table's entry for shape + (context bucket,), at the measured context bucket nearest
-    context's (in powers of 2; the smaller on a tie), or {} where the shape has none."""
-    measured = [key[-1] for key in table if key[:-1] == shape]
-    if not measured:
-        return {}
-    bucket = row_bucket(context)
-    return table[shape + (min(measured, key=lambda c: (abs(c.bit_length() - bucket.bit_length()), c)),)]
+    context's, or {} where the shape has none."""
+    nearest = nearest_bucket([key[-1] for key in table if key[:-1] == shape], context)
+    return {} if nearest is None else table[shape + (nearest,)]
 
 
 def bucket_at_or_above(buckets, num_rows: int) -> int | None:

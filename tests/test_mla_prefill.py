@@ -120,7 +120,8 @@ def test_the_entry_point_takes_the_split_form_where_its_table_names_the_shape(mo
     """mla_attention_fn on pallas_interpret: with an entry in mla_prefill_paths.json for
     the shape, context and row buckets, the prefill rows run the split form (at the
     entry's tiling) and equal the reference backend (the jnp expanded form) within two
-    float32 evaluations; without one, or at another row bucket, the absorbed call."""
+    float32 evaluations, at the nearest row bucket measured; without one, or where the
+    nearest says "absorbed", the absorbed call."""
     import jaxmtp.models.mla as mla
     from jaxmtp.kernels.tiling_table import row_bucket
 
@@ -139,8 +140,11 @@ def test_the_entry_point_takes_the_split_form_where_its_table_names_the_shape(mo
     key = (HEADS, R, DR, DN, DV, row_bucket(context))
     options = dict(sm_scale=0.3, rope_interleave=True)
     want, _, _ = mla_attention_fn("reference", decode_rows=2)(*args, **options)
-    for entry, taken in (({row_bucket(num_rows): tiling}, [tiling]), ({}, []),
-                         ({2 * row_bucket(num_rows): tiling}, []), ({row_bucket(num_rows): "absorbed"}, [])):
+    other = OwnRowsConfig(32, 16, 4, 2)
+    for entry, taken in (({row_bucket(num_rows): tiling}, [tiling]), ({}, []), ({row_bucket(num_rows): "absorbed"}, []),
+                         # the nearest row bucket measured
+                         ({2 * row_bucket(num_rows): tiling, 16 * row_bucket(num_rows): other}, [tiling]),
+                         ({row_bucket(num_rows) // 2: "absorbed", 8 * row_bucket(num_rows): tiling}, [])):
         monkeypatch.setitem(mp.MEASURED_PATHS, key, entry)
         calls.clear()
         mla_attention_fn("pallas_interpret", decode_rows=2)(*args, **options)
