@@ -413,7 +413,7 @@ def part_experts(run: Run):
 
     from jaxmtp.kernels import grouped_matmul as gm
     from jaxmtp.kernels.tiling_table import row_bucket
-    from jaxmtp.models.moe import Routing, routed_experts, routed_experts_by_pair
+    from jaxmtp.models.moe import Routing, dequantized, routed_experts, routed_experts_by_pair
 
     s, rng, interpret = run.shapes, np.random.default_rng(2), run.args.tiny
     peer = run.results["peer"]
@@ -443,16 +443,23 @@ def part_experts(run: Run):
     def by_pair(gu, dn, x, routing):
         return routed_experts_by_pair(x, Routing(*routing), gu, dn, **pair_kernels)
 
-    paths = {}  # expert_paths.json: the layer by pairs against the sorted one, per pairs bucket
+    def dequantized_first(gu, dn, x, routing):  # moe_ffn's "dequantized" form, in every call
+        return ours(dequantized(gu, jnp.bfloat16), dequantized(dn, jnp.bfloat16), x, routing)
+
+    paths = {}  # expert_paths.json: the layer's fastest form (grouped_matmul.EXPERT_FORMS), per pairs bucket
     scale_k = 16 if run.args.tiny else 128
     fp8, fp8_loaded = fp8_experts(gate_up, down, scale_k) if run.args.fp8 else (None, None)
 
-    def compare_paths(weights, inputs, sorted_s, name, floor, scale_k=None):
-        paired_s = programs_over(by_pair, weights, inputs)
-        run.row("experts", f"{name} by pairs, {tokens} tokens", paired_s, floor,
-                note=f"the sorted layer {sorted_s * 1e6:.0f} us ({sorted_s / paired_s:.2f}x this)")
+    def choose_form(forms: dict, weights, inputs, name, floor, scale_k=None):
+        """forms: {form: seconds} timed so far; the paired form timed too up to
+        paired_max_tokens; the fastest goes into the table."""
+        if tokens <= s.paired_max_tokens:
+            forms["paired"] = programs_over(by_pair, weights, inputs)
+            run.row("experts", f"{name} by pairs, {tokens} tokens", forms["paired"], floor,
+                    note=f"the sorted layer {forms['sorted'] * 1e6:.0f} us ({forms['sorted'] / forms['paired']:.2f}x "
+                         f"this)")
         key = ",".join(map(str, (s.experts, s.hidden, s.inter) + ((scale_k,) if scale_k else ())))
-        paths.setdefault(key, {})[str(row_bucket(tokens * s.top_k))] = "paired" if paired_s < sorted_s else "sorted"
+        paths.setdefault(key, {})[str(row_bucket(tokens * s.top_k))] = min(forms, key=forms.get)
 
     for tokens in s.expert_tokens:
         if run.budget_left() < 60:
@@ -470,8 +477,7 @@ def part_experts(run: Run):
                 note=f"{touched:.1f} experts touched, {nbytes / 1e6:.0f} MB, {flops / t_ours / 1e12:.0f} TFLOP/s, "
                      f"{nbytes / t_ours / 1e12:.2f} TB/s; XLA ragged_dot {t_xla * 1e6:.0f} us "
                      f"({t_xla / t_ours:.1f}x ours); torch {fmt_peer(peer.get(f'layer_{tokens}'))}")
-        if tokens <= s.paired_max_tokens:
-            compare_paths((gate_up, down), list(zip(x, routing)), t_ours, "expert layer", floor)
+        choose_form({"sorted": t_ours}, (gate_up, down), list(zip(x, routing)), "expert layer", floor)
         if run.args.fp8:  # the same layer with its experts in fp8 (128 x 128 block scales)
             t_fp8 = programs_over(ours, fp8, list(zip(x, routing)))
             t_loaded = programs_over(ours, fp8_loaded, list(zip(x, routing)))
@@ -481,8 +487,14 @@ def part_experts(run: Run):
                     note=f"{fp8_bytes / t_fp8 / 1e12:.2f} TB/s; the bf16 layer's time / fp8's {t_ours / t_fp8:.2f}; "
                          f"held as loaded ([K, N], expert parallelism's layout) {t_loaded * 1e6:.0f} us "
                          f"({t_loaded / t_fp8:.2f}x K-major)")
-            if tokens <= s.paired_max_tokens:
-                compare_paths(fp8, list(zip(x, routing)), t_fp8, "fp8 expert layer", fp8_floor, scale_k)
+            # each call's own copy of the weights as arguments: XLA would dequantize shared ones once
+            t_dequantized = programs_over(dequantized_first, (), [(*fp8, *rep) for rep in zip(x, routing)])
+            run.row("experts", f"fp8 expert layer dequantized first, {tokens} tokens", t_dequantized, fp8_floor,
+                    note=f"the experts dequantized to bf16 in the program, then the bf16 layer; the fp8 layer "
+                         f"{t_fp8 * 1e6:.0f} us ({t_fp8 / t_dequantized:.2f}x this), the bf16 layer's time / this "
+                         f"{t_ours / t_dequantized:.2f}")
+            choose_form({"sorted": t_fp8, "dequantized": t_dequantized}, fp8, list(zip(x, routing)),
+                        "fp8 expert layer", fp8_floor, scale_k)
         if run.args.sweep and tokens in SWEEP_TOKENS:
             sweep_tiling(run, tokens, x[0], routing[0], gate_up, down)
 

@@ -183,21 +183,24 @@ def _sorted_block(group_sizes_ref, m_block, *, num_groups: int, block_m: int, nu
 
 # expert_paths.json, as benchmarks/moe.py's experts part writes it: (groups, K, N) (fp8
 # experts: and their scale block's K), the gate/up weight's [groups, K, 2, N] -> {pairs
-# bucket: "paired" where the routed-expert layer by pairs (paired_*_kernel) beat the
-# sorted one, or "sorted"}. Shapes and buckets it has not measured run sorted.
+# bucket: the routed-expert layer's fastest form: "paired" (paired_*_kernel), "sorted",
+# or for fp8 experts "dequantized" (their weights dequantized in the step, then the
+# sorted layer in the model's dtype)}. Shapes and buckets it has not measured run sorted.
 EXPERT_PATHS = read_tilings("expert_paths.json", GroupedMatmulConfig)
+EXPERT_FORMS = ("paired", "sorted", "dequantized")
 
 
-def experts_by_pair(num_pairs: int, gate_up_shape: tuple[int, ...], scale_block: tuple[int, int] | None = None) -> bool:
-    """Whether the routed-expert layer takes the paired form for num_pairs (token, expert)
-    pairs: on GPUs, where the kernels tile the shapes and the table measured it faster."""
+def expert_path(num_pairs: int, gate_up_shape: tuple[int, ...], scale_block: tuple[int, int] | None = None) -> str:
+    """The routed-expert layer's form for num_pairs (token, expert) pairs (EXPERT_FORMS):
+    on GPUs, where the kernels tile the shapes, the table's; "sorted" elsewhere."""
     num_groups, k, _, n = gate_up_shape
     if jax.default_backend() != "gpu" or not supports(num_groups, k, 2 * n):
-        return False
+        return "sorted"
     if scale_block is not None and not is_k_step(scale_block[0]):
-        return False
+        return "sorted"
     key = (num_groups, k, n) + ((scale_block[0],) if scale_block else ())
-    return groups_entry(EXPERT_PATHS, key).get(row_bucket(num_pairs)) == "paired"
+    path = groups_entry(EXPERT_PATHS, key).get(row_bucket(num_pairs), "sorted")
+    return "sorted" if path == "dequantized" and scale_block is None else path
 
 
 def _kernel(groups_ref, *refs, num_groups: int, block_m: int, block_n: int, block_k: int, swiglu: bool, n: int,

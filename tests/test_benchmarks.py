@@ -303,6 +303,7 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     (entry,) = json.loads((tmp_path / "mla_prefill_paths.json").read_text())["4,32,16,16,16,64"].values()
     assert entry == "absorbed" or OwnRowsConfig(*entry)
     assert any(name.startswith("fp8 expert layer by pairs, 8 tokens") for name in rows)
+    assert any(name.startswith("fp8 expert layer dequantized first, 8 tokens") for name in rows)
     experts = json.loads((tmp_path / "expert_paths.json").read_text())  # read as kernels/expert_paths.json is
     assert set(experts["8,32,16"]) == set(experts["8,32,16,16"]) == {"2", "16"}
     mtp = rows["glm45_air_fp8 b1 MTP k=1 oracle drafts: tokens/s over plain"]

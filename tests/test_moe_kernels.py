@@ -373,7 +373,7 @@ def test_a_decode_steps_bound_on_its_rows_picks_the_expert_paths(monkeypatch):
         (h, e), (e,), (e, h, 2, inter), (e, inter, h), (h, 2, inter), (inter, h))))
     x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
     by_pair, tiled = [], []
-    monkeypatch.setattr(moe, "experts_by_pair", lambda pairs, *a: by_pair.append(pairs) or False)
+    monkeypatch.setattr(moe, "expert_path", lambda pairs, *a: by_pair.append(pairs) or "sorted")
     from jaxmtp.kernels import grouped_matmul as gm
 
     # both grouped calls ask for their tiling; None: the reference runs them (the CPU's choice)

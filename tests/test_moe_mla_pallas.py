@@ -263,20 +263,23 @@ def test_routed_experts_by_pair_equal_the_sorted_layer():
 
 def test_the_measured_table_sends_few_pairs_to_the_paired_layer(monkeypatch):
     """kernels/expert_paths.json as moe_ffn reads it: on a GPU, the paired layer for the
-    pair buckets the table marks "paired", the sorted one elsewhere, for unmeasured
-    shapes and off GPUs; fp8 experts are keyed by their scale block's K."""
+    pair buckets the table marks "paired", fp8 experts dequantized where it says so, the
+    sorted layer elsewhere, for unmeasured shapes and off GPUs; fp8 experts are keyed by
+    their scale block's K."""
     import jaxmtp.models.moe as moe
     from test_moe_kernels import moe_config
 
     shape = (16, 32, 2, 16)
-    monkeypatch.setitem(gm.EXPERT_PATHS, (16, 32, 16), {8: "paired", 16: "sorted"})
-    monkeypatch.setitem(gm.EXPERT_PATHS, (16, 32, 16, 16), {8: "paired"})
-    assert not gm.experts_by_pair(8, shape)  # on the CPU
+    # a "dequantized" entry for bf16 experts (nothing to dequantize) runs sorted
+    monkeypatch.setitem(gm.EXPERT_PATHS, (16, 32, 16), {8: "paired", 16: "sorted", 32: "dequantized"})
+    monkeypatch.setitem(gm.EXPERT_PATHS, (16, 32, 16, 16), {8: "paired", 32: "dequantized"})
+    assert gm.expert_path(8, shape) == "sorted"  # on the CPU
     monkeypatch.setattr(gm.jax, "default_backend", lambda: "gpu")  # the GPU's choice, computed on the CPU
-    assert gm.experts_by_pair(5, shape) and gm.experts_by_pair(8, shape)  # 5 pairs: bucket 8
-    assert not gm.experts_by_pair(9, shape) and not gm.experts_by_pair(64, shape)
-    assert not gm.experts_by_pair(8, (16, 32, 2, 8))  # not measured
-    assert gm.experts_by_pair(8, shape, (16, 16)) and not gm.experts_by_pair(8, shape, (32, 16))
+    assert gm.expert_path(5, shape) == gm.expert_path(8, shape) == "paired"  # 5 pairs: bucket 8
+    assert gm.expert_path(9, shape) == gm.expert_path(64, shape) == gm.expert_path(32, shape) == "sorted"
+    assert gm.expert_path(8, (16, 32, 2, 8)) == "sorted"  # not measured
+    assert gm.expert_path(8, shape, (16, 16)) == "paired" and gm.expert_path(8, shape, (32, 16)) == "sorted"
+    assert gm.expert_path(32, shape, (16, 16)) == "dequantized"
 
     calls = []
     monkeypatch.setattr(moe, "routed_experts_by_pair", lambda *a: calls.append("paired") or jnp.zeros((2, 32)))
@@ -288,6 +291,34 @@ def test_the_measured_table_sends_few_pairs_to_the_paired_layer(monkeypatch):
     for rows, want in ((2, "paired"), (4, "sorted")):  # 8 and 16 pairs
         moe.moe_ffn(params, cfg, jnp.ones((rows, 32)))
         assert calls[-1] == want
+
+
+@pytest.mark.parametrize("k_major", [False, True], ids=["k-by-n", "k-major"])
+def test_fp8_experts_dequantized_first_give_the_fp8_layers_output(monkeypatch, k_major):
+    """moe_ffn where expert_path says "dequantized": the fp8 experts dequantized to the
+    model's dtype (float32 here), then the sorted layer, equal to the fp8 layer through
+    its references (which dequantize in float32 the same way), to the bit, held K-major
+    or as loaded."""
+    import jaxmtp.models.moe as moe
+    from jaxmtp.models.params import Fp8Weight
+    from test_moe_kernels import moe_config
+
+    rng, seed = seeded()
+    e, h, inter, block = 16, 32, 16, (16, 16)
+    q_gu, s_gu, _ = fp8_experts(rng, (e, h, 2, inter), block)
+    q_dn, s_dn, _ = fp8_experts(rng, (e, inter, h), block)
+    params = moe.MoEParams(
+        router=jnp.asarray(rng.standard_normal((h, e)), jnp.float32), router_bias=jnp.zeros(e),
+        experts_gate_up=Fp8Weight(k_major_experts(q_gu, k_major), s_gu, (1, block[0], 1, block[1]), k_major=k_major),
+        experts_down=Fp8Weight(k_major_experts(q_dn, k_major), s_dn, (1, *block), k_major=k_major))
+    x = jnp.asarray(rng.standard_normal((6, h)), jnp.float32)
+    paths = []
+    outs = {}
+    for path in ("sorted", "dequantized"):
+        monkeypatch.setattr(moe, "expert_path", lambda *a, path=path: paths.append(path) or path)
+        outs[path] = np.asarray(moe.moe_ffn(params, moe_config(num_experts=e, k=4), x))
+    assert paths == ["sorted", "dequantized"]
+    np.testing.assert_array_equal(outs["dequantized"], outs["sorted"], f"seed={seed}")
 
 
 def routed_through_kernels_and_references(x, routing, gate_up, down) -> tuple:

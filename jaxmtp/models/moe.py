@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxmtp.kernels.grouped_matmul import (experts_by_pair, grouped_matmul, grouped_swiglu, paired_matmul_kernel,
+from jaxmtp.kernels.fp8_matmul import dequantize_blocks
+from jaxmtp.kernels.grouped_matmul import (expert_path, grouped_matmul, grouped_swiglu, paired_matmul_kernel,
                                            paired_swiglu_kernel)
 from jaxmtp.kernels.route import route_and_sort, routes_in_kernel
 from jaxmtp.models.config import MoEConfig
@@ -117,6 +118,12 @@ def _expert_weight(w: jax.Array | Fp8Weight) -> tuple[jax.Array, dict]:
     return w.weight, {"scale_inv": w.scale_inv, "scale_block": (w.block[1], w.block[-1]), "k_major": w.k_major}
 
 
+def dequantized(w: Fp8Weight, dtype) -> jax.Array:
+    """An fp8 expert weight in dtype, in the layout it was loaded in ([E, K, (2,) N]):
+    weight * its block's scale, rounded once."""
+    return dequantize_blocks(w.in_major_weight, w.scale_inv, w.block).astype(dtype)
+
+
 def routed_experts(x: jax.Array, routing: Routing, gate_up: jax.Array, down: jax.Array,
                    first_expert: jax.Array | int = 0, **options) -> jax.Array:
     """sum over a row's k experts of weight * expert(x), in float32, over the experts
@@ -155,7 +162,7 @@ def routed_experts_by_pair(x: jax.Array, routing: Routing, gate_up: jax.Array, d
     pairs held elsewhere given group len(gate_up): 0), and each row's k outputs summed
     with their weights in one fusion, with no scatter. For a few rows (decode), where the
     sort, the group count and the scatter-add cost more than the calls;
-    grouped_matmul.experts_by_pair says where."""
+    grouped_matmul.expert_path says where."""
     t, h = x.shape
     (gate_up, gate_up_scales), (down, down_scales) = _expert_weight(gate_up), _expert_weight(down)
     num_held, k = gate_up.shape[0], routing.experts.shape[1]
@@ -176,29 +183,34 @@ def moe_ffn(p: MoEParams, cfg: MoEConfig, h: jax.Array, first_expert: jax.Array 
     to no routed expert: routed like the rest, a decode step's padding rows would read
     experts of their own (at batch 1, 7 padding rows doubled the experts a layer reads).
     max_rows: a static bound on num_rows (a decode-only step's requests times their
-    rows), from which the grouped calls' tiling and the paired form's choice are taken: at
+    rows), from which the grouped calls' tiling and the layer's form are taken (sorted, by
+    pairs, or for fp8 experts dequantized first: grouped_matmul.expert_path): at
     batch 1 the 8-row bucket's 48 pairs are 6 real ones, which the tables measured as 1
     token's."""
     gate_up, scales = _expert_weight(p.experts_gate_up)
     k, shared = cfg.num_experts_per_tok, p.shared_in_experts
     num_pairs = h.shape[0] * k
     real_pairs = min(h.shape[0], max_rows or h.shape[0]) * (k + shared)
-    by_pair = experts_by_pair(real_pairs, p.experts_gate_up.shape, scales.get("scale_block"))
+    path = expert_path(real_pairs, p.experts_gate_up.shape, scales.get("scale_block"))
+    by_pair = path == "paired"
+    experts = (p.experts_gate_up, p.experts_down)
+    if path == "dequantized":
+        experts = tuple(dequantized(w, h.dtype) for w in experts)
     sigmoid = cfg.routing != "softmax"
     if routes_in_kernel(num_pairs, cfg.num_experts, k, sigmoid and cfg.topk_group < cfg.n_group) and not by_pair:
         pairs = SortedPairs(*route_and_sort(
             router_logits(h, p.router), p.router_bias, h.shape[0] if num_rows is None else num_rows, first_expert,
             k=k, num_held=gate_up.shape[0], shared=shared, sigmoid=sigmoid, norm_topk_prob=cfg.norm_topk_prob,
             scaling=cfg.routed_scaling_factor))
-        out = sorted_experts(h, pairs, p.experts_gate_up, p.experts_down, real_pairs=real_pairs)
+        out = sorted_experts(h, pairs, *experts, real_pairs=real_pairs)
     else:
         routing = route(h, p.router, p.router_bias, cfg).with_shared_experts(shared)
         if num_rows is not None:
             routing = routing.without_rows_from(num_rows)
         if by_pair:
-            out = routed_experts_by_pair(h, routing, p.experts_gate_up, p.experts_down, first_expert)
+            out = routed_experts_by_pair(h, routing, *experts, first_expert)
         else:
-            out = routed_experts(h, routing, p.experts_gate_up, p.experts_down, first_expert, real_pairs=real_pairs)
+            out = routed_experts(h, routing, *experts, first_expert, real_pairs=real_pairs)
     if p.shared_gate_up is not None:
         shared = gated_mlp(h, p.shared_gate_up, p.shared_down).astype(jnp.float32)
         if p.shared_gate is not None:
