@@ -446,7 +446,7 @@ def part_experts(run: Run):
     def dequantized_first(gu, dn, x, routing):  # moe_ffn's "dequantized" form, in every call
         return ours(dequantized(gu, jnp.bfloat16), dequantized(dn, jnp.bfloat16), x, routing)
 
-    paths = {}  # expert_paths.json: the layer's fastest form (grouped_matmul.EXPERT_FORMS), per pairs bucket
+    paths = {}  # expert_paths.json: the layer's fastest form (grouped_matmul.expert_path), per pairs bucket
     scale_k = 16 if run.args.tiny else 128
     fp8, fp8_loaded = fp8_experts(gate_up, down, scale_k) if run.args.fp8 else (None, None)
 

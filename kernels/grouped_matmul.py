@@ -187,12 +187,12 @@ def _sorted_block(group_sizes_ref, m_block, *, num_groups: int, block_m: int, nu
 # or for fp8 experts "dequantized" (their weights dequantized in the step, then the
 # sorted layer in the model's dtype)}. Shapes and buckets it has not measured run sorted.
 EXPERT_PATHS = read_tilings("expert_paths.json", GroupedMatmulConfig)
-EXPERT_FORMS = ("paired", "sorted", "dequantized")
 
 
 def expert_path(num_pairs: int, gate_up_shape: tuple[int, ...], scale_block: tuple[int, int] | None = None) -> str:
-    """The routed-expert layer's form for num_pairs (token, expert) pairs (EXPERT_FORMS):
-    on GPUs, where the kernels tile the shapes, the table's; "sorted" elsewhere."""
+    """The routed-expert layer's form for num_pairs (token, expert) pairs: "paired",
+    "sorted" or (fp8 experts) "dequantized", the table's on GPUs where the kernels tile
+    the shapes; "sorted" elsewhere."""
     num_groups, k, _, n = gate_up_shape
     if jax.default_backend() != "gpu" or not supports(num_groups, k, 2 * n):
         return "sorted"
