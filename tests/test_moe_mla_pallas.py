@@ -632,13 +632,16 @@ def test_engine_refuses_the_mla_kernel_for_sizes_it_cannot_tile(tmp_path):
         LLM(tmp_path, load_format="dummy", attention_backend="pallas")
 
 
-def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(tmp_path, rng):
+def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(tmp_path, rng, monkeypatch):
     """The whole engine with attention_backend pallas_interpret (the MLA kernel for every
     prefill, decode, verify and draft row, in interpret mode) against the jnp reference: a tiny
     DeepSeek-V3 with its MTP layer, k = 2, chunked prefill, a batch of a prefill and a
     decode: greedy tokens and per-position acceptance equal, the tokens' logprobs within
-    float32 rounding."""
+    float32 rounding. Then again with the prefill rows in the split form
+    (kernels/mla_prefill.py, as its table would choose it: chunks after a cached prefix)."""
+    import jaxmtp.models.mla as mla
     from jaxmtp import LLM, SamplingParams
+    from jaxmtp.kernels.mla_prefill import OwnRowsConfig
     from test_moe_models import random_prompt
     from conftest import prompt_logits
     from test_moe_mtp import ENGINE, L, make_mtp_checkpoint
@@ -647,22 +650,25 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     runs, logprobs, engines = {}, {}, {}
 
-    def run(backend: str, folder, prompts) -> None:
+    def run(backend: str, folder, prompts, name: str | None = None) -> None:
         # a budget of 8 tokens (a chunk and a verify): fewer step shapes to compile in interpret mode
         llm = LLM(folder, attention_backend=backend, num_speculative_tokens=2, prefill_chunk_size=5,
                   **{**ENGINE, "max_num_batched_tokens": 8})
-        engines[backend] = llm.engine
+        name = name or backend
+        engines[name] = llm.engine
         assert llm.engine.runner.step_config.attention_backend == backend
         outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[backend] = [(o.outputs[0].token_ids, o.spec_stats["accepted_per_position"]) for o in outs]
-        logprobs[backend] = [[next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in outs]
+        runs[name] = [(o.outputs[0].token_ids, o.spec_stats["accepted_per_position"]) for o in outs]
+        logprobs[name] = [[next(iter(e.values())).logprob for e in o.outputs[0].logprobs] for o in outs]
 
     # a checkpoint whose drafts are accepted somewhere, so that the per-position acceptance
     # compared below says something: a random one can fall into a loop of one token that
     # its MTP layer never drafts (seed 880571809 did), and then the next seed is drawn
     for attempt in range(3):
         seed = int(rng.integers(1 << 30))
-        folder = make_mtp_checkpoint(tmp_path / f"ds{attempt}", "deepseek-qlora-yarn", seed, qk_rope_head_dim=16)[0]
+        # head dims the split form's own-rows kernel tiles (powers of 2 >= 16)
+        folder = make_mtp_checkpoint(tmp_path / f"ds{attempt}", "deepseek-qlora-yarn", seed, qk_rope_head_dim=16,
+                                     qk_nope_head_dim=16, v_head_dim=16)[0]
         prompts = [random_prompt(rng, 13), random_prompt(rng, 9)]
         run("reference", folder, prompts)
         if sum(sum(accepted) for _, accepted in runs["reference"]) > 0:
@@ -675,6 +681,12 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
     logits = np.concatenate([prompt_logits(engines["reference"], p + tokens[:-1])
                              for p, (tokens, _) in zip(prompts, runs["reference"])])
     assert_within(logprobs["pallas_interpret"], logprobs["reference"], 2 * logprob_bound(logits, L, 64), f"seed={seed}")
+    split_calls = []
+    monkeypatch.setattr(mla, "measured_prefill_path", lambda *a: split_calls.append(a) or OwnRowsConfig(16, 16, 4, 2))
+    jax.clear_caches()  # the step was traced with the absorbed prefill call: trace it again
+    run("pallas_interpret", folder, prompts, name="split")
+    assert split_calls and runs["split"] == runs["reference"], f"seed={seed}"
+    assert_within(logprobs["split"], logprobs["reference"], 2 * logprob_bound(logits, L, 64), f"seed={seed}")
 
 
 def test_routed_fp8_experts_pass_their_scales_to_the_grouped_calls():
