@@ -107,8 +107,8 @@ class Shapes:
 
 
 TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(8,), heads=4, rank=32,
-              rope=16, nope=16, v_head=16, mla_batches=(2,), mla_contexts=(40,), mla_prefill=((12, 40),), page_size=8, prompt=24,
-              new_tokens=8, batch=3, batch_prompt=16, batch_new_tokens=6)
+              rope=16, nope=16, v_head=16, mla_batches=(2,), mla_contexts=(40,), mla_prefill=((12, 40),), page_size=8,
+              prompt=24, new_tokens=8, batch=3, batch_prompt=16, batch_new_tokens=6)
 
 PEER_SCRIPT = r"""
 import json, sys, time, torch
@@ -684,7 +684,8 @@ def split_inputs(rng, s: Shapes, case) -> dict:
     def normal(shape, scale):
         return jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)
 
-    return {"q_nope": normal((len(rows), s.heads, s.nope), 1.0), "w_uk": normal((s.rank, s.heads, s.nope), 0.05 / s.rank ** 0.5),
+    return {"q_nope": normal((len(rows), s.heads, s.nope), 1.0),
+            "w_uk": normal((s.rank, s.heads, s.nope), 0.05 / s.rank ** 0.5),
             "w_uv": normal((s.rank, s.heads, s.v_head), 1 / s.rank ** 0.5),
             "own_latent": case["latent"].reshape(-1, s.rank)[slot], "own_rope": case["rope"].reshape(-1, s.rope)[slot]}
 

@@ -171,8 +171,8 @@ def mla_split_prefill(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages
     top = jnp.where(top > -jnp.inf, top, 0.0)
     prefix_weight, own_weight = jnp.exp2(prefix_lse - top), jnp.exp2(own_lse - top)
     total = prefix_weight + own_weight
-    out = (prefix_weight[..., None] * prefix_v + own_weight[..., None] * own) / jnp.where(total > 0, total, 1.0)[..., None]
-    return out.astype(q_nope.dtype)
+    out = prefix_weight[..., None] * prefix_v + own_weight[..., None] * own
+    return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(q_nope.dtype)
 
 
 # mla_prefill_paths.json, as benchmarks/mla_sweep.py --prefill writes it: (heads, R, Dr,
