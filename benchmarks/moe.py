@@ -255,6 +255,7 @@ def part_checks(run: Run):
 
     from jaxmtp.kernels import grouped_matmul as gm
     from jaxmtp.kernels.mla_attention import mla_absorbed_attention
+    from jaxmtp.kernels.mla_prefill import OwnRowsConfig
     from jaxmtp.kernels.mla_reference import mla_absorbed_attention_reference
     from jaxmtp.models.layers import rotate
 
@@ -321,14 +322,16 @@ def part_checks(run: Run):
                    "rel_err": relative_error(out[rows], ref[rows]), "finite": bool(np.isfinite(out).all()),
                    "padding_rows_zero": bool((others == 0).all())})
     split = split_inputs(rng, s, case)
-    out = np.asarray(split_call(case, split, interpret=interpret, decode_rows=2), np.float32)
     q_latent = jnp.einsum("thd,rhd->thr", split["q_nope"], split["w_uk"])
     ref = np.asarray(jnp.einsum("thr,rhv->thv", mla_absorbed_attention_reference(q_latent, *args[1:], sm_scale=0.1),
                                 split["w_uv"]), np.float32)
-    others = np.delete(out, np.arange(1, 1 + chunk), axis=0)
-    checks.append({"kernel": "mla prefill, split form", "case": f"a {chunk}-row chunk at context {context} beside "
-                   "decode rows", "rel_err": relative_error(out[rows], ref[rows]),
-                   "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((others == 0).all())})
+    # the prefix absorbed, and expanded in two passes
+    for prefix, config in (("absorbed", OwnRowsConfig()), ("expanded", OwnRowsConfig(prefix_window=context // 2))):
+        out = np.asarray(split_call(case, split, config=config, interpret=interpret, decode_rows=2), np.float32)
+        others = np.delete(out, np.arange(1, 1 + chunk), axis=0)
+        checks.append({"kernel": f"mla prefill, split form, prefix {prefix}", "case": f"a {chunk}-row chunk at "
+                       f"context {context} beside decode rows", "rel_err": relative_error(out[rows], ref[rows]),
+                       "finite": bool(np.isfinite(out).all()), "padding_rows_zero": bool((others == 0).all())})
     x, routing, _ = expert_inputs(rng, s, 300 if not run.args.tiny else 9, 1)
     from jaxmtp.models.moe import Routing, routed_experts
 
@@ -713,6 +716,9 @@ def time_split(run: Run, case, split: dict, config=None) -> float:
     return (wall_us if device_us is None else device_us) / 1e6
 
 
+# the most prefix tokens the split form expands a pass: 16k tokens of DeepSeek-V3's 128
+# heads' keys and values are 1 GB
+PREFIX_WINDOW_MAX = 16384
 # own-rows tilings of the split form (block_q, block_kv, num_warps, num_stages), beside the default
 SPLIT_SWEEP = [(128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3), (32, 64, 4, 2), (128, 64, 4, 2)]
 
@@ -805,8 +811,9 @@ def part_mla(run: Run, cases):
 
 def split_prefill_row(run: Run, case, rows: int, context: int, absorbed_s: float, target: str, paths: dict) -> None:
     """The split form (kernels/mla_prefill.py) on a prefill case at the default own-rows
-    tiling, and with --sweep at SPLIT_SWEEP's too; its table entry in `paths`: the
-    fastest tiling, or "absorbed" where the absorbed call (absorbed_s) beat them all."""
+    tiling with the prefix absorbed and expanded, and with --sweep at SPLIT_SWEEP's
+    tilings expanded too; its table entry in `paths`: the fastest tiling and prefix
+    window, or "absorbed" where the absorbed call (absorbed_s) beat them all."""
     import numpy as np
 
     from jaxmtp.kernels.mla_prefill import OwnRowsConfig
@@ -814,7 +821,11 @@ def split_prefill_row(run: Run, case, rows: int, context: int, absorbed_s: float
 
     s = run.shapes
     split = split_inputs(np.random.default_rng(rows + context), s, case)
-    configs = [OwnRowsConfig()] + ([OwnRowsConfig(*t) for t in SPLIT_SWEEP] if run.args.sweep else [])
+    # the prefix absorbed, or expanded in one pass (a window of the context bucket, up to
+    # PREFIX_WINDOW_MAX tokens), at the default tiling; with --sweep the others expanded
+    window = min(row_bucket(context), PREFIX_WINDOW_MAX)
+    configs = [OwnRowsConfig(), OwnRowsConfig(prefix_window=window)] + (
+        [OwnRowsConfig(*t, prefix_window=window) for t in SPLIT_SWEEP] if run.args.sweep else [])
     times = {}
     for config in configs:
         try:
@@ -825,10 +836,12 @@ def split_prefill_row(run: Run, case, rows: int, context: int, absorbed_s: float
     if not times:
         return
     best = min(times, key=times.get)
+    prefix_absorbed = f"{times[configs[0]] * 1e6:.0f} us" if configs[0] in times else "no build"
     _, expanded = prefill_flops(s, rows, context)
     run.row("mla", f"MLA prefill, split form, a {rows}-row chunk at context {context}", times[best],
             run.flops_s(expanded), target=target,
-            note=f"own rows at tiling {dataclasses.astuple(best)} of {len(times)}; the absorbed call "
+            note=f"tiling and prefix window {dataclasses.astuple(best)} of {len(times)} (window 0: the prefix "
+                 f"absorbed, {prefix_absorbed} at the default tiling); the absorbed call "
                  f"{absorbed_s / times[best]:.2f}x its time; {expanded / times[best] / 1e12:.0f} TFLOP/s")
     run.results["sweep"].append({"kernel": "mla split prefill", "context": context, "rows": rows,
                                  "us": {str(dataclasses.astuple(c)): t * 1e6 for c, t in times.items()}})

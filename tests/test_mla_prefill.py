@@ -57,11 +57,18 @@ def split_case(rng, seqs, page_size=4, shared_pages=0):
     # the default tiling (one q block and kv step a sequence); the second sequence's first
     # three pages the first's (a prefix-cache hit), its chunk starting mid-page
     dict(seqs=[(6, 14), (7, 19), (1, 4), (13, 13)], decode_rows=1, config=None, shared_pages=3),
-], ids=["blocks-and-steps", "default-tiling-shared-pages"])
+    # the prefix expanded: 16 tokens a pass over the prefixes' 108 (7 passes, each
+    # prefix but the first spanning two or more, a pass holding the ends of one and the
+    # start of the next), and one pass holding them all
+    dict(seqs=[(9, 9), (1, 7), (5, 23), (0, 0), (40, 100), (2, 5), (3, 33)], decode_rows=2,
+         config=OwnRowsConfig(16, 16, 4, 2, prefix_window=16)),
+    dict(seqs=[(6, 14), (7, 19), (1, 4), (13, 13)], decode_rows=1, config=OwnRowsConfig(prefix_window=128),
+         shared_pages=3),
+], ids=["blocks-and-steps", "default-tiling-shared-pages", "prefix-expanded-passes", "prefix-expanded-one-pass"])
 def test_split_prefill_matches_float64(case):
-    """Every prefill row within two float32 evaluations of float64 (the prefix's absorbed
-    and the own rows' expanded results are each one evaluation over part of the
-    context, mla_float64's bound over the whole; their merge adds a few roundings, well
+    """Every prefill row within two float32 evaluations of float64 (the prefix's result,
+    absorbed or expanded, and the own rows' are each one evaluation over part of the
+    context, mla_float64's bound over the whole; their merges add a few roundings, well
     inside it); the other rows exactly 0, no NaN."""
     rng, seed = seeded()
     args = split_case(rng, case["seqs"], shared_pages=case.get("shared_pages", 0))
@@ -161,14 +168,17 @@ def test_the_split_form_lowers_for_the_gpu_at_moonlight_shapes():
     """Both of its calls through the Triton lowering, from the CPU (what interpret mode
     does not check: the tile shapes Triton accepts), at Moonlight's MLA (16 heads, R
     512, rope 64, nope and value 128, bf16, pages of 16) for a 2048-row chunk, at the
-    default own-rows tiling and a 128-row one with 8 warps."""
+    default own-rows tiling and a 128-row one with 8 warps, the prefix absorbed, and with
+    the prefix expanded 8192 tokens a pass."""
     rows, heads, rank, rope, nope = 2048, 16, 512, 64, 128
     shapes = [((rows, heads, nope), jnp.bfloat16), ((rows, heads, rope), jnp.bfloat16), ((rows, rank), jnp.bfloat16),
               ((rows, rope), jnp.bfloat16), ((1024, 16, 1, rank), jnp.bfloat16), ((1024, 16, 1, rope), jnp.bfloat16),
               ((1,), jnp.int32), ((1, 512), jnp.int32), ((2,), jnp.int32), ((rank, heads, nope), jnp.bfloat16),
               ((rank, heads, nope), jnp.bfloat16)]
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
-    for config in (OwnRowsConfig(), OwnRowsConfig(128, 64, 8, 2)):
+    for config, prefix_kernel in ((OwnRowsConfig(), "mla_prefix_attention"),
+                                  (OwnRowsConfig(128, 64, 8, 2), "mla_prefix_attention"),
+                                  (OwnRowsConfig(prefix_window=8192), "mla_context_attention")):
         traced = jax.jit(lambda *a: mla_split_prefill(*a, sm_scale=0.1, decode_rows=1, config=config)).trace(*args)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        assert "mla_own_rows_attention" in text and "mla_prefix_attention" in text
+        assert "mla_own_rows_attention" in text and prefix_kernel in text, config

@@ -638,7 +638,8 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
     DeepSeek-V3 with its MTP layer, k = 2, chunked prefill, a batch of a prefill and a
     decode: greedy tokens and per-position acceptance equal, the tokens' logprobs within
     float32 rounding. Then again with the prefill rows in the split form
-    (kernels/mla_prefill.py, as its table would choose it: chunks after a cached prefix)."""
+    (kernels/mla_prefill.py, as its table would choose it: chunks after a cached prefix,
+    which it expands a few tokens a pass)."""
     import jaxmtp.models.mla as mla
     from jaxmtp import LLM, SamplingParams
     from jaxmtp.kernels.mla_prefill import OwnRowsConfig
@@ -682,7 +683,9 @@ def test_a_deepseek_engine_on_the_mla_kernel_emits_the_reference_engines_tokens(
                              for p, (tokens, _) in zip(prompts, runs["reference"])])
     assert_within(logprobs["pallas_interpret"], logprobs["reference"], 2 * logprob_bound(logits, L, 64), f"seed={seed}")
     split_calls = []
-    monkeypatch.setattr(mla, "measured_prefill_path", lambda *a: split_calls.append(a) or OwnRowsConfig(16, 16, 4, 2))
+    # the prefix expanded 4 tokens a pass: a chunk after 10 prompt tokens takes 3 passes
+    split = OwnRowsConfig(16, 16, 4, 2, prefix_window=4)
+    monkeypatch.setattr(mla, "measured_prefill_path", lambda *a: split_calls.append(a) or split)
     jax.clear_caches()  # the step was traced with the absorbed prefill call: trace it again
     run("pallas_interpret", folder, prompts, name="split")
     assert split_calls and runs["split"] == runs["reference"], f"seed={seed}"
