@@ -15,14 +15,16 @@ context 1k/4k/16k, and an 8k prompt's first and last 2048-row prefill chunks, ag
 F.scaled_dot_product_attention over expanded K/V), e2e (per --models, the
 Moonlight-shaped model and a GLM-4.5-Air-FP8-shaped one, from their config.json, with
 dummy weights: batch-1 and batch-32 decode against their bytes floors, MTP k=1 with
-oracle drafts). Each timed program runs its kernel on several input sets (the weights
+oracle drafts, an 8k prompt's time to first token in 2048-token chunks against its FLOP
+floor). Each timed program runs its kernel on several input sets (the weights
 and pages together larger than L2), so dispatch is amortised and the cache cold.
 Writes moe<tag>.json and .md under --out (default docs/benchmarks, file names dated) and
 prints the table last; the experts part also writes expert_paths.json (the routed-expert
 layer by pairs or sorted, per shape and pairs bucket): copy it to kernels/. The mla part
 times the decode path the engine takes (kernels/mla_paths.json, which
 benchmarks/mla_sweep.py writes), and the prefill chunks in both forms, absorbed and split
-(kernels/mla_prefill.py), writing mla_prefill_paths.json (copy it to kernels/); --tiny
+(kernels/mla_prefill.py, its prefix absorbed or expanded), writing mla_prefill_paths.json
+(copy it to kernels/); --tiny
 runs the kernels in interpret mode on a tiny model.
 """
 
@@ -59,7 +61,7 @@ MOONLIGHT = {
     "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.446,
     "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "q_lora_rank": None,
     "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "vocab_size": 163840, "max_position_embeddings": 4096, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
+    "vocab_size": 163840, "max_position_embeddings": 8192, "rope_theta": 50000.0, "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2,
     "num_nextn_predict_layers": 1,
 }
@@ -104,11 +106,14 @@ class Shapes:
     batch: int = 32
     batch_prompt: int = 256
     batch_new_tokens: int = 24
+    prefill_prompt: int = 8192  # an 8k prompt (up to the model's context), prefilled in chunks of
+    prefill_chunk: int = 2048
 
 
 TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(8,), heads=4, rank=32,
               rope=16, nope=16, v_head=16, mla_batches=(2,), mla_contexts=(40,), mla_prefill=((12, 40),), page_size=8,
-              prompt=24, new_tokens=8, batch=3, batch_prompt=16, batch_new_tokens=6)
+              prompt=24, new_tokens=8, batch=3, batch_prompt=16, batch_new_tokens=6, prefill_prompt=40,
+              prefill_chunk=16)
 
 PEER_SCRIPT = r"""
 import json, sys, time, torch
@@ -894,6 +899,26 @@ def step_bytes(params, cfg, batch: int, context: int, rows: int = 1) -> float:
     return total + cfg.num_layers * context * per_token * 2 * batch
 
 
+def model_prefill_flops(params, cfg, tokens: int) -> float:
+    """A prompt's fewest FLOPs: each token through every weight it needs (the decoder
+    layers' weights less the routed experts it does not pick: top-k of them), the LM head
+    for the last token alone, and causal attention in the expanded form (q.k over the nope
+    and rope dims, p.v over the value dim, each head)."""
+    import jax
+
+    def size(tree):
+        return sum(x.size for x in jax.tree.leaves(tree))
+
+    moe = cfg.moe
+    unpicked = 0 if moe is None else sum(
+        size((layer.moe.experts_gate_up, layer.moe.experts_down)) / (moe.num_experts + layer.moe.shared_in_experts)
+        * (moe.num_experts - moe.num_experts_per_tok) for layer in params.layers if layer.moe is not None)
+    head = size(params.head())
+    qk, v = (cfg.mla.qk_head_dim, cfg.mla.v_head_dim) if cfg.mla is not None else (cfg.head_dim, cfg.head_dim)
+    attention = 2 * cfg.num_heads * (qk + v) * tokens * (tokens + 1) / 2 * cfg.num_layers
+    return 2 * tokens * (size(params.layers) - unpicked) + 2 * head + attention
+
+
 def shape_floors(model: str, tiny: bool) -> dict:
     """A model's batch-1 plain and MTP k=1 steps' bytes (step_bytes) from its shapes alone,
     no weights made and no device: at these floors an MTP step with every draft accepted
@@ -940,8 +965,8 @@ def model_e2e(run: Run, model: str):
 
     def engine(**kwargs):
         gc.collect()
-        llm = LLM(folder, load_format="dummy", max_model_len=min(1024, config["max_position_embeddings"] - 64),
-                  num_pages=(400 if run.args.tiny else 1200), **kwargs)
+        llm = LLM(folder, load_format="dummy", **{"max_model_len": min(1024, config["max_position_embeddings"] - 64),
+                                                  "num_pages": 400 if run.args.tiny else 1200, **kwargs})
         # one greedy path that the oracle can follow (e2e.robust_greedy_weights)
         llm.engine.runner.replace_params(robust_greedy_weights(llm.engine.params))
         return llm
@@ -995,7 +1020,33 @@ def model_e2e(run: Run, model: str):
                     floor * 1e3, unit="ms/step", target=">= 75% of bytes floor" if model == "moonlight" else "",
                     note=f"{tps:.0f} tokens/s; bytes floor {floor * 1e3:.2f} ms")
         del batched
+    if run.budget_left() <= 90:
+        skipped.append(f"e2e {model} prefill")
+    else:
+        prefill_ttft(run, model, engine, prompts, config)
     gc.collect()
+
+
+def prefill_ttft(run: Run, model: str, engine, prompts, config: dict) -> None:
+    """One long prompt's time to its first token (Shapes.prefill_prompt tokens, at most
+    the model's context less one, in chunks of Shapes.prefill_chunk), the second of two
+    runs (the first compiles), against its FLOP floor (model_prefill_flops)."""
+    from jaxmtp import SamplingParams
+
+    s = run.shapes
+    n = min(s.prefill_prompt, config["max_position_embeddings"] - 1)
+    llm = engine(max_num_seqs=1, max_num_batched_tokens=s.prefill_chunk, prefill_chunk_size=s.prefill_chunk,
+                 max_model_len=n + 1)
+    prompt, first = prompts(1, n), SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate(prompt, first, use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate(prompt, first, use_tqdm=False)
+    ttft = time.perf_counter() - t
+    flops = model_prefill_flops(llm.engine.params, llm.engine.model_config, n)
+    run.row("e2e", f"{model} prefill {n} tokens, chunk {s.prefill_chunk}: TTFT", ttft * 1e3, run.flops_s(flops) * 1e3,
+            unit="ms", target="report", note=f"FLOP floor {flops / 1e9:.4g} GFLOP (matmuls at their active weights, "
+                                             f"causal attention in the expanded form)")
+    del llm
 
 
 # ----- report ----------------------------------------------------------------------------

@@ -286,7 +286,7 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     """The MoE/MLA benchmark's rows: the kernels (interpret mode; the expert layer also
     with fp8 experts) and the tiny GLM-4.5-Air-FP8-shaped engine (fp8 weights and
     experts; the Moonlight one runs the same code), MTP k=1 with oracle drafts accepting
-    every draft."""
+    every draft, a long prompt's time to its first token."""
     run_script("moe.py", "--tiny", "--parts", "experts,mla,e2e", "--fp8", "--models", "glm45_air_fp8", "--out",
                str(tmp_path), "--tag", "_smoke")
     results = json.loads((tmp_path / "moe_smoke.json").read_text())
@@ -310,6 +310,8 @@ def test_moe_kernels_and_an_fp8_moe_model_end_to_end(tmp_path):
     assert "acceptance length 2.00" in mtp["note"] and "output equal to plain: True" in mtp["note"]
     assert not results.get("failed_parts") and not results.get("skipped_over_budget")
     assert "| e2e | glm45_air_fp8 b3 decode" in (tmp_path / "moe_smoke.md").read_text()
+    ttft = rows["glm45_air_fp8 prefill 40 tokens, chunk 16: TTFT"]  # 3 chunks, against the FLOP floor
+    assert 0 < ttft["floor_ratio"] < 1 and "GFLOP" in ttft["note"]
 
 
 def test_host_measures_both_output_kinds_and_the_stream(tmp_path):
