@@ -25,7 +25,9 @@ the keys "G,K,N,swiglu,128"; --step-tokens S: each --tokens count is the real to
 a step of S rows whose other rows are padding routed to no expert (as an engine step pads
 to its token bucket: a batch-1 decode step is 8 rows), every count timed at the same
 tilings (their first stages together), and the bucket's table entry is the tiling with the
-least time summed over the mix; --tiny: a CPU smoke test.
+least time summed over the mix; --tiny: a CPU smoke test. bf16 cases of 64 rows a touched
+expert or more (prefill) also time the Hopper kernel (kernels/grouped_wgmma.py; not in
+--tiny, whose Mosaic GPU interpreter would take minutes), its entries {"wgmma": fields}.
 """
 
 from __future__ import annotations
@@ -116,6 +118,23 @@ def first_stage(case: Case, tiny: bool) -> list:
     return configs
 
 
+WGMMA_MIN_ROWS_PER_GROUP = 64  # one warpgroup's wgmma tile: fewer rows a group would be mostly padding
+
+
+def wgmma_stage(case: Case, tiny: bool) -> list:
+    """The Hopper kernel's tilings (kernels/grouped_wgmma.py) for bf16 experts whose
+    groups average a wgmma tile of rows or more: 64 rows (one warpgroup) or 128 (two),
+    64 or 128 columns (the down projection also 256), 3 or 4 K steps of 64 in flight."""
+    from jaxmtp.kernels.grouped_wgmma import GroupedWgmmaConfig, fits
+
+    touched = max(1, sum(1 for s in case.sizes if s))
+    if tiny or case.scale_k or sum(case.sizes) // touched < WGMMA_MIN_ROWS_PER_GROUP:
+        return []
+    configs = [GroupedWgmmaConfig(block_m, block_n, 64, steps) for block_m in (64, 128)
+               for block_n in (64, 128, 256) for steps in (3, 4)]
+    return [c for c in configs if fits(case.k, case.n, c, swiglu=case.parts == 2)]
+
+
 class GroupedSweep(Sweep):
     """gemm_sweep's compile, check and trace timing over grouped calls."""
 
@@ -123,6 +142,7 @@ class GroupedSweep(Sweep):
 
     def program(self, config, case: Case):
         from jaxmtp.kernels import grouped_matmul as gm
+        from jaxmtp.kernels.grouped_wgmma import GroupedWgmmaConfig, grouped_wgmma
 
         jax, jnp = self.jax, self.jnp
 
@@ -132,6 +152,8 @@ class GroupedSweep(Sweep):
             if config is None:  # the engine's path off the kernel: XLA's ragged_dot
                 reference = gm.grouped_swiglu_reference if case.parts == 2 else gm.grouped_matmul_reference
                 return reference(x, w, sizes, **scales)
+            if isinstance(config, GroupedWgmmaConfig):
+                return grouped_wgmma(x, w, sizes, config=config, swiglu=case.parts == 2)
             fn = gm.grouped_swiglu_kernel if case.parts == 2 else gm.grouped_matmul_kernel
             return fn(x, w, sizes, **scales, config=config, interpret=self.tiny)
 
@@ -182,6 +204,9 @@ class GroupedSweep(Sweep):
         refine = [] if tilings else second_stage(fastest(rows, 3, type(default)), tried)
         if refine and self.budget_left() > 60 and not self.tiny:
             rows.extend(self.measure(refine, case, x, weights, reference, floor_us))
+        hopper = wgmma_stage(case, self.tiny)
+        if hopper and self.budget_left() > 60:
+            rows.extend({**r, "path": "wgmma"} for r in self.measure(hopper, case, x, weights, reference, floor_us))
         rows[1]["default"] = True
         entry = {"model": model, "kernel": kernel, "tokens": tokens, "rows": case.rows, "padding": case.padding,
                  "groups": len(case.sizes),
@@ -232,18 +257,21 @@ def routed_sizes(experts: int, top_k: int, tokens: int, seed: int) -> tuple:
 
 
 def table(results: dict) -> dict:
-    """{"G,K,N,swiglu": {bucket: tiling or "xla"}}: per row bucket, over the cases that
-    measured it (a --step-tokens mix, or one case), the tiling fastest over all of them
-    where it beat XLA and the default by WIN, "xla" where XLA beat it by WIN (the default
-    elsewhere)."""
+    """{"G,K,N,swiglu": {bucket: tiling, {"wgmma": fields} or "xla"}}: per row bucket,
+    over the cases that measured it (a --step-tokens mix, or one case), the tiling
+    (grouped_matmul's, or the Hopper kernel's) fastest over all of them where it beat XLA
+    and the default by WIN, "xla" where XLA beat it by WIN (the default elsewhere)."""
     from jaxmtp.kernels.tiling_table import row_bucket
+
+    def marked(row):  # the Hopper kernel's fields told apart from grouped_matmul's
+        return {**row, "config": {"kernel": "wgmma", **row["config"]}} if row.get("path") == "wgmma" else row
 
     buckets: dict = {}  # (key, bucket) -> every case's variants
     for case in results["cases"]:
         swiglu = case["kernel"] == "swiglu"
         key = f"{case['groups']},{case['k']},{case['n'] * (2 if swiglu else 1)},{int(swiglu)}"
         key += f",{case['scale_k']}" if case.get("scale_k") else ""
-        buckets.setdefault((key, str(row_bucket(case["rows"]))), []).append(case["variants"])
+        buckets.setdefault((key, str(row_bucket(case["rows"]))), []).append([marked(r) for r in case["variants"]])
     out: dict = {}
     for (key, bucket), cases in buckets.items():
         best, best_us, xla = fastest_over(cases)
@@ -251,7 +279,7 @@ def table(results: dict) -> dict:
         if xla * WIN < best_us:
             out.setdefault(key, {})[bucket] = "xla"
         elif best_us * WIN < min(xla, default):
-            out.setdefault(key, {})[bucket] = list(best)
+            out.setdefault(key, {})[bucket] = {"wgmma": list(best[1:])} if best[0] == "wgmma" else list(best)
     return out
 
 

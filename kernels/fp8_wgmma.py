@@ -68,7 +68,7 @@ def column_scales(scale_inv: jax.Array, n: int) -> jax.Array:
     return jnp.repeat(scale_inv.astype(jnp.float32), SCALE_BLOCK, axis=2)[:, :, :n].reshape(scale_inv.shape[0], -1)
 
 
-def _tile_transforms(columns: int, dtype):
+def tile_transforms(columns: int, dtype):
     """Shared-memory tiling and swizzle for wgmma operands and TMA copies of tiles whose
     rows are `columns` values of dtype."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -89,7 +89,7 @@ def _body(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, config: WgmmaConfig, k_
         return value if interpret else plgpu.layout_cast(value, register_layout)
 
     row_block, col_block = lax.axis_index("m"), lax.axis_index("n")
-    operand = _tile_transforms(SCALE_BLOCK, x_gmem.dtype)
+    operand = tile_transforms(SCALE_BLOCK, x_gmem.dtype)
 
     def warpgroup():
         """The index of this compute warpgroup (its rows are the tile's WGMMA_ROWS-th)."""
@@ -124,7 +124,7 @@ def _body(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, config: WgmmaConfig, k_
         plgpu.BlockSpec((block_m, SCALE_BLOCK), lambda k: (row_block, k), transforms=operand),
         # the interpreter's wgmma takes no transposed operand: it gets the weight [K, N]
         plgpu.BlockSpec((SCALE_BLOCK, block_n), lambda k: (k, col_block),
-                        transforms=_tile_transforms(block_n, w_gmem.dtype)) if interpret
+                        transforms=tile_transforms(block_n, w_gmem.dtype)) if interpret
         else plgpu.BlockSpec((block_n, SCALE_BLOCK), lambda k: (col_block, k), transforms=operand),
         plgpu.BlockSpec((1, block_m), lambda k: (k, row_block)),
         plgpu.BlockSpec((1, block_n), lambda k: (k, col_block)),
@@ -146,7 +146,7 @@ def _body(x_gmem, xs_gmem, w_gmem, ws_gmem, out_gmem, *, config: WgmmaConfig, k_
 
     # shared memory of a kernel with several warpgroups is allocated by all of them together
     pl.run_scoped(run, plgpu.SMEM((warpgroups, WGMMA_ROWS, block_n), out_gmem.dtype,
-                                  transforms=_tile_transforms(block_n, out_gmem.dtype)),
+                                  transforms=tile_transforms(block_n, out_gmem.dtype)),
                   collective_axes=() if warpgroups == 1 else "wg")
 
 

@@ -62,6 +62,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.fp8_matmul import F16_SHIFT, is_k_step
 from jaxmtp.kernels.grouped_reference import grouped_matmul_reference, grouped_swiglu_reference, silu_and_mul
+from jaxmtp.kernels.grouped_wgmma import GroupedWgmmaConfig, grouped_wgmma
+from jaxmtp.kernels.grouped_wgmma import fits as wgmma_fits
 from jaxmtp.kernels.triton_common import NUM_SMS, TritonCompilerParams, cdiv, next_power_of_2
 from jaxmtp.kernels.tiling_table import bucket_at_or_above, groups_entry, read_tilings, row_bucket
 
@@ -146,13 +148,14 @@ def paired_config(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool =
 
 # grouped_tilings.json, as benchmarks/grouped_sweep.py writes it: (groups, K, N, swiglu)
 # (fp8 experts: and their scale block's K) -> {row bucket: the measured best tiling
-# where it beat the default, or "xla" where XLA's ragged_dot beat every tiling}; N is
-# the weight's columns (swiglu: gate and up)
-GROUPED_TILINGS = read_tilings("grouped_tilings.json", GroupedMatmulConfig)
+# where it beat the default ({"wgmma": fields} for the Hopper kernel of
+# grouped_wgmma.py), or "xla" where XLA's ragged_dot beat every tiling}; N is the
+# weight's columns (swiglu: gate and up)
+GROUPED_TILINGS = read_tilings("grouped_tilings.json", GroupedMatmulConfig, kernels={"wgmma": GroupedWgmmaConfig})
 
 
 def grouped_tiling(num_rows: int, num_groups: int, k: int, n: int, swiglu: bool,
-                   scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig | str:
+                   scale_block: tuple[int, int] | None = None) -> GroupedMatmulConfig | GroupedWgmmaConfig | str:
     """The tiling the table measured fastest for these shapes (fp8 experts: and their
     scale block's K) at num_rows' bucket, or at the smallest measured bucket above it;
     "xla" where XLA's ragged_dot was faster than every tiling; else default_config's."""
@@ -344,7 +347,7 @@ paired_swiglu_kernel = functools.partial(grouped_kernel, swiglu=True, paired=Tru
 
 def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool,
             scale_block: tuple[int, int] | None = None, k_major: bool = False,
-            real_rows: int | None = None) -> GroupedMatmulConfig | None:
+            real_rows: int | None = None) -> GroupedMatmulConfig | GroupedWgmmaConfig | None:
     """The kernel's tiling on GPUs where it tiles the shapes and the table does not name
     XLA for them; None: XLA's ragged_dot (the reference). fp8 experts take the kernel
     where their scale block's K can be a K step (a power of 2 >= 16). real_rows: the
@@ -357,7 +360,12 @@ def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool
     if scale_block is not None and not is_k_step(scale_block[0]):
         return None
     num_rows = lhs.shape[0] if rows is None else rows.shape[0]
-    tiling = grouped_tiling(min(num_rows, real_rows or num_rows), num_groups, k, n, swiglu, scale_block)
+    rows_bound = min(num_rows, real_rows or num_rows)
+    tiling = grouped_tiling(rows_bound, num_groups, k, n, swiglu, scale_block)
+    if isinstance(tiling, GroupedWgmmaConfig) and (scale_block or k_major or lhs.dtype != jnp.bfloat16 or not
+                                                   wgmma_fits(k, n // 2 if swiglu else n, tiling, swiglu)):
+        # the Hopper kernel takes bf16 experts as loaded; the sweep names it for no others
+        return default_config(rows_bound, num_groups, k, n, swiglu, scale_block)
     return None if tiling == "xla" else tiling
 
 
@@ -371,6 +379,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rows:
     config = _tiling(lhs, rhs, rows, False, scale_block, k_major, real_rows=real_rows)
     if config is None:
         return grouped_matmul_reference(lhs, rhs, group_sizes, rows, **scales)
+    if isinstance(config, GroupedWgmmaConfig):
+        return grouped_wgmma(lhs if rows is None else lhs[rows], rhs, group_sizes, config=config)
     return grouped_matmul_kernel(lhs, rhs, group_sizes, rows, **scales, config=config)
 
 
@@ -382,4 +392,6 @@ def grouped_swiglu(lhs: jax.Array, gate_up: jax.Array, group_sizes: jax.Array, r
     config = _tiling(lhs, gate_up, rows, True, scale_block, k_major, real_rows=real_rows)
     if config is None:
         return grouped_swiglu_reference(lhs, gate_up, group_sizes, rows, **scales)
+    if isinstance(config, GroupedWgmmaConfig):
+        return grouped_wgmma(lhs if rows is None else lhs[rows], gate_up, group_sizes, config=config, swiglu=True)
     return grouped_swiglu_kernel(lhs, gate_up, group_sizes, rows, **scales, config=config)

@@ -203,6 +203,11 @@ def test_a_grouped_bucket_takes_the_tiling_fastest_over_its_mix():
     assert table({"cases": [full, few]}) == {"8,32,64,0": {"16": [16, 64, 64]}}
     assert table({"cases": [case(8, 9.6, 40.0, n32=10.0)]}) == {}  # within 5% of each other: the default stands
     assert table({"cases": [case(8, 8.0, 40.0, n32=10.0)]}) == {"8,32,64,0": {"8": "xla"}}
+    # the Hopper kernel's rows (path "wgmma") enter the table as {"wgmma": fields}
+    hopper = case(16, 60.0, 45.0, n32=30.0)
+    hopper["variants"].append({"config": {"block_m": 64, "block_n": 64, "block_k": 64, "max_concurrent_steps": 4},
+                               "ok": True, "us": 12.0, "path": "wgmma"})
+    assert table({"cases": [hopper]}) == {"8,32,64,0": {"16": {"wgmma": [64, 64, 64, 4]}}}
 
 
 def test_grouped_sweep_of_fp8_experts_keys_its_table_by_the_scale_block(tmp_path):
