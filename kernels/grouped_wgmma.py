@@ -20,7 +20,8 @@ tiles are (group, block) pairs, at most cdiv(M, block_m) + G of them with the pa
 rows' blocks, which store zeros and compute nothing; `tile_table` lists them in XLA
 before the call, so a program reads its group, block and rows from four scalars. Each
 program computes one [block_m, block_n] tile: a pipeline of TMA copies streams the row
-and weight tiles of each K step into shared memory and wgmma accumulates in float32. A
+and weight tiles of each K step into shared memory and wgmma accumulates in float32,
+each step's products left in flight while the next step's are issued. A
 compute warpgroup owns 64 rows (wgmma's M); with block_m 128 two compute warpgroups
 share each weight tile, fed by a third warpgroup that only issues the copies (Mosaic
 GPU's warp-specialized pipeline). The tile goes out through shared memory by TMA
@@ -59,8 +60,10 @@ class GroupedWgmmaConfig:
 
 def fits(k: int, n: int, config: GroupedWgmmaConfig, swiglu: bool = False) -> bool:
     """Whether rhs [G, K, N] (swiglu: N the output columns) runs at this tiling."""
+    # a step's tiles are released a step late: the pipeline holds two at the least
     return (config.block_m in (WGMMA_ROWS, 2 * WGMMA_ROWS) and k % config.block_k == 0 and n % config.block_n == 0
-            and config.block_n % 8 == 0 and config.block_n <= (128 if swiglu else 256))
+            and config.block_n % 8 == 0 and config.block_n <= (128 if swiglu else 256)
+            and config.max_concurrent_steps >= 2)
 
 
 def tile_table(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array]:
@@ -143,17 +146,19 @@ def _body(groups_gmem, bounds_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Gro
         def _():
             for w, acc in zip(w_smem, accs):
                 plgpu.wgmma(acc, x_smem.at[rows], w)
-            plgpu.wgmma_wait(0)
+            # this step's products stay in flight while the next step's are issued: its
+            # tiles are released a step late (the specs' delay_release)
+            plgpu.wgmma_wait(1)
 
         return accs
 
     def weight_spec(part: int):
         """The gate's columns (part 0), or swiglu's up projection's, `columns` further on."""
         return plgpu.BlockSpec((block_k, block_n), lambda k: (k, col_block + part * (columns // block_n)),
-                               transforms=weight)
+                               transforms=weight, delay_release=1)
 
     weights = 2 if swiglu else 1
-    in_specs = [plgpu.BlockSpec((block_m, block_k), lambda k: (block, k), transforms=operand)]
+    in_specs = [plgpu.BlockSpec((block_m, block_k), lambda k: (block, k), transforms=operand, delay_release=1)]
     in_specs += [weight_spec(part) for part in range(weights)]
     group_rhs = rhs_gmem.at[jnp.minimum(group, num_groups - 1)]
     accumulators = [plgpu.ACC((WGMMA_ROWS, block_n), jnp.float32) for _ in range(weights)]
