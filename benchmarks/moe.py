@@ -24,8 +24,7 @@ layer by pairs or sorted, per shape and pairs bucket): copy it to kernels/. The 
 times the decode path the engine takes (kernels/mla_paths.json, which
 benchmarks/mla_sweep.py writes), and the prefill chunks in both forms, absorbed and split
 (kernels/mla_prefill.py, its prefix absorbed or expanded), writing mla_prefill_paths.json
-(copy it to kernels/); --tiny
-runs the kernels in interpret mode on a tiny model.
+(copy it to kernels/); --tiny runs the kernels in interpret mode on a tiny model.
 """
 
 from __future__ import annotations
@@ -106,8 +105,8 @@ class Shapes:
     batch: int = 32
     batch_prompt: int = 256
     batch_new_tokens: int = 24
-    prefill_prompt: int = 8192  # an 8k prompt (up to the model's context), prefilled in chunks of
-    prefill_chunk: int = 2048
+    prefill_prompt: int = 8192  # the e2e part's long prompt (at most the model's context less one)
+    prefill_chunk: int = 2048  # its chunks
 
 
 TINY = Shapes(experts=8, top_k=2, hidden=32, inter=16, expert_tokens=(1, 8), gate_up_tokens=(8,), heads=4, rank=32,

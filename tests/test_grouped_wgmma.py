@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_fp8_wgmma import interpreter
-from test_moe_mla_pallas import seeded
+from test_moe_mla_pallas import fp8_experts, seeded
 
+from jaxmtp.kernels.fp8_matmul import quantize_activations
 from jaxmtp.kernels.grouped_wgmma import GroupedWgmmaConfig, grouped_wgmma, tile_table
 
 BF16_ROUNDING = 2.0**-8  # the output's one rounding to bfloat16 (8-bit significand)
@@ -17,10 +18,10 @@ F32_EPS = np.finfo(np.float32).eps
 
 
 def grouped_float64(x, w, sizes, swiglu):
-    """Each group's rows times its matrix in float64 (swiglu: silu(gate) * up), the
-    magnitudes of the sums, and the output's float32 error bound before its rounding:
-    sums of K products in float32 err by at most K eps of their magnitude, and silu's
-    slope is at most 1.1."""
+    """Each group's rows times its matrix in float64 (swiglu: silu(gate) * up), and the
+    output's float32 error bound before its rounding: sums of K products in float32
+    err by at most K eps of their magnitude (an fp8 product's K steps each scaled once
+    more, within that), and silu's slope is at most 1.1."""
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     k = x64.shape[1]
     ends = np.cumsum(sizes)
@@ -70,6 +71,32 @@ def test_the_interpreted_kernel_gives_each_groups_float64_product(sizes, m, k, n
     assert np.all(np.abs(got - want) <= BF16_ROUNDING * np.abs(want) + bound), f"seed={seed}"
 
 
+# fp8 experts (128 x 128 block scales, K-major): several K steps and scale blocks along
+# N, one compute warpgroup and two, swiglu's gate and up with scales of their own
+FP8_CASES = [
+    ([20, 0, 50], 80, 256, 256, False, GroupedWgmmaConfig(64, 128, 128, 2)),
+    ([3, 90, 20], 120, 384, 128, True, GroupedWgmmaConfig(128, 64, 128, 2)),
+]
+
+
+@pytest.mark.parametrize("sizes, m, k, n, swiglu, config", FP8_CASES)
+def test_the_interpreted_kernel_gives_the_float64_product_of_the_quantized_rows(sizes, m, k, n, swiglu, config):
+    """fp8 experts: the rows quantized to e4m3 per row and 128 columns, each K step's
+    float32 product scaled by the rows' and the block's scales (e4m3 x e4m3 products
+    are exact in float32): within the output's rounding plus the float32 sums' bound of
+    the float64 product of the quantized rows and the dequantized experts."""
+    rng, seed = seeded()
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    q, scale, dequantized = fp8_experts(rng, (len(sizes), k, 2, n) if swiglu else (len(sizes), k, n), (128, 128))
+    x8, x_scale = quantize_activations(x, 128)
+    rows = np.asarray(x8.astype(jnp.float32), np.float64) * np.repeat(np.asarray(x_scale, np.float64), 128, 1)
+    got = np.asarray(grouped_wgmma(x, jnp.moveaxis(q, 1, -1), jnp.asarray(sizes, jnp.int32), scale_inv=scale,
+                                   config=config, swiglu=swiglu, interpret=interpreter()), np.float64)
+    want, bound = grouped_float64(rows, dequantized, np.asarray(sizes), swiglu)
+    assert (got[sum(sizes):] == 0).all(), f"seed={seed}: padding rows must come out 0"
+    assert np.all(np.abs(got - want) <= BF16_ROUNDING * np.abs(want) + 4 * bound), f"seed={seed}"
+
+
 def test_the_tile_table_lists_each_groups_blocks_then_the_paddings():
     """Blocks of 4 rows over groups of 3, 0, 6 and 1 rows and 2 padding rows: group 0
     in block 0 (rows 0-2), group 2 in blocks 0 (row 3), 1 (all) and 2 (row 8), group 3
@@ -81,16 +108,26 @@ def test_the_tile_table_lists_each_groups_blocks_then_the_paddings():
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("config", [GroupedWgmmaConfig(), GroupedWgmmaConfig(64, 128, 64, 4)])
-def test_the_kernel_lowers_for_the_gpu(config, swiglu):
+@pytest.mark.parametrize("fp8, config", [(False, GroupedWgmmaConfig()), (False, GroupedWgmmaConfig(64, 128, 64, 4)),
+                                         (True, GroupedWgmmaConfig(128, 64, 128, 3)),
+                                         (True, GroupedWgmmaConfig(64, 64, 128, 4))])
+def test_the_kernel_lowers_for_the_gpu(fp8, config, swiglu):
     """Mosaic GPU's lowering runs without a GPU, at Moonlight's experts (64 of 2048 x
-    1408, bf16) for a 2048-token prefill's 12288 sorted rows: the operands' swizzles,
-    the accumulators' register layouts and the ladder of stores are checked there."""
-    k = 2048 if swiglu else 1408  # gate/up, or the down projection
+    1408; bf16 as loaded, or fp8 K-major with 128 x 128 block scales) for a 2048-token
+    prefill's 12288 sorted rows: the operands' swizzles, the transposed fp8 weight
+    tiles, the accumulators' and the scales' register layouts and the ladder of stores
+    are checked there."""
+    k, n = (2048, 1408) if swiglu else (1408, 2048)  # gate/up, or the down projection
     x = jax.ShapeDtypeStruct((12288, k), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((64, k, 2, 1408) if swiglu else (64, k, 2048), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((64,), jnp.int32)
-    traced = jax.jit(lambda *a: grouped_wgmma(*a, config=config, swiglu=swiglu)).trace(x, w, sizes)
+    if fp8:
+        w = jax.ShapeDtypeStruct((64, 2, n, k) if swiglu else (64, n, k), jnp.float8_e4m3fn)
+        scale = jax.ShapeDtypeStruct((64, k // 128, 2, n // 128) if swiglu else (64, k // 128, n // 128), jnp.float32)
+        traced = jax.jit(lambda x, w, g, s: grouped_wgmma(x, w, g, scale_inv=s, config=config, swiglu=swiglu)).trace(
+            x, w, sizes, scale)
+    else:
+        w = jax.ShapeDtypeStruct((64, k, 2, n) if swiglu else (64, k, n), jnp.bfloat16)
+        traced = jax.jit(lambda *a: grouped_wgmma(*a, config=config, swiglu=swiglu)).trace(x, w, sizes)
     assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -127,3 +164,20 @@ def test_the_entry_points_take_it_where_the_table_names_it(monkeypatch):
     assert calls == [tiling, GroupedWgmmaConfig(64, 128, 64, 2)]
     monkeypatch.setitem(gm.GROUPED_TILINGS, (3, 64, 128, 1), {64: GroupedWgmmaConfig(64, 256, 64, 2)})
     assert gm._tiling(x[:64], gate_up, None, swiglu=True) == gm.default_config(64, 3, 64, 128, True)
+    # fp8 experts: K-major in 128 x 128 blocks (the engine's layout on one device) take it
+    # at a tiling of 128-wide K steps; as loaded ([K, N]), the Triton kernel
+    fp8 = (3, 128, 128, 0, 128)
+    monkeypatch.setitem(gm.GROUPED_TILINGS, fp8, {64: GroupedWgmmaConfig(64, 64, 128, 2)})
+    down_fp8 = jnp.zeros((3, 128, 128), jnp.float8_e4m3fn)
+    sorted_rows = jnp.zeros((64, 128), jnp.bfloat16)
+    assert gm._tiling(sorted_rows, down_fp8, None, False, (128, 128), k_major=True) == GroupedWgmmaConfig(64, 64, 128, 2)
+    assert gm._tiling(sorted_rows, down_fp8, None, False, (128, 128)) == gm.default_config(64, 3, 128, 128, False,
+                                                                                            (128, 128))
+    # and pass the kernel their scales and the gathered rows: the direct call's output
+    q, scale, _ = fp8_experts(rng, (3, 128, 128), (128, 128))
+    x = jnp.asarray(rng.standard_normal((80, 128)), jnp.bfloat16)
+    got = gm.grouped_matmul(x, jnp.moveaxis(q, 1, -1), group_sizes, rows, scale_inv=scale, scale_block=(128, 128),
+                            k_major=True)
+    want = grouped_wgmma(x[rows], jnp.moveaxis(q, 1, -1), group_sizes, scale_inv=scale,
+                         config=GroupedWgmmaConfig(64, 64, 128, 2), interpret=interpreter())
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
