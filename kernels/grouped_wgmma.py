@@ -58,14 +58,13 @@ from jaxmtp.kernels.fp8_matmul import quantize_activations
 from jaxmtp.kernels.fp8_wgmma import SCALE_BLOCK, WGMMA_ROWS, tile_transforms
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GroupedWgmmaConfig:
     """Static tiling of one call, as benchmarks/grouped_sweep.py times it."""
 
     block_m: int = 128  # WGMMA_ROWS a compute warpgroup: 64 (one) or 128 (two sharing each weight tile)
-    block_n: int = 128  # output columns per program: a multiple of 8, at most 128 with swiglu's two accumulators
-    block_k: int = 64  # K step: 64 bf16 values are one 128-byte swizzle row
+    block_n: int = 128  # output columns per program: a multiple of 8, at most max_block_n
+    block_k: int = 64  # K step: 64 bf16 values are one 128-byte swizzle row; fp8: the scale block, 128
     max_concurrent_steps: int = 4  # K steps in flight in the TMA pipeline
 
 
