@@ -62,9 +62,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxmtp.kernels.fp8_matmul import F16_SHIFT, is_k_step
 from jaxmtp.kernels.grouped_reference import grouped_matmul_reference, grouped_swiglu_reference, silu_and_mul
-from jaxmtp.kernels.fp8_wgmma import SCALE_BLOCK
 from jaxmtp.kernels.grouped_wgmma import GroupedWgmmaConfig, grouped_wgmma
-from jaxmtp.kernels.grouped_wgmma import fits as wgmma_fits
+from jaxmtp.kernels.grouped_wgmma import takes as wgmma_takes
 from jaxmtp.kernels.triton_common import NUM_SMS, TritonCompilerParams, cdiv, next_power_of_2
 from jaxmtp.kernels.tiling_table import bucket_at_or_above, groups_entry, read_tilings, row_bucket
 
@@ -346,16 +345,6 @@ paired_swiglu_kernel = functools.partial(grouped_kernel, swiglu=True, paired=Tru
 # ----- the model's entry points -----------------------------------------------------------
 
 
-def _wgmma_takes(lhs, k: int, n: int, swiglu: bool, scale_block, k_major: bool, config: GroupedWgmmaConfig) -> bool:
-    """Whether the Hopper kernel (grouped_wgmma.py) takes these experts at this tiling:
-    bf16 rows, and bf16 experts as loaded or fp8 ones K-major in 128 x 128 blocks (the
-    table names it for no others; n: the weight's columns, swiglu's gate and up)."""
-    scaled = scale_block is not None
-    layout_ok = scale_block == (SCALE_BLOCK, SCALE_BLOCK) and k_major if scaled else not k_major
-    return (lhs.dtype == jnp.bfloat16 and layout_ok
-            and wgmma_fits(k, n // 2 if swiglu else n, config, swiglu=swiglu, scaled=scaled))
-
-
 def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool,
             scale_block: tuple[int, int] | None = None, k_major: bool = False,
             real_rows: int | None = None) -> GroupedMatmulConfig | GroupedWgmmaConfig | None:
@@ -373,7 +362,7 @@ def _tiling(lhs: jax.Array, rhs: jax.Array, rows: jax.Array | None, swiglu: bool
     num_rows = lhs.shape[0] if rows is None else rows.shape[0]
     rows_bound = min(num_rows, real_rows or num_rows)
     tiling = grouped_tiling(rows_bound, num_groups, k, n, swiglu, scale_block)
-    if isinstance(tiling, GroupedWgmmaConfig) and not _wgmma_takes(lhs, k, n, swiglu, scale_block, k_major, tiling):
+    if isinstance(tiling, GroupedWgmmaConfig) and not wgmma_takes(lhs.dtype, k, n, swiglu, scale_block, k_major, tiling):
         return default_config(rows_bound, num_groups, k, n, swiglu, scale_block)
     return None if tiling == "xla" else tiling
 

@@ -85,6 +85,15 @@ def fits(k: int, n: int, config: GroupedWgmmaConfig, swiglu: bool = False, scale
             and config.max_concurrent_steps >= 2 and (not scaled or config.block_k == SCALE_BLOCK))
 
 
+def takes(dtype, k: int, n: int, swiglu: bool, scale_block, k_major: bool, config: GroupedWgmmaConfig) -> bool:
+    """Whether the kernel takes grouped_matmul's call at this tiling: bf16 rows, and bf16
+    experts as loaded or fp8 ones K-major in 128 x 128 blocks (n: the weight's columns,
+    swiglu's gate and up)."""
+    scaled = scale_block is not None
+    layout_ok = scale_block == (SCALE_BLOCK, SCALE_BLOCK) and k_major if scaled else not k_major
+    return dtype == jnp.bfloat16 and layout_ok and fits(k, n // 2 if swiglu else n, config, swiglu, scaled)
+
+
 def tile_table(group_sizes: jax.Array, num_rows: int, block_m: int) -> tuple[jax.Array, jax.Array]:
     """The call's tiles: (groups [T], bounds [T, 3]) for T = cdiv(num_rows, block_m) +
     G, each tile's group (G: the padding rows, past the groups' sum; G + 1: no tile),
