@@ -202,8 +202,7 @@ def expanded_prefix(q_nope, q_rope, latent_pages, rope_pages, kv_lens, page_tabl
     pass count is the prefixes' total over the window, rounded up: a step without a
     prefix runs none. XLA:GPU reads that loop's condition on the host at each pass
     (docs/kernels.md weighs it)."""
-    num_pages, page_size = latent_pages.shape[:2]
-    rank, rope_dim = latent_pages.shape[-1], rope_pages.shape[-1]
+    page_size, rank, rope_dim = latent_pages.shape[1], latent_pages.shape[-1], rope_pages.shape[-1]
     rows = query_start[1:] - query_start[:-1]
     prefix = jnp.where(rows > decode_rows, kv_lens - rows, 0)
     ends = jnp.cumsum(prefix)
