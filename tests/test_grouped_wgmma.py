@@ -83,8 +83,10 @@ FP8_CASES = [
 def test_the_interpreted_kernel_gives_the_float64_product_of_the_quantized_rows(sizes, m, k, n, swiglu, config):
     """fp8 experts: the rows quantized to e4m3 per row and 128 columns, each K step's
     float32 product scaled by the rows' and the block's scales (e4m3 x e4m3 products
-    are exact in float32): within the output's rounding plus the float32 sums' bound of
-    the float64 product of the quantized rows and the dequantized experts."""
+    are exact in float32): within the output's rounding plus four times the float32
+    sums' bound of the float64 product of the quantized rows and the dequantized experts
+    (a step's product takes three more roundings: two scalings and its addition into
+    the carried sum)."""
     rng, seed = seeded()
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     q, scale, dequantized = fp8_experts(rng, (len(sizes), k, 2, n) if swiglu else (len(sizes), k, n), (128, 128))
