@@ -870,32 +870,43 @@ def mla_cases(s: Shapes, only: str = ""):
 # ----- end to end ------------------------------------------------------------------------
 
 
+def tree_bytes(tree) -> int:
+    import jax
+
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def tree_size(tree) -> int:
+    import jax
+
+    return sum(x.size for x in jax.tree.leaves(tree))
+
+
+def active_part(layers, moe, picked: float, measure) -> float:
+    """measure(layers) (tree_bytes or tree_size) less the routed experts outside `picked`
+    of each MoE layer's (routed experts held with the shared experts as their first
+    groups, or apart)."""
+    if moe is None:
+        return measure(layers)
+    routed = sum(measure((layer.moe.experts_gate_up, layer.moe.experts_down)) * moe.num_experts
+                 / (moe.num_experts + layer.moe.shared_in_experts) for layer in layers if layer.moe is not None)
+    return measure(layers) - routed + routed * picked / moe.num_experts
+
+
 def step_bytes(params, cfg, batch: int, context: int, rows: int = 1) -> float:
     """A decode step's fewest bytes: every weight (fp8 ones with their scales) but the
     embedding, the MTP modules and the routed experts no row picks (expected distinct
     picks of batch * rows rows under uniform routing), plus the batch's cache (MLA's
     latent, or GQA's K and V). rows 2: an MTP k=1 step, whose draft pass also reads the
     first MTP module (its experts picked by the same rows) and the LM head once more."""
-    import jax
-
-    def nbytes(tree):
-        return sum(x.nbytes for x in jax.tree.leaves(tree))
-
     moe = cfg.moe
     picked = moe.num_experts * (1 - (1 - moe.num_experts_per_tok / moe.num_experts) ** (batch * rows))
-
-    def routed_bytes(p):  # held with the shared experts as their first groups, or apart
-        return nbytes((p.experts_gate_up, p.experts_down)) * moe.num_experts / (moe.num_experts + p.shared_in_experts)
-
-    def read(layers):  # the layers' bytes less their routed experts no row picks
-        routed = sum(routed_bytes(layer.moe) for layer in layers if layer.moe is not None)
-        return nbytes(layers) - routed + routed * picked / moe.num_experts
-
     head = 0 if params.lm_head is None else params.lm_head.nbytes
-    total = read(params.layers) + params.final_norm.nbytes + head
+    total = active_part(params.layers, moe, picked, tree_bytes) + params.final_norm.nbytes + head
     if rows > 1:
         module = params.mtp[0]
-        total += read([module.block]) + nbytes(dataclasses.replace(module, block=None, lm_head=None)) + head
+        total += (active_part([module.block], moe, picked, tree_bytes)
+                  + tree_bytes(dataclasses.replace(module, block=None, lm_head=None)) + head)
     per_token = (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim) if cfg.mla is not None \
         else 2 * cfg.num_kv_heads * cfg.head_dim
     return total + cfg.num_layers * context * per_token * 2 * batch
@@ -906,19 +917,11 @@ def model_prefill_flops(params, cfg, tokens: int) -> float:
     layers' weights less the routed experts it does not pick: top-k of them), the LM head
     for the last token alone, and causal attention in the expanded form (q.k over the nope
     and rope dims, p.v over the value dim, each head)."""
-    import jax
-
-    def size(tree):
-        return sum(x.size for x in jax.tree.leaves(tree))
-
-    moe = cfg.moe
-    unpicked = 0 if moe is None else sum(
-        size((layer.moe.experts_gate_up, layer.moe.experts_down)) / (moe.num_experts + layer.moe.shared_in_experts)
-        * (moe.num_experts - moe.num_experts_per_tok) for layer in params.layers if layer.moe is not None)
-    head = size(params.head())
+    top_k = 0 if cfg.moe is None else cfg.moe.num_experts_per_tok
+    active = active_part(params.layers, cfg.moe, top_k, tree_size)
     qk, v = (cfg.mla.qk_head_dim, cfg.mla.v_head_dim) if cfg.mla is not None else (cfg.head_dim, cfg.head_dim)
     attention = 2 * cfg.num_heads * (qk + v) * tokens * (tokens + 1) / 2 * cfg.num_layers
-    return 2 * tokens * (size(params.layers) - unpicked) + 2 * head + attention
+    return 2 * tokens * active + 2 * tree_size(params.head()) + attention
 
 
 def shape_floors(model: str, tiny: bool) -> dict:

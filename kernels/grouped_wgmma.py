@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmtp.kernels.fp8_matmul import quantize_activations
-from jaxmtp.kernels.fp8_wgmma import SCALE_BLOCK, WGMMA_ROWS, tile_transforms
+from jaxmtp.kernels.fp8_wgmma import SCALE_BLOCK, WGMMA_ROWS, column_scales, tile_transforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,15 +271,6 @@ def _body(groups_gmem, bounds_gmem, lhs_gmem, rhs_gmem, *scales_and_out, config:
                   collective_axes=() if warpgroups == 1 else "wg")
 
 
-def column_scales(scale_inv: jax.Array, n: int) -> jax.Array:
-    """fp8 experts' block scales [G, K / 128, (2,) N / 128] as [G, K / 128, (2 *) N]: each
-    column's scale per K step, so that a program loads its tile's row of them as one
-    TMA copy."""
-    groups, steps = scale_inv.shape[:2]
-    per_block = scale_inv.astype(jnp.float32).reshape(groups, steps, -1, scale_inv.shape[-1])
-    return jnp.repeat(per_block, SCALE_BLOCK, axis=-1)[..., :n].reshape(groups, steps, -1)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "swiglu", "interpret"))
 def grouped_wgmma(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, scale_inv: jax.Array | None = None,
                   config: GroupedWgmmaConfig = GroupedWgmmaConfig(), swiglu: bool = False, interpret=None) -> jax.Array:
@@ -317,4 +308,8 @@ def grouped_wgmma(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, sca
     weight = rhs.reshape(num_groups, -1, k)  # [G, (2 *) N, K]
     if interpret is not None:
         weight = weight.transpose(0, 2, 1)
-    return kernel(groups, bounds, x8, weight, x_scale.T, column_scales(scale_inv, n))[:m]
+    # each group's block scales as fp8_wgmma's column_scales lays a dense weight's out:
+    # [G, K / 128, (2 *) N], one scale a column per K step
+    per_block = scale_inv.reshape(num_groups, scale_inv.shape[1], -1, scale_inv.shape[-1])
+    scales = jax.vmap(functools.partial(column_scales, n=n))(per_block)
+    return kernel(groups, bounds, x8, weight, x_scale.T, scales)[:m]

@@ -191,6 +191,12 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return out, jnp.where(total > 0, top + jnp.log2(total), -jnp.inf)
 
 
+def expanded_keys_values(latent, w_uk, w_uv):
+    """Latent rows [N, R] -> their per-head keys' nope part [N, Hq, Dn] and values
+    [N, Hq, Dv] (two GEMMs); the rope key is shared by the heads as cached."""
+    return jnp.einsum("tr,rhd->thd", latent, w_uk), jnp.einsum("tr,rhd->thd", latent, w_uv)
+
+
 def expanded_prefix(q_nope, q_rope, latent_pages, rope_pages, kv_lens, page_table, query_start, w_uk, w_uv, *,
                     sm_scale: float, decode_rows: int, window: int, interpret: bool = False,
                     config: OwnRowsConfig | None = None):
@@ -215,9 +221,7 @@ def expanded_prefix(q_nope, q_rope, latent_pages, rope_pages, kv_lens, page_tabl
         pos = token - starts[seq]
         ok = token < ends[-1]
         slot = jnp.where(ok, page_table[seq, pos // page_size] * page_size + pos % page_size, 0)
-        latent = jnp.where(ok[:, None], latent_slots[slot], 0)
-        k_nope = jnp.einsum("tr,rhd->thd", latent, w_uk)
-        v = jnp.einsum("tr,rhd->thd", latent, w_uv)
+        k_nope, v = expanded_keys_values(jnp.where(ok[:, None], latent_slots[slot], 0), w_uk, w_uv)
         rope = jnp.where(ok[:, None], rope_slots[slot], 0)
         first = jnp.clip(starts - index * window, 0, window)
         count = jnp.clip(ends - index * window, 0, window) - first
@@ -255,9 +259,7 @@ def mla_split_prefill(q_nope, q_rope, latent, rope_key, latent_pages, rope_pages
             prefix_only=True)
         prefix = jnp.einsum("thr,rhv->thv", prefix_latent, w_uv, preferred_element_type=jnp.float32), prefix_lse
     # the own rows' keys and values from their latents as the cache holds them
-    latent = latent.astype(latent_pages.dtype)
-    k_nope = jnp.einsum("tr,rhd->thd", latent, w_uk)
-    v = jnp.einsum("tr,rhd->thd", latent, w_uv)
+    k_nope, v = expanded_keys_values(latent.astype(latent_pages.dtype), w_uk, w_uv)
     own = own_rows_attention(q_nope, q_rope, k_nope, rope_key.astype(rope_pages.dtype), v, kv_lens, query_start,
                              sm_scale=sm_scale, decode_rows=decode_rows, interpret=interpret, config=config)
     return merge_partials(*prefix, *own)[0].astype(q_nope.dtype)

@@ -12,8 +12,9 @@ one entry point. On GPUs (and pallas_interpret) both kinds of rows run the absor
 form as the Pallas kernel (kernels/mla_attention.py), one call for each kind: the jnp
 expanded form materializes every context token's keys and values for every prefill
 row, which no long prompt fits. Where its measured table names the shape, prefill rows
-run the split form instead (kernels/mla_prefill.py: the cached prefix absorbed, the
-step's own rows expanded, 3.4x fewer FLOPs on them at DeepSeek-V3's dims).
+run the split form instead (kernels/mla_prefill.py: the step's own rows expanded, 3.4x
+fewer FLOPs on them at DeepSeek-V3's dims, the cached prefix absorbed or expanded a
+window of tokens at a time).
 """
 
 from __future__ import annotations
