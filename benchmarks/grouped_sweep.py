@@ -208,10 +208,11 @@ class GroupedSweep(Sweep):
                        flops / self.results["matmul_flops_per_s"]) * 1e6
         default = default_config(case.rows, len(case.sizes), case.k, case.parts * case.n, case.parts == 2,
                                  case.scale_block)
-        configs = [None, default] + [c for c in tilings or first_stage(case, self.tiny) if c != default]
+        candidates = [self.table_tiling(case)] if self.args.hopper_only else tilings or first_stage(case, self.tiny)
+        configs = [None, default] + [c for c in candidates if c not in (default, None)]
         rows = self.measure(configs, case, x, weights, reference, floor_us)
         tried = {c for c in configs if c is not None}
-        refine = [] if tilings else second_stage(fastest(rows, 3, type(default)), tried)
+        refine = [] if tilings or self.args.hopper_only else second_stage(fastest(rows, 3, type(default)), tried)
         if refine and self.budget_left() > 60 and not self.tiny:
             rows.extend(self.measure(refine, case, x, weights, reference, floor_us))
         hopper = wgmma_stage(case, self.tiny)
@@ -226,6 +227,16 @@ class GroupedSweep(Sweep):
         self.results["cases"].append(entry)
         self.save()
         self.print_case(entry)
+
+    @staticmethod
+    def table_tiling(case: Case):
+        """The grouped_matmul tiling the shipped table gives this case (None where it names
+        XLA or the Hopper kernel, which the run times anyway)."""
+        from jaxmtp.kernels.grouped_matmul import GroupedMatmulConfig, grouped_tiling
+
+        tiling = grouped_tiling(case.rows, len(case.sizes), case.k, case.parts * case.n, case.parts == 2,
+                                case.scale_block)
+        return tiling if isinstance(tiling, GroupedMatmulConfig) else None
 
     def print_case(self, entry: dict) -> None:
         rows = entry["variants"]
@@ -305,6 +316,9 @@ def main() -> None:
                         "(DeepSeek-V3's format; their table keys end in the block's 128)")
     parser.add_argument("--update", default=None, help="a table file (kernels/grouped_tilings.json) whose buckets "
                         "this run's replace, the rest kept, written as grouped_tilings.json")
+    parser.add_argument("--hopper-only", action="store_true",
+                        help="no Triton tiling stages: XLA, the default tiling and the shipped table's against the "
+                             "Hopper kernel's tilings (a table run on top of an earlier sweep)")
     parser.add_argument("--step-tokens", type=int, default=0,
                         help="each --tokens count as the real tokens of a step of this many rows (the rest "
                              "padding, routed to no expert, as a decode step's bucket pads), every count timed "

@@ -249,6 +249,34 @@ def relative_error(out, ref):
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def hopper_check(loads: str, rows, gate_up, down, sizes, want_act, want_out) -> dict:
+    """kernels/grouped_wgmma.py on the sorted rows, bf16 experts and fp8 ones (K-major,
+    128 x 128 blocks), against the bf16 references: fp8 rounds the rows and weights to
+    e4m3 (relative 2**-4 at most each), so its error is reported, not bounded here."""
+    import jax.numpy as jnp
+    import numpy as np
+    from fp8_sweep import quantize
+
+    from jaxmtp.kernels.grouped_wgmma import GroupedWgmmaConfig, grouped_wgmma
+
+    config = GroupedWgmmaConfig(128, 128, 64, 3)
+    act = grouped_wgmma(rows, gate_up, sizes, config=config, swiglu=True)
+    out = grouped_wgmma(act, down, sizes, config=config)
+    gate_up8, gate_up_scale = quantize(gate_up.astype(jnp.float32), (1, 128, 1, 128))
+    down8, down_scale = quantize(down.astype(jnp.float32), (1, 128, 128))
+    fp8_config = GroupedWgmmaConfig(128, 64, 128, 3)
+    act8 = grouped_wgmma(rows, jnp.moveaxis(gate_up8, 1, -1), sizes, scale_inv=gate_up_scale, config=fp8_config,
+                         swiglu=True)
+    out8 = grouped_wgmma(act8, jnp.moveaxis(down8, 1, -1), sizes, scale_inv=down_scale, config=fp8_config)
+    real = int(sizes.sum())
+    return {"kernel": "hopper grouped swiglu + matmul (bf16; fp8 error beside)", "case": loads,
+            "rel_err": max(relative_error(act[:real], want_act[:real]), relative_error(out[:real], want_out[:real])),
+            "fp8_rel_err": max(relative_error(act8[:real], want_act[:real]),
+                               relative_error(out8[:real], want_out[:real])),
+            "finite": bool(np.isfinite(np.asarray(out8, np.float32)).all() and np.isfinite(np.asarray(out, np.float32)).all()),
+            "padding_rows_zero": bool((np.asarray(out, np.float32)[real:] == 0).all())}
+
+
 def part_checks(run: Run):
     """The compiled kernels against their references on random bf16 inputs: ragged,
     empty experts, one expert taking every row, padding rows; MLA decode and verify over
@@ -289,6 +317,8 @@ def part_checks(run: Run):
         checks.append({"kernel": "grouped swiglu + matmul", "case": loads,
                        "rel_err": max(relative_error(act, want), relative_error(out, want_out)),
                        "finite": bool(np.isfinite(np.asarray(out, np.float32)).all()), "padding_rows_zero": pad_zero})
+        if not run.args.tiny:  # Mosaic GPU's interpreter would take minutes at these shapes
+            checks.append(hopper_check(loads, x[order], gate_up, down, sizes, want, want_out))
     for rows_per_seq in (1, 2):
         case = mla_inputs(rng, s, [rows_per_seq] * 5 + [7], [300, 17, 1000, 64, 1, 500], reps=1)
         args = mla_args(case)
