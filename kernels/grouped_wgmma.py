@@ -176,9 +176,15 @@ def _body(groups_gmem, bounds_gmem, lhs_gmem, rhs_gmem, *scales_and_out, config:
         zeros), this warpgroup's rows of the tile's group."""
         out = values[0] if not swiglu else values[0] / (1 + jnp.exp(-values[0])) * values[1]
         first = warpgroup() * WGMMA_ROWS
-        _store_rows(jnp.where(group < num_groups, out, 0.0), o_smem.at[warpgroup()], out_gmem,
-                    block * block_m + first, jnp.clip(lo - first, 0, WGMMA_ROWS), jnp.clip(hi - first, 0, WGMMA_ROWS),
-                    col_block * block_n)
+
+        def put(tile):
+            _store_rows(tile, o_smem.at[warpgroup()], out_gmem, block * block_m + first,
+                        jnp.clip(lo - first, 0, WGMMA_ROWS), jnp.clip(hi - first, 0, WGMMA_ROWS), col_block * block_n)
+
+        # two branches, not a select: the GPU lowering broadcasts no scalar predicate over
+        # a warpgroup's registers
+        pl.when(group < num_groups)(lambda: put(out))
+        pl.when(group >= num_groups)(lambda: put(layout(jnp.zeros_like(out), plgpu.Layout.WGMMA)))
 
     def weight_tile(w_smem):
         return plgpu.transpose_ref(w_smem, (1, 0)) if k_major else w_smem
