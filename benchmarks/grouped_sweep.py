@@ -5,8 +5,8 @@ count. Writes the tilings that win into a table in the form of the kernel's
 GROUPED_TILINGS, which the engine reads at trace time.
 
     python benchmarks/grouped_sweep.py [--models moonlight,glm45_air] [--tokens 1,8,32,...]
-        [--kernels swiglu,down] [--fp8] [--step-tokens 8] [--update kernels/grouped_tilings.json]
-        [--budget-s 540] [--out DIR] [--tiny]
+        [--kernels swiglu,down] [--fp8] [--step-tokens 8] [--hopper-only]
+        [--update kernels/grouped_tilings.json] [--budget-s 540] [--out DIR] [--tiny]
 
 A case is a model's expert layer at T tokens: T x top_k (token, expert) pairs routed
 uniformly at random (seeded by the case) and sorted by expert, as jaxmtp/models/moe.py
@@ -27,7 +27,9 @@ to its token bucket: a batch-1 decode step is 8 rows), every count timed at the 
 tilings (their first stages together), and the bucket's table entry is the tiling with the
 least time summed over the mix; --tiny: a CPU smoke test. Cases of 64 rows a touched
 expert or more (prefill) also time the Hopper kernel (kernels/grouped_wgmma.py; not in
---tiny, whose Mosaic GPU interpreter would take minutes), its entries {"wgmma": fields}.
+--tiny, whose Mosaic GPU interpreter would take minutes), its entries {"wgmma": fields};
+--hopper-only skips the Triton stages and times the Hopper kernel against XLA, the default
+tiling and the tiling the shipped table names (a short run on top of an earlier sweep).
 """
 
 from __future__ import annotations

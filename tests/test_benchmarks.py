@@ -65,6 +65,16 @@ def test_grouped_sweep_checks_xla_and_the_tilings_and_writes_the_table(tmp_path)
     assert all(key.count(",") == 3 for key in table)
 
 
+def test_grouped_sweep_hopper_only_skips_the_triton_stages(tmp_path):
+    """--hopper-only times XLA, the default tiling and the shipped table's (none for the
+    tiny shape) and no Triton search; the Hopper kernel's stage is off in --tiny."""
+    run_script("grouped_sweep.py", "--tiny", "--tokens", "1", "--kernels", "down", "--hopper-only", "--out",
+               str(tmp_path))
+    (case,) = json.loads((tmp_path / "grouped_sweep.json").read_text())["cases"]
+    variants = case["variants"]
+    assert len(variants) == 2 and variants[0]["config"] is None and variants[1].get("default")
+
+
 def test_mla_sweep_checks_the_tilings_and_writes_the_table_the_engine_reads(tmp_path):
     """The MLA decode sweep on tiny heads (interpret mode, one decode case): XLA's
     absorbed form and the kernel's tilings, each checked against the default tiling and
