@@ -45,6 +45,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SCALE_BLOCK = 128  # DeepSeek-V3's, and the K step: 128 e4m3 bytes are one 128-byte swizzle row
 WGMMA_ROWS = 64  # wgmma's M: the rows of one warpgroup's accumulators
+# the lowering jax 0.11 takes by default (jax 0.10: the lane one), named so that both
+# versions lower these kernels alike, the CPU's lowering tests included
+WARPGROUP_LOWERING = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +180,7 @@ def fp8_wgmma_matmul(x8: jax.Array, x_scale: jax.Array, weight: jax.Array, scale
         grid_names=("m", "n"),
         # two compute warpgroups and the memory warpgroup that feeds them
         **({} if config.block_m == WGMMA_ROWS else {"num_threads": 3, "thread_name": "wg"}),
+        compiler_params=WARPGROUP_LOWERING,
         interpret=interpret,
     )
     weight = weight.reshape(columns, k)

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxmtp.kernels.fp8_matmul import quantize_activations
-from jaxmtp.kernels.fp8_wgmma import SCALE_BLOCK, WGMMA_ROWS, column_scales, tile_transforms
+from jaxmtp.kernels.fp8_wgmma import SCALE_BLOCK, WARPGROUP_LOWERING, WGMMA_ROWS, column_scales, tile_transforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +305,7 @@ def grouped_wgmma(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, sca
         grid_names=("m", "n"),
         # two compute warpgroups and the memory warpgroup that feeds them
         **({} if config.block_m == WGMMA_ROWS else {"num_threads": 3, "thread_name": "wg"}),
+        compiler_params=WARPGROUP_LOWERING,
         interpret=interpret,
     )
     padded = jnp.pad(lhs, ((0, rows - m), (0, 0)))
