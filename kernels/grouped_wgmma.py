@@ -75,14 +75,29 @@ def max_block_n(swiglu: bool, scaled: bool) -> int:
     return (64 if swiglu else 128) if scaled else (128 if swiglu else 256)
 
 
+# a Hopper multiprocessor's shared memory that one block may take (227 KiB), less 1 KiB
+# for the pipeline's barriers
+SMEM_BYTES = 227 * 1024 - 1024
+
+
+def smem_bytes(config: GroupedWgmmaConfig, swiglu: bool, scaled: bool) -> int:
+    """Shared memory of one program: the pipeline's K steps in flight (a row tile and the
+    weights' tiles; fp8: their scales too) and the bf16 output tile."""
+    block_k = SCALE_BLOCK if scaled else config.block_k
+    columns = (2 if swiglu else 1) * config.block_n
+    step = block_k * (config.block_m + columns) * (1 if scaled else 2) + (4 * (config.block_m + columns) if scaled else 0)
+    return config.max_concurrent_steps * step + 2 * config.block_m * config.block_n
+
+
 def fits(k: int, n: int, config: GroupedWgmmaConfig, swiglu: bool = False, scaled: bool = False) -> bool:
     """Whether rhs with K rows and N output columns runs at this tiling (scaled: fp8
-    experts, whose K step is the scale block)."""
+    experts, whose K step is the scale block) within a multiprocessor's shared memory."""
     block_k = SCALE_BLOCK if scaled else config.block_k
     # a bf16 step's tiles are released a step late: the pipeline holds two at the least
     return (config.block_m in (WGMMA_ROWS, 2 * WGMMA_ROWS) and k % block_k == 0 and n % config.block_n == 0
             and config.block_n % 8 == 0 and config.block_n <= max_block_n(swiglu, scaled)
-            and config.max_concurrent_steps >= 2 and (not scaled or config.block_k == SCALE_BLOCK))
+            and config.max_concurrent_steps >= 2 and (not scaled or config.block_k == SCALE_BLOCK)
+            and smem_bytes(config, swiglu, scaled) <= SMEM_BYTES)
 
 
 def takes(dtype, k: int, n: int, swiglu: bool, scale_block, k_major: bool, config: GroupedWgmmaConfig) -> bool:

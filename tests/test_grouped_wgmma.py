@@ -109,6 +109,18 @@ def test_the_tile_table_lists_each_groups_blocks_then_the_paddings():
     assert np.asarray(bounds).tolist() == [[0, 0, 3], [0, 3, 4], [1, 0, 4], [2, 0, 1], [2, 1, 2], [2, 2, 4], [0, 0, 0]]
 
 
+def test_fits_refuses_a_tiling_past_shared_memory():
+    """Compiled for the H200 with jax 0.10.2, 128 x 256 tiles of 4 bf16 K steps of 64
+    asked for 262208 bytes of shared memory against the 232448 an H200 block may take
+    (its error named both); with 3 steps (212992 by smem_bytes) and at 128 x 128 x 4
+    with swiglu (229376) they compiled. fits takes the second two, refuses the first."""
+    from jaxmtp.kernels.grouped_wgmma import fits
+
+    assert not fits(1408, 2048, GroupedWgmmaConfig(128, 256, 64, 4))
+    assert fits(1408, 2048, GroupedWgmmaConfig(128, 256, 64, 3))
+    assert fits(2048, 1408, GroupedWgmmaConfig(128, 128, 64, 4), swiglu=True)
+
+
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("fp8, config", [(False, GroupedWgmmaConfig()), (False, GroupedWgmmaConfig(64, 128, 64, 4)),
                                          (True, GroupedWgmmaConfig(128, 64, 128, 3)),
