@@ -85,7 +85,8 @@ def smem_bytes(config: GroupedWgmmaConfig, swiglu: bool, scaled: bool) -> int:
     weights' tiles; fp8: their scales too) and the bf16 output tile."""
     block_k = SCALE_BLOCK if scaled else config.block_k
     columns = (2 if swiglu else 1) * config.block_n
-    step = block_k * (config.block_m + columns) * (1 if scaled else 2) + (4 * (config.block_m + columns) if scaled else 0)
+    tiles = config.block_m + columns
+    step = block_k * tiles * (1 if scaled else 2) + (4 * tiles if scaled else 0)
     return config.max_concurrent_steps * step + 2 * config.block_m * config.block_n
 
 
