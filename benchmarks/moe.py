@@ -253,21 +253,17 @@ def hopper_check(loads: str, rows, gate_up, down, sizes, want_act, want_out) -> 
     """kernels/grouped_wgmma.py on the sorted rows, bf16 experts and fp8 ones (K-major,
     128 x 128 blocks), against the bf16 references: fp8 rounds the rows and weights to
     e4m3 (relative 2**-4 at most each), so its error is reported, not bounded here."""
-    import jax.numpy as jnp
     import numpy as np
-    from fp8_sweep import quantize
 
     from jaxmtp.kernels.grouped_wgmma import GroupedWgmmaConfig, grouped_wgmma
 
     config = GroupedWgmmaConfig(128, 128, 64, 3)
     act = grouped_wgmma(rows, gate_up, sizes, config=config, swiglu=True)
     out = grouped_wgmma(act, down, sizes, config=config)
-    gate_up8, gate_up_scale = quantize(gate_up.astype(jnp.float32), (1, 128, 1, 128))
-    down8, down_scale = quantize(down.astype(jnp.float32), (1, 128, 128))
+    (gate_up8, down8), _ = fp8_experts(gate_up, down, 128)
     fp8_config = GroupedWgmmaConfig(128, 64, 128, 3)
-    act8 = grouped_wgmma(rows, jnp.moveaxis(gate_up8, 1, -1), sizes, scale_inv=gate_up_scale, config=fp8_config,
-                         swiglu=True)
-    out8 = grouped_wgmma(act8, jnp.moveaxis(down8, 1, -1), sizes, scale_inv=down_scale, config=fp8_config)
+    act8 = grouped_wgmma(rows, gate_up8.weight, sizes, scale_inv=gate_up8.scale_inv, config=fp8_config, swiglu=True)
+    out8 = grouped_wgmma(act8, down8.weight, sizes, scale_inv=down8.scale_inv, config=fp8_config)
     real = int(sizes.sum())
     return {"kernel": "hopper grouped swiglu + matmul (bf16; fp8 error beside)", "case": loads,
             "rel_err": max(relative_error(act[:real], want_act[:real]), relative_error(out[:real], want_out[:real])),
